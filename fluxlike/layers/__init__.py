@@ -1,0 +1,1 @@
+"""Layer families, one file each."""

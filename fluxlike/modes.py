@@ -1,0 +1,74 @@
+"""Train and test modes, as in Flux.
+
+Dropout and BatchNorm are *active* (dropping, using batch statistics) inside
+:func:`~fluxlike.gradient`, :func:`~fluxlike.withgradient` and :func:`~fluxlike.train`, and
+inactive elsewhere. ``trainmode``/``testmode`` fix a model's mode until it is reset with
+``trainmode(model, "auto")``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+import mlx.nn as nn
+
+_differentiating: ContextVar[bool] = ContextVar("fluxlike_differentiating", default=False)
+
+
+@contextmanager
+def differentiating() -> Iterator[None]:
+    """Mark the enclosed code as inside a gradient computation (automatic train mode)."""
+    token = _differentiating.set(True)
+    try:
+        yield
+    finally:
+        _differentiating.reset(token)
+
+
+def is_active(layer: nn.Module) -> bool:
+    """Whether a mode-dependent layer should behave as in training right now."""
+    active = getattr(layer, "active", None)
+    return _differentiating.get() if active is None else active
+
+
+def _set_mode(model: nn.Module, active: bool | None, where: str) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: expected an mlx.nn.Module, got {type(model).__name__}")
+    for _, module in model.named_modules():
+        if "active" in module.__dict__:
+            module.active = active
+        else:  # a stock mlx.nn layer: it follows mlx's own `training` flag
+            module._training = True if active is None else active
+    return model
+
+
+def trainmode(model: nn.Module, mode: bool | str = True) -> nn.Module:
+    """Put every layer of ``model`` in training mode (``mode=True``), test mode
+    (``False``) or back to automatic (``"auto"``). Returns ``model``, changed in place.
+
+    >>> from fluxlike import Dropout, trainmode
+    >>> trainmode(Dropout(0.5)).active
+    True
+    """
+    if mode == "auto":
+        return _set_mode(model, None, "trainmode")
+    if not isinstance(mode, bool):
+        raise ValueError(f"trainmode: mode must be True, False or 'auto', got {mode!r}")
+    return _set_mode(model, mode, "trainmode")
+
+
+def testmode(model: nn.Module, mode: bool | str = True) -> nn.Module:
+    """Put every layer of ``model`` in test mode (``mode=True``), training mode
+    (``False``) or back to automatic (``"auto"``). Returns ``model``, changed in place.
+
+    >>> from fluxlike import Dropout, testmode
+    >>> testmode(Dropout(0.5)).active
+    False
+    """
+    if mode == "auto":
+        return _set_mode(model, None, "testmode")
+    if not isinstance(mode, bool):
+        raise ValueError(f"testmode: mode must be True, False or 'auto', got {mode!r}")
+    return _set_mode(model, not mode, "testmode")

@@ -1,0 +1,142 @@
+"""``autocast``: the scope that sets the compute dtype of eligible layers."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from contextvars import ContextVar
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from . import policy
+from .state import HALF, OFF, compute_dtypes, device_index
+
+# Per-context stack of (scope, state it was entered from); each exit pops its own entry.
+_entries: ContextVar[tuple[tuple["autocast", tuple], ...]] = ContextVar(
+    "fluxlike_autocast_entries", default=()
+)
+
+_DEVICE_NAMES = {"cpu": mx.cpu, "gpu": mx.gpu}
+
+
+def _device_slot(device: Any, where: str) -> int | None:
+    """Slot (0 cpu, 1 gpu) of a device argument; ``None`` means "the default device"."""
+    if device is None:
+        return None
+    if isinstance(device, str) and device.lower() in _DEVICE_NAMES:
+        return 1 if _DEVICE_NAMES[device.lower()] == mx.gpu else 0
+    if isinstance(device, mx.DeviceType):
+        return 1 if device == mx.gpu else 0
+    if isinstance(device, mx.Device):
+        return device_index(device)
+    raise ValueError(
+        f"{where}: device must be 'cpu', 'gpu', mx.cpu, mx.gpu or an mx.Device, got {device!r}"
+    )
+
+
+def _check_dtype(dtype: Any, where: str) -> mx.Dtype:
+    if dtype is None:
+        return mx.bfloat16
+    if isinstance(dtype, mx.Dtype) and dtype in HALF:
+        return dtype
+    raise ValueError(
+        f"{where}: dtype must be mx.float16 or mx.bfloat16 (None means mx.bfloat16), got {dtype!r}"
+    )
+
+
+class autocast:
+    """Run eligible layers in half precision inside a scope; master weights stay float32.
+
+    ``autocast(dtype=None, *, device=None, enabled=True)`` sets, for one device type, the
+    compute dtype that layers use according to their policy (see
+    :func:`~fluxlike.autocast_policy`): ``Dense``, ``Conv``, recurrent and attention layers
+    compute in ``dtype``; normalisation layers, ``softmax`` and losses compute in float32.
+
+    - ``dtype``: ``mx.float16`` or ``mx.bfloat16`` (``None``: bfloat16).
+    - ``device``: ``"cpu"``, ``"gpu"``, ``mx.cpu``, ``mx.gpu`` or an ``mx.Device``; ``None``
+      means the type of ``mx.default_device()`` when the scope is entered. The other device
+      type's state is never touched.
+    - ``enabled=False`` switches autocast off for the device inside the scope.
+
+    It is a context manager (``as`` gives the scope itself) and a decorator. Leaving restores
+    the state it was entered from, on exception too. The state lives in a context variable:
+    each thread and each asyncio task has its own, and a new thread starts with autocast off.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, autocast
+    >>> layer = Dense(4, 2)
+    >>> with autocast(mx.bfloat16, device="cpu"):
+    ...     layer(mx.ones((3, 4))).dtype
+    mlx.core.bfloat16
+    >>> layer.weight.dtype
+    mlx.core.float32
+    >>> autocast.is_enabled("cpu")
+    False
+    """
+
+    __slots__ = ("dtype", "device", "enabled", "_slot")
+
+    def __init__(self, dtype: mx.Dtype | None = None, *, device: Any = None, enabled: bool = True):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"autocast: enabled must be a bool, got {enabled!r}")
+        self.dtype = _check_dtype(dtype, "autocast")
+        self._slot = _device_slot(device, "autocast")
+        self.device = device
+        self.enabled = enabled
+
+    def __repr__(self) -> str:
+        device = "" if self.device is None else f", device={self.device!r}"
+        enabled = "" if self.enabled else ", enabled=False"
+        return f"autocast({self.dtype}{device}{enabled})"
+
+    def __enter__(self) -> "autocast":
+        policy.activate()
+        before = compute_dtypes.get()
+        slot = device_index() if self._slot is None else self._slot
+        after = list(before)
+        after[slot] = self.dtype if self.enabled else None
+        after = OFF if after[0] is None and after[1] is None else tuple(after)
+        _entries.set(_entries.get() + ((self, before),))
+        compute_dtypes.set(after)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        entries = _entries.get()
+        for i in range(len(entries) - 1, -1, -1):
+            if entries[i][0] is self:
+                compute_dtypes.set(entries[i][1])
+                _entries.set(entries[:i] + entries[i + 1 :])
+                return
+        raise RuntimeError(f"{self!r} exited in a context where it was not entered")
+
+    def __call__(self, fn: Callable) -> Callable:
+        """Decorate ``fn`` so that each call runs inside this scope."""
+        if not callable(fn):
+            raise TypeError(f"autocast: can only decorate a callable, got {fn!r}")
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                with self:
+                    return await fn(*args, **kwargs)
+
+            return run_async
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return run
+
+    @staticmethod
+    def is_enabled(device: Any = None) -> bool:
+        """Whether autocast is on for ``device``'s type (default: the default device)."""
+        return autocast.get_dtype(device) is not None
+
+    @staticmethod
+    def get_dtype(device: Any = None) -> mx.Dtype | None:
+        """The compute dtype in force for ``device``'s type, or ``None`` when off."""
+        slot = _device_slot(device, "autocast.get_dtype")
+        return compute_dtypes.get()[device_index() if slot is None else slot]

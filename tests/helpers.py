@@ -1,0 +1,107 @@
+"""Shared test utilities: float64 finite-difference gradient checks, numpy conversion."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+CPU = mx.cpu  # float64 exists only on the CPU device
+
+
+def to_float64(model: nn.Module) -> nn.Module:
+    """Cast every floating parameter of ``model`` to float64, in place; returns ``model``."""
+    model.update(
+        tree_map(
+            lambda p: p.astype(mx.float64) if mx.issubdtype(p.dtype, mx.floating) else p,
+            model.parameters(),
+        )
+    )
+    return model
+
+
+def np64(x: mx.array) -> np.ndarray:
+    """An mx.array as a float64 numpy array."""
+    return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x, dtype=np.float64)
+
+
+def _numeric_grad(f: Callable[[mx.array], mx.array], x: mx.array, picks, eps: float):
+    flat = np.array(x, dtype=np.float64).reshape(-1)
+    out = np.zeros(len(picks))
+    for n, i in enumerate(picks):
+        up, down = flat.copy(), flat.copy()
+        up[i] += eps
+        down[i] -= eps
+        fu = f(mx.array(up.reshape(x.shape), dtype=x.dtype))
+        fd = f(mx.array(down.reshape(x.shape), dtype=x.dtype))
+        out[n] = (fu.item() - fd.item()) / (2 * eps)
+    return out
+
+
+def check_gradients(
+    loss: Callable[..., mx.array],
+    *args: mx.array,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+    samples: int = 12,
+    seed: int = 0,
+) -> None:
+    """Compare ``mx.grad(loss)`` with central finite differences for each float64 argument.
+
+    ``loss(*args)`` must return a scalar. Checks up to ``samples`` random entries per argument.
+    """
+    with mx.stream(CPU):
+        rng = np.random.default_rng(seed)
+        grads = mx.grad(loss, argnums=list(range(len(args))))(*args)
+        for k, (x, g) in enumerate(zip(args, grads)):
+            assert x.dtype == mx.float64, f"argument {k} must be float64, got {x.dtype}"
+            picks = rng.choice(x.size, size=min(samples, x.size), replace=False)
+
+            def f(v, k=k):
+                return loss(*args[:k], v, *args[k + 1 :])
+
+            numeric = _numeric_grad(f, x, picks, eps=1e-6)
+            analytic = np.array(g, dtype=np.float64).reshape(-1)[picks]
+            np.testing.assert_allclose(analytic, numeric, rtol=rtol, atol=atol,
+                                       err_msg=f"gradient of argument {k}")
+
+
+def check_layer_gradients(
+    layer: nn.Module, *inputs: mx.array, rtol: float = 1e-4, atol: float = 1e-6, seed: int = 0
+) -> None:
+    """Finite-difference check of a layer's gradients w.r.t. its trainable parameters and its
+    floating inputs, in float64 on the CPU. The loss is ``sum(out * r)`` for a fixed random
+    ``r`` (for tuple outputs, every floating array in the tuple)."""
+    with mx.stream(CPU):
+        to_float64(layer)
+        inputs = tuple(
+            x.astype(mx.float64) if mx.issubdtype(x.dtype, mx.floating) else x for x in inputs
+        )
+        flat = tree_flatten(layer.trainable_parameters())
+        names = [k for k, _ in flat]
+        n_params = len(flat)
+        floating_inputs = [i for i, x in enumerate(inputs) if x.dtype == mx.float64]
+        probe = [None]
+
+        def loss(*arrays):
+            layer.update(tree_unflatten(list(zip(names, arrays[:n_params]))))
+            xs = list(inputs)
+            for i, a in zip(floating_inputs, arrays[n_params:]):
+                xs[i] = a
+            out = layer(*xs)
+            leaves = [v for _, v in tree_flatten(out) if isinstance(v, mx.array)]
+            if probe[0] is None:
+                r = np.random.default_rng(seed)
+                probe[0] = [mx.array(r.normal(size=o.shape), dtype=o.dtype) for o in leaves]
+            return sum(mx.sum(o * r) for o, r in zip(leaves, probe[0]))
+
+        params = [v for _, v in flat]
+        originals = list(params)
+        try:
+            check_gradients(loss, *params, *[inputs[i] for i in floating_inputs],
+                            rtol=rtol, atol=atol, seed=seed)
+        finally:
+            layer.update(tree_unflatten(list(zip(names, originals))))
