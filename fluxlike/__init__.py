@@ -23,3 +23,4 @@ from .modes import testmode, trainmode
 from .precision.policy import autocast_policy, policy_of
 from .precision.scope import autocast
 from .precision import stock as _stock  # noqa: F401  (registers mlx.nn's layers)
+from .precision.compiled import compile

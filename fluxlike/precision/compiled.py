@@ -1,0 +1,62 @@
+"""``mx.compile`` that never replays one autocast state's trace under another.
+
+``mx.compile`` traces a function once and replays the graph: Python state read during the
+trace (the autocast scope, the train/test mode) is baked in. :func:`compile` keeps one
+compiled function per such state, so entering or leaving a scope picks the right trace.
+
+A user calling ``mx.compile`` directly must do the same: compile inside the scope the
+function will run in, and keep a separate compiled function for each autocast state (or
+call ``fluxlike.compile`` instead). Note that ``mx.compile`` caches traces by the identity of
+the Python function: compiling the *same* function object again inside a scope replays the
+old trace, so wrap it in a new function (``mx.compile(lambda *a: fn(*a))``) for each state.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from ..modes import _differentiating
+from .state import compute_dtypes
+
+
+def trace_key() -> tuple:
+    """The Python state a trace depends on: the autocast dtypes and the automatic train mode."""
+    return compute_dtypes.get(), _differentiating.get()
+
+
+def compile(
+    fn: Callable, *, inputs: Any = None, outputs: Any = None, shapeless: bool = False
+) -> Callable:
+    """Like ``mx.compile(fn, inputs, outputs, shapeless)``, with one trace per autocast state.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, autocast, compile
+    >>> layer = Dense(3, 2)
+    >>> forward = compile(lambda x: layer(x))
+    >>> forward(mx.ones((1, 3))).dtype
+    mlx.core.float32
+    >>> with autocast(mx.float16, device="cpu"):
+    ...     forward(mx.ones((1, 3))).dtype
+    mlx.core.float16
+    """
+    traces: dict[tuple, Callable] = {}
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        key = trace_key()
+        compiled = traces.get(key)
+        if compiled is None:
+            # mx.compile caches traces by the identity of the Python function, so each
+            # state gets its own function object.
+            def trace(*args: Any, **kwargs: Any) -> Any:
+                return fn(*args, **kwargs)
+
+            compiled = traces[key] = mx.compile(
+                trace, inputs=inputs, outputs=outputs, shapeless=shapeless
+            )
+        return compiled(*args, **kwargs)
+
+    return run
