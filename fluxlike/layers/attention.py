@@ -1,0 +1,205 @@
+"""Attention: ``MultiHeadAttention`` on ``mx.fast.scaled_dot_product_attention``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from ..init import glorot_uniform
+from ..modes import is_active
+from ..precision import ops
+from ..precision.policy import autocast_policy
+from ..precision.state import HALF
+from .base import Layer, signature_of
+from .basic import Dense, check_size
+
+Mask = mx.array | str | None
+
+
+def _softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis. In float64 ``exp`` is ``power(e, .)``: MLX's CPU ``exp``
+    is only float32-accurate in float64, its ``power`` is exact."""
+    if scores.dtype != mx.float64:
+        return mx.softmax(scores, axis=-1, precise=True)
+    e = mx.power(math.e, scores - mx.stop_gradient(mx.max(scores, axis=-1, keepdims=True)))
+    return e / mx.sum(e, axis=-1, keepdims=True)
+
+
+@autocast_policy("down")
+class MultiHeadAttention(Layer):
+    """Multi-head scaled dot-product attention, as in "Attention Is All You Need".
+
+    ``MultiHeadAttention(dims, nheads, *, bias=False, dropout=0.0, kdims=None, vdims=None,
+    init=glorot_uniform)``: the children ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj``
+    are :class:`~fluxlike.Dense` layers ``dims => dims``, ``kdims => dims``, ``vdims => dims``
+    and ``dims => dims`` (``kdims`` defaults to ``dims``, ``vdims`` to ``kdims``); ``dims`` must
+    be a multiple of ``nheads``.
+
+    ``mha(q, k=None, v=None, *, mask=None, return_weights=False)``: ``q`` is
+    ``(batch, Lq, dims)``, ``k`` is ``(batch, Lk, kdims)`` (default ``q``: self-attention) and
+    ``v`` is ``(batch, Lk, vdims)`` (default ``k``). The result is ``(batch, Lq, dims)``, or
+    ``(output, weights)`` with the attention weights ``(batch, nheads, Lq, Lk)`` when
+    ``return_weights=True``. ``mask`` is one of
+
+    - ``None``: attend everywhere;
+    - ``"causal"``: query ``i`` attends keys ``j <= i + Lk - Lq`` (MLX's lower-right alignment,
+      the usual causal mask when ``Lq == Lk``);
+    - a boolean array, ``True`` where attention is allowed;
+    - a floating array added to the scores (``-inf`` or a large negative number blocks),
+
+    and an array mask must broadcast to ``(batch, nheads, Lq, Lk)``. Attention dropout with
+    probability ``dropout`` is applied to the weights only in training mode (see
+    :func:`fluxlike.modes.is_active`; attribute ``active``), computing the softmax explicitly
+    in float32; otherwise the core is MLX's fused ``scaled_dot_product_attention``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import MultiHeadAttention
+    >>> mha = MultiHeadAttention(64, 8)
+    >>> mha
+    MultiHeadAttention(64, nheads=8)  # 16_384 parameters
+    >>> x = mx.ones((2, 10, 64))
+    >>> mha(x, mask="causal").shape
+    (2, 10, 64)
+    >>> out, weights = mha(x, mx.ones((2, 6, 64)), return_weights=True)
+    >>> weights.shape
+    (2, 8, 10, 6)
+    """
+
+    def __init__(
+        self,
+        dims: int,
+        nheads: int,
+        *,
+        bias: bool = False,
+        dropout: float = 0.0,
+        kdims: int | None = None,
+        vdims: int | None = None,
+        init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
+    ):
+        super().__init__()
+        name = "MultiHeadAttention"
+        check_size(dims, name, "dims")
+        check_size(nheads, name, "nheads")
+        kdims = dims if kdims is None else check_size(kdims, name, "kdims")
+        vdims = kdims if vdims is None else check_size(vdims, name, "vdims")
+        if dims % nheads:
+            raise ValueError(f"[{name}] dims={dims} must be divisible by nheads={nheads}; "
+                             f"choose nheads among the divisors of {dims}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+                or not 0 <= dropout < 1:
+            raise ValueError(f"[{name}] dropout must be a probability in [0, 1), got {dropout!r}")
+        self.nheads = nheads
+        self.dropout = float(dropout)
+        self.active: bool | None = None
+        self.q_proj = Dense(dims, dims, bias=bias, init=init)
+        self.k_proj = Dense(kdims, dims, bias=bias, init=init)
+        self.v_proj = Dense(vdims, dims, bias=bias, init=init)
+        self.out_proj = Dense(dims, dims, bias=bias, init=init)
+
+    def __call__(
+        self,
+        q: mx.array,
+        k: mx.array | None = None,
+        v: mx.array | None = None,
+        *,
+        mask: Mask = None,
+        return_weights: bool = False,
+    ) -> mx.array | tuple[mx.array, mx.array]:
+        k = q if k is None else k
+        v = k if v is None else v
+        self._check_inputs(q, k, v)
+        mask = self._check_mask(mask, (q.shape[0], self.nheads, q.shape[1], k.shape[1]))
+        q, k, v = (self._heads(p(x)) for p, x in ((self.q_proj, q), (self.k_proj, k),
+                                                  (self.v_proj, v)))
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            mask = mask.astype(q.dtype)  # sdpa wants an additive mask of the scores' dtype
+        scale = 1 / math.sqrt(q.shape[-1])
+        dropping = self.dropout > 0 and is_active(self)
+        # sdpa's float64 softmax is only float32-accurate on the CPU; _explicit's is exact.
+        if dropping or return_weights or q.dtype == mx.float64:
+            out, weights = self._explicit(q, k, v, scale, mask, dropping)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        batch, _, length, _ = out.shape
+        out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        return (out, weights) if return_weights else out
+
+    def _heads(self, x: mx.array) -> mx.array:
+        """``(batch, L, dims)`` split into ``(batch, nheads, L, dims // nheads)``."""
+        batch, length, _ = x.shape
+        return x.reshape(batch, length, self.nheads, -1).transpose(0, 2, 1, 3)
+
+    def _explicit(
+        self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask, dropping: bool
+    ) -> tuple[mx.array, mx.array]:
+        """Attention with the weights at hand (for dropout and ``return_weights``)."""
+        scores = ops.matmul(q * scale, k.swapaxes(-1, -2))
+        # The softmax runs in float32 at least, as sdpa's does.
+        scores = scores.astype(mx.float32) if scores.dtype in HALF else scores
+        if isinstance(mask, str):
+            lq, lk = scores.shape[-2:]
+            mask = mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None]
+        if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+            # finfo.min rather than -inf: a fully masked row averages, as in sdpa.
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        elif mask is not None:
+            scores = scores + mask.astype(scores.dtype)
+        weights = _softmax(scores)
+        if dropping:
+            keep = mx.random.bernoulli(1 - self.dropout, weights.shape)
+            weights = mx.where(keep, weights / (1 - self.dropout), mx.zeros_like(weights))
+        weights = weights.astype(v.dtype)
+        return ops.matmul(weights, v), weights
+
+    def _check_inputs(self, q: Any, k: Any, v: Any) -> None:
+        name = "MultiHeadAttention"
+        for what, x, proj in (("query", q, self.q_proj), ("key", k, self.k_proj),
+                              ("value", v, self.v_proj)):
+            features = proj.weight.shape[1]
+            if not isinstance(x, mx.array):
+                raise TypeError(f"[{name}] expected an mx.array {what}, got {type(x).__name__}")
+            if x.ndim != 3 or x.shape[-1] != features:
+                raise ValueError(f"[{name}] expected {what} of shape (batch, length, "
+                                 f"{features}), got shape {tuple(x.shape)}")
+        if not q.shape[0] == k.shape[0] == v.shape[0]:
+            raise ValueError(f"[{name}] query, key and value must have one batch size, got "
+                             f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"[{name}] key and value must have one length, got shapes "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+
+    @staticmethod
+    def _check_mask(mask: Any, target: tuple[int, int, int, int]) -> Mask:
+        name = "MultiHeadAttention"
+        if mask is None or (isinstance(mask, str) and mask == "causal"):
+            return mask
+        if isinstance(mask, str):
+            raise ValueError(f"[{name}] the only mask name is 'causal', got {mask!r}")
+        if not isinstance(mask, mx.array):
+            raise TypeError(f"[{name}] mask must be None, 'causal' or an mx.array, got {mask!r}")
+        if mask.dtype != mx.bool_ and not mx.issubdtype(mask.dtype, mx.floating):
+            raise TypeError(f"[{name}] mask must be boolean (True = attend) or floating "
+                            f"(added to the scores), got {mask.dtype}")
+        shape = tuple(mask.shape)
+        trailing = zip(shape[::-1], target[::-1], strict=False)  # numpy broadcasting
+        if len(shape) > 4 or any(m not in (1, t) for m, t in trailing):
+            raise ValueError(f"[{name}] mask of shape {shape} does not broadcast to "
+                             f"(batch, nheads, Lq, Lk) = {target}")
+        return mask
+
+    def signature(self) -> str:
+        dims, kdims = self.k_proj.weight.shape
+        vdims = self.v_proj.weight.shape[1]
+        options: dict[str, Any] = {"nheads": self.nheads}
+        if self.q_proj.bias is not None:
+            options["bias"] = True
+        if self.dropout:
+            options["dropout"] = self.dropout
+        if kdims != dims:
+            options["kdims"] = kdims
+        if vdims != kdims:
+            options["vdims"] = vdims
+        return signature_of([str(dims)], "MultiHeadAttention", **options)
