@@ -1,0 +1,364 @@
+"""Optimisation rules with Flux's names, built on ``mlx.optimizers``.
+
+A rule is a small immutable description (``Adam(1e-3)``); :func:`~fluxlike.setup` turns it
+into an initialised ``mlx.optimizers.Optimizer`` for one model. The update formulas are
+those of Flux (Optimisers.jl):
+
+========================================  ==========================================
+rule                                      mlx.optimizers equivalent
+========================================  ==========================================
+``Descent(lr)``                           ``SGD(lr)`` (no momentum buffer is kept)
+``Momentum(lr, rho)``                     ``SGD(lr, momentum=rho)``
+``Nesterov(lr, rho)``                     ``SGD(lr, momentum=rho, nesterov=True)``
+``RMSProp(lr, rho, eps)``                 ``RMSprop(lr, alpha=rho, eps=eps)``
+``Adam(lr, betas, eps)``                  ``Adam(lr, betas, eps, bias_correction=True)``
+``AdamW(lr, betas, eps, weight_decay)``   ``AdamW(..., bias_correction=True)``
+``Lion(lr, betas, weight_decay)``         ``Lion(lr, betas, weight_decay)``
+========================================  ==========================================
+
+(Flux's ``Momentum`` keeps ``lr * velocity``, MLX keeps the velocity; the steps are the same
+for a constant learning rate.) ``lr`` may be a number or an ``mlx.optimizers`` schedule
+(a callable of the step count, e.g. ``mlx.optimizers.cosine_decay(1e-3, 1000)``).
+
+Gradient clipping goes in front of a rule with :class:`OptimiserChain`:
+``OptimiserChain(ClipNorm(1.0), Adam(1e-3))``. Unlike Optimisers.jl's per-array
+``ClipNorm``, :class:`ClipNorm` clips the *global* norm of all gradients together (as
+PyTorch's ``clip_grad_norm_`` and ``mlx.optimizers.clip_grad_norm`` do).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx.utils import tree_map
+
+LearningRate = float | Callable[[mx.array], mx.array]
+Tree = Any
+
+
+def _lr(value: Any, rule: str) -> LearningRate:
+    if callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"[{rule}] lr must be a positive number or a schedule (a callable of the step), "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
+def _fraction(value: Any, name: str, rule: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"[{rule}] {name} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _betas(value: Any, rule: str) -> tuple[float, float]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"[{rule}] betas must be a pair (beta1, beta2), got {value!r}")
+    return (_fraction(value[0], "betas[0]", rule), _fraction(value[1], "betas[1]", rule))
+
+
+def _nonnegative(value: Any, name: str, rule: str, strict: bool = False) -> float:
+    bad = isinstance(value, bool) or not isinstance(value, (int, float))
+    if bad or not math.isfinite(value) or value < 0 or (strict and value == 0):
+        kind = "positive" if strict else "non-negative"
+        raise ValueError(f"[{rule}] {name} must be a {kind} number, got {value!r}")
+    return float(value)
+
+
+class Rule:
+    """Base class of optimisation rules: :meth:`build` makes a fresh mlx optimizer."""
+
+    def build(self) -> optim.Optimizer:
+        """A new, uninitialised ``mlx.optimizers.Optimizer`` following this rule."""
+        raise NotImplementedError
+
+
+class GradientTransform:
+    """Base class of gradient transforms (clipping), placed before a rule in a chain."""
+
+    def __call__(self, grads: Tree) -> Tree:
+        raise NotImplementedError
+
+
+class _Descent(optim.SGD):
+    """Plain SGD that keeps no (unused) momentum buffer."""
+
+    def init_single(self, parameter: mx.array, state: dict) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Descent(Rule):
+    """Plain gradient descent: ``w -= lr * g``.
+
+    >>> from fluxlike import Descent
+    >>> Descent()
+    Descent(lr=0.1)
+    """
+
+    lr: LearningRate = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _lr(self.lr, "Descent"))
+
+    def build(self) -> optim.Optimizer:
+        return _Descent(self.lr)
+
+
+@dataclass(frozen=True)
+class Momentum(Rule):
+    """Gradient descent with momentum: ``v = rho * v + g``, ``w -= lr * v``.
+
+    >>> from fluxlike import Momentum
+    >>> Momentum(0.05)
+    Momentum(lr=0.05, rho=0.9)
+    """
+
+    lr: LearningRate = 0.01
+    rho: float = 0.9
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _lr(self.lr, "Momentum"))
+        object.__setattr__(self, "rho", _fraction(self.rho, "rho", "Momentum"))
+
+    def build(self) -> optim.Optimizer:
+        return optim.SGD(self.lr, momentum=self.rho)
+
+
+@dataclass(frozen=True)
+class Nesterov(Rule):
+    """Nesterov momentum: ``v = rho * v + g``, ``w -= lr * (g + rho * v)``.
+
+    >>> from fluxlike import Nesterov
+    >>> Nesterov()
+    Nesterov(lr=0.001, rho=0.9)
+    """
+
+    lr: LearningRate = 0.001
+    rho: float = 0.9
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _lr(self.lr, "Nesterov"))
+        rho = _fraction(self.rho, "rho", "Nesterov")
+        if rho == 0:
+            raise ValueError("[Nesterov] rho must be in (0, 1), got 0; use Descent for none")
+        object.__setattr__(self, "rho", rho)
+
+    def build(self) -> optim.Optimizer:
+        return optim.SGD(self.lr, momentum=self.rho, nesterov=True)
+
+
+@dataclass(frozen=True)
+class RMSProp(Rule):
+    """RMSProp: ``a = rho * a + (1 - rho) * g**2``, ``w -= lr * g / (sqrt(a) + eps)``.
+
+    >>> from fluxlike import RMSProp
+    >>> RMSProp()
+    RMSProp(lr=0.001, rho=0.9, eps=1e-08)
+    """
+
+    lr: LearningRate = 0.001
+    rho: float = 0.9
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _lr(self.lr, "RMSProp"))
+        object.__setattr__(self, "rho", _fraction(self.rho, "rho", "RMSProp"))
+        object.__setattr__(self, "eps", _nonnegative(self.eps, "eps", "RMSProp", strict=True))
+
+    def build(self) -> optim.Optimizer:
+        return optim.RMSprop(self.lr, alpha=self.rho, eps=self.eps)
+
+
+@dataclass(frozen=True)
+class Adam(Rule):
+    """Adam with bias correction (as in Flux and PyTorch):
+    ``w -= lr * m̂ / (sqrt(v̂) + eps)``.
+
+    >>> from fluxlike import Adam
+    >>> Adam(1e-3)
+    Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08)
+    """
+
+    lr: LearningRate = 0.001
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        object.__setattr__(self, "lr", _lr(self.lr, name))
+        object.__setattr__(self, "betas", _betas(self.betas, name))
+        object.__setattr__(self, "eps", _nonnegative(self.eps, "eps", name))
+
+    def build(self) -> optim.Optimizer:
+        return optim.Adam(self.lr, betas=list(self.betas), eps=self.eps, bias_correction=True)
+
+
+@dataclass(frozen=True)
+class AdamW(Adam):
+    """Adam with decoupled weight decay: ``w -= lr * (adam_step + weight_decay * w)``.
+
+    >>> from fluxlike import AdamW
+    >>> AdamW(weight_decay=0.1)
+    AdamW(lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.1)
+    """
+
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        wd = _nonnegative(self.weight_decay, "weight_decay", "AdamW")
+        object.__setattr__(self, "weight_decay", wd)
+
+    def build(self) -> optim.Optimizer:
+        return optim.AdamW(
+            self.lr, betas=list(self.betas), eps=self.eps,
+            weight_decay=self.weight_decay, bias_correction=True,
+        )
+
+
+@dataclass(frozen=True)
+class Lion(Rule):
+    """Lion: ``w -= lr * (sign(beta1 * m + (1 - beta1) * g) + weight_decay * w)``,
+    ``m = beta2 * m + (1 - beta2) * g``.
+
+    >>> from fluxlike import Lion
+    >>> Lion()
+    Lion(lr=0.0001, betas=(0.9, 0.99), weight_decay=0.0)
+    """
+
+    lr: LearningRate = 1e-4
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _lr(self.lr, "Lion"))
+        object.__setattr__(self, "betas", _betas(self.betas, "Lion"))
+        wd = _nonnegative(self.weight_decay, "weight_decay", "Lion")
+        object.__setattr__(self, "weight_decay", wd)
+
+    def build(self) -> optim.Optimizer:
+        return optim.Lion(self.lr, betas=list(self.betas), weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class ClipNorm(GradientTransform):
+    """Scale all gradients down together so that their global L2 norm is at most
+    ``max_norm`` (``mlx.optimizers.clip_grad_norm``). Use it in an :class:`OptimiserChain`.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import ClipNorm
+    >>> ClipNorm(1.0)({"w": mx.array([3.0, 4.0])})["w"]
+    array([0.6, 0.8], dtype=float32)
+    """
+
+    max_norm: float
+
+    def __post_init__(self) -> None:
+        value = _nonnegative(self.max_norm, "max_norm", "ClipNorm", strict=True)
+        object.__setattr__(self, "max_norm", value)
+
+    def __call__(self, grads: Tree) -> Tree:
+        return optim.clip_grad_norm(grads, self.max_norm)[0]
+
+
+@dataclass(frozen=True)
+class ClipValue(GradientTransform):
+    """Clip every gradient entry to ``[-delta, delta]`` (Flux's ``ClipGrad``). Use it in an
+    :class:`OptimiserChain`.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import ClipValue
+    >>> ClipValue(0.5)({"w": mx.array([-2.0, 0.25, 3.0])})["w"]
+    array([-0.5, 0.25, 0.5], dtype=float32)
+    """
+
+    delta: float
+
+    def __post_init__(self) -> None:
+        value = _nonnegative(self.delta, "delta", "ClipValue", strict=True)
+        object.__setattr__(self, "delta", value)
+
+    def __call__(self, grads: Tree) -> Tree:
+        def clip(g: Any) -> Any:
+            if isinstance(g, mx.array) and mx.issubdtype(g.dtype, mx.floating):
+                return mx.clip(g, -self.delta, self.delta)
+            return g
+
+        return tree_map(clip, grads)
+
+
+class _Chained(optim.Optimizer):
+    """An mlx optimizer applying gradient transforms, then an inner optimizer. Its state is
+    the inner optimizer's state (the transforms are stateless)."""
+
+    def __init__(self, transforms: tuple[GradientTransform, ...], inner: optim.Optimizer):
+        super().__init__()
+        self.transforms = transforms
+        self.inner = inner
+
+    def init(self, parameters: dict) -> None:
+        self.inner.init(parameters)
+
+    def apply_gradients(self, gradients: dict, parameters: dict) -> dict:
+        for transform in self.transforms:
+            gradients = transform(gradients)
+        return self.inner.apply_gradients(gradients, parameters)
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state
+
+    @state.setter
+    def state(self, state: dict) -> None:
+        self.inner.state = state
+
+    @property
+    def learning_rate(self) -> mx.array:
+        return self.inner.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate: float | mx.array) -> None:
+        self.inner.learning_rate = learning_rate
+
+
+class OptimiserChain(Rule):
+    """Gradient transforms (:class:`ClipNorm`, :class:`ClipValue`) applied in order, then one
+    rule last: ``OptimiserChain(ClipNorm(1.0), Adam(1e-3))``.
+
+    >>> from fluxlike import Adam, ClipNorm, OptimiserChain
+    >>> OptimiserChain(ClipNorm(1.0), Adam())
+    OptimiserChain(ClipNorm(max_norm=1.0), Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08))
+    """
+
+    def __init__(self, *parts: GradientTransform | Rule):
+        if not parts or not isinstance(parts[-1], Rule) or isinstance(parts[-1], OptimiserChain):
+            raise ValueError(
+                f"[OptimiserChain] the last part must be a rule such as Adam(), got {parts!r}"
+            )
+        for part in parts[:-1]:
+            if not isinstance(part, GradientTransform):
+                raise ValueError(
+                    f"[OptimiserChain] parts before the rule must be gradient transforms "
+                    f"(ClipNorm, ClipValue), got {part!r}"
+                )
+        self.parts = parts
+
+    def __repr__(self) -> str:
+        return f"OptimiserChain({', '.join(map(repr, self.parts))})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OptimiserChain) and self.parts == other.parts
+
+    def __hash__(self) -> int:
+        return hash(self.parts)
+
+    def build(self) -> optim.Optimizer:
+        return _Chained(self.parts[:-1], self.parts[-1].build())

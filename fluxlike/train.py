@@ -1,0 +1,510 @@
+"""Training, as in Flux: ``gradient``, ``withgradient``, ``setup``, ``update``, ``train``.
+
+Gradients are taken with respect to every model (``mlx.nn.Module``) and every floating
+``mx.array`` argument of the loss, through ``mx.value_and_grad``. While the loss runs,
+Dropout and BatchNorm are in training mode (:func:`fluxlike.modes.differentiating`), and with
+``autocast=`` it runs inside :func:`~fluxlike.autocast`: the model computes in half precision,
+its float32 master weights receive float32 gradients, and the optimiser never sees a half
+precision array.
+
+Float16 gradients underflow, so ``train(..., autocast=mx.float16)`` scales the loss with a
+:class:`~fluxlike.DynamicLossScale` by default; the scale lives in ``opt_state.loss_scale``,
+so it carries over from one ``train`` call to the next and into checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+
+from .modes import differentiating
+from .optimise import Rule
+from .precision import lossscale
+from .precision.lossscale import DynamicLossScale, LossScale, all_finite
+from .precision.scope import autocast as autocast_scope
+
+AUTOCAST_DTYPES = (mx.float16, mx.bfloat16)
+
+
+def _check_autocast(value: Any, where: str) -> mx.Dtype | None:
+    if value is None or (isinstance(value, mx.Dtype) and value in AUTOCAST_DTYPES):
+        return value
+    raise ValueError(
+        f"{where}: autocast must be None, mx.float16 or mx.bfloat16, got {value!r}"
+    )
+
+
+def _split_output(out: Any, where: str) -> tuple[mx.array, Any]:
+    """``(loss, rest)`` of what the loss function returned; ``rest`` is ``None`` for a bare
+    loss, else the other elements of a tuple ``(loss, aux...)``."""
+    loss, rest = (out[0], out[1:]) if isinstance(out, tuple) and out else (out, None)
+    if not isinstance(loss, mx.array):
+        raise TypeError(
+            f"{where}: the function must return a scalar mx.array (the loss), "
+            f"got {type(loss).__name__}"
+        )
+    if loss.size != 1 or not mx.issubdtype(loss.dtype, mx.floating):
+        raise ValueError(
+            f"{where}: the function must return a floating scalar (the loss), "
+            f"got shape {tuple(loss.shape)} and dtype {loss.dtype}"
+        )
+    loss = loss.reshape(())
+    if loss.dtype in AUTOCAST_DTYPES:
+        loss = loss.astype(mx.float32)
+    return loss, rest
+
+
+def _value_and_grad(
+    f: Callable,
+    args: tuple,
+    dtype: mx.Dtype | None,
+    scale: LossScale | None,
+    where: str,
+    wrt_arrays: bool = True,
+) -> tuple[Any, tuple]:
+    """The engine of :func:`withgradient`; ``scale`` multiplies the loss before it is
+    differentiated (the value returned is the unscaled loss); ``wrt_arrays=False`` takes
+    gradients for the modules only (array arguments get ``None``)."""
+    if not callable(f):
+        raise TypeError(f"{where}: expected a callable loss function first, got {f!r}")
+    modules: list[nn.Module] = []  # each module once, in order of first appearance
+    for a in args:
+        if isinstance(a, nn.Module) and not any(a is m for m in modules):
+            modules.append(a)
+    arrays = [
+        i for i, a in enumerate(args)
+        if wrt_arrays and isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
+    ]
+    originals = [m.parameters() for m in modules]
+    trainable = [m.trainable_parameters() for m in modules]
+    trainable_keys = [{k for k, _ in tree_flatten(p)} for p in trainable]
+
+    def frozen(m: nn.Module, keys: set[str]) -> list[tuple[str, mx.array]]:
+        return [(k, v) for k, v in tree_flatten(m.parameters()) if k not in keys]
+
+    def inner(primals: tuple[list, list]) -> tuple[mx.array, tuple]:
+        params, xs = primals
+        for m, p in zip(modules, params, strict=True):
+            m.update(p)
+        call = list(args)
+        for i, x in zip(arrays, xs, strict=True):
+            call[i] = x
+        with differentiating():
+            if dtype is None:
+                out = f(*call)
+            else:
+                with autocast_scope(dtype):
+                    out = f(*call)
+        loss, rest = _split_output(out, where)
+        # Running statistics (BatchNorm) are frozen parameters: return them as outputs so
+        # they come out of the transform as ordinary arrays.
+        state = [frozen(m, keys) for m, keys in zip(modules, trainable_keys, strict=True)]
+        scaled = loss if scale is None else scale.scale(loss)
+        return scaled, (loss, rest, state)
+
+    try:
+        if modules or arrays:
+            (_, (loss, rest, state)), (g_params, g_arrays) = mx.value_and_grad(inner)(
+                (trainable, [args[i] for i in arrays])
+            )
+        else:  # nothing to differentiate: every gradient is None
+            (_, (loss, rest, state)), g_params, g_arrays = inner(([], [])), [], []
+    except BaseException:
+        for m, p in zip(modules, originals, strict=True):
+            m.update(p)
+        raise
+    for m, p, new in zip(modules, originals, state, strict=True):
+        # Trainable entries back to the original arrays (no tracer stays in the model),
+        # frozen entries to their values after the call.
+        m.update(tree_map_with_path(lambda k, v, new=dict(new): new.get(k, v), p))
+    by_module = {id(m): g for m, g in zip(modules, g_params, strict=True)}
+    by_index = dict(zip(arrays, g_arrays, strict=True))
+    grads = tuple(
+        by_module[id(a)] if isinstance(a, nn.Module) else by_index.get(i)
+        for i, a in enumerate(args)
+    )
+    value = loss if rest is None else (loss, *rest)
+    return value, grads
+
+
+def withgradient(f: Callable, *args: Any, autocast: mx.Dtype | None = None) -> tuple[Any, tuple]:
+    """``(f(*args), gradient(f, *args))`` from one evaluation, as in Flux.
+
+    ``f`` returns a scalar loss, or a tuple ``(loss, aux...)`` whose first element is
+    differentiated (the value is then the whole tuple). A half-precision loss is returned
+    as float32. See :func:`gradient` for the gradients and ``autocast``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, withgradient
+    >>> model = Dense(2, 1)
+    >>> loss, (g,) = withgradient(lambda m: m(mx.ones((4, 2))).sum(), model,
+    ...                           autocast=mx.bfloat16)
+    >>> loss.dtype, g["weight"].dtype, g["weight"].shape
+    (mlx.core.float32, mlx.core.float32, (1, 2))
+    """
+    return _value_and_grad(f, args, _check_autocast(autocast, "withgradient"), None,
+                           "withgradient")
+
+
+def gradient(f: Callable, *args: Any, autocast: mx.Dtype | None = None) -> tuple:
+    """The gradient of the scalar ``f(*args)`` with respect to each argument, as in Flux.
+
+    Returns a tuple with one entry per argument: for a model (an ``mlx.nn.Module``) a
+    nested dict shaped like ``model.trainable_parameters()``; for a floating ``mx.array``
+    an array of its shape; for anything else (integer arrays, numbers, functions)
+    ``None``. While ``f`` runs, Dropout and BatchNorm are in training mode; BatchNorm's
+    running statistics are updated in the model, its trainable parameters are left as
+    they were.
+
+    ``autocast`` (``None``, ``mx.float16`` or ``mx.bfloat16``) runs ``f`` inside
+    ``fluxlike.autocast(autocast)`` on the default device. The gradients are float32 all
+    the same (master weights stay float32), with the same structure as without autocast.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, gradient
+    >>> model = Dense(3, 2)
+    >>> x = mx.ones((5, 3))
+    >>> g_model, g_x, g_n = gradient(lambda m, x, n: (m(x) ** 2).sum() * n, model, x, 2)
+    >>> sorted(g_model), g_model["weight"].shape, g_x.shape, g_n
+    (['bias', 'weight'], (2, 3), (5, 3), None)
+    >>> gradient(lambda x: (x ** 2).sum(), mx.array([1.0, 2.0]))
+    (array([2, 4], dtype=float32),)
+    """
+    return withgradient(f, *args, autocast=autocast)[1]
+
+
+class OptState:
+    """The state of training one model: the optimiser and the loss scale.
+
+    Made by :func:`setup`. Attributes: ``rule`` (what ``setup`` was given), ``optimizer``
+    (the initialised ``mlx.optimizers.Optimizer``) and ``loss_scale`` (a
+    :class:`~fluxlike.DynamicLossScale`/:class:`~fluxlike.StaticLossScale`, or ``None``).
+
+    :attr:`state` is a nested dict of arrays for checkpoints and :meth:`load_state` puts
+    one back.
+
+    >>> from fluxlike import Adam, Dense, setup
+    >>> opt_state = setup(Adam(), Dense(2, 1), loss_scale=1024)
+    >>> opt_state
+    OptState(Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08), loss_scale=StaticLossScale(1024.0))
+    >>> sorted(opt_state.state), sorted(opt_state.state["optimizer"])
+    (['loss_scale', 'optimizer'], ['bias', 'learning_rate', 'step', 'weight'])
+    """
+
+    def __init__(
+        self, rule: Rule | optim.Optimizer, optimizer: optim.Optimizer,
+        loss_scale: LossScale | None = None,
+    ):
+        self.rule = rule
+        self.optimizer = optimizer
+        self.loss_scale = loss_scale
+
+    def __repr__(self) -> str:
+        return f"OptState({self.rule!r}, loss_scale={self.loss_scale!r})"
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """``{"optimizer": <optimizer state>, "loss_scale": <loss-scale state>}``, the second
+        entry only when there is a loss scale. The inner dicts are the live ones."""
+        tree: dict[str, Any] = {"optimizer": self.optimizer.state}
+        if self.loss_scale is not None:
+            tree["loss_scale"] = self.loss_scale.state
+        return tree
+
+    def load_state(self, tree: dict[str, Any]) -> None:
+        """Restore a tree saved from :attr:`state`, in place.
+
+        ``tree`` may be nested or flat (``{"optimizer.step": ...}``, as from
+        ``mlx.utils.tree_flatten``). The optimiser entries must match this state's names,
+        shapes and dtypes exactly. A ``"loss_scale"`` entry is loaded into
+        ``self.loss_scale``; if there is none yet, a ``DynamicLossScale()`` (the entry has a
+        ``counter``) or a ``StaticLossScale`` is made for it. Without a ``"loss_scale"``
+        entry, ``self.loss_scale`` is left as it is. On any mismatch, raises ``ValueError``
+        naming the first mismatched entry and changes nothing.
+        """
+        if not isinstance(tree, dict):
+            raise ValueError(f"OptState.load_state: expected a dict, got {type(tree).__name__}")
+        given = dict(tree_flatten(tree))
+        current = tree_flatten(self.optimizer.state)
+        for key, value in current:
+            name = f"optimizer.{key}"
+            if name not in given:
+                raise ValueError(f"OptState.load_state: missing entry {name!r}")
+            new = given[name]
+            if not isinstance(new, mx.array) or new.shape != value.shape or (
+                new.dtype != value.dtype
+            ):
+                found = (
+                    f"{_name(new.dtype)} array of shape {tuple(new.shape)}"
+                    if isinstance(new, mx.array) else type(new).__name__
+                )
+                raise ValueError(
+                    f"OptState.load_state: entry {name!r} must be a {_name(value.dtype)} "
+                    f"array of shape {tuple(value.shape)}, got a {found}"
+                )
+        scale_tree = {k[len("loss_scale."):]: v for k, v in given.items()
+                      if k.startswith("loss_scale.")}
+        known = {f"optimizer.{k}" for k, _ in current}
+        for key in given:
+            if key not in known and not key.startswith("loss_scale."):
+                raise ValueError(f"OptState.load_state: unexpected entry {key!r}")
+        scale = self.loss_scale
+        if scale_tree:
+            if scale is None:
+                scale = DynamicLossScale() if "counter" in scale_tree else (
+                    lossscale.StaticLossScale(1.0)
+                )
+            try:
+                scale.load_state(scale_tree)  # validates before changing anything
+            except ValueError as e:
+                raise ValueError(f"OptState.load_state: loss_scale: {e}") from None
+        _assign(self.optimizer.state, {k[len("optimizer."):]: v for k, v in given.items()
+                                       if k.startswith("optimizer.")})
+        self.loss_scale = scale
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).rpartition(".")[2]
+
+
+def _assign(live: Any, values: dict[str, mx.array], prefix: str = "") -> None:
+    """Replace the array leaves of the nested dicts/lists ``live`` in place (so that a tree
+    captured by ``mx.compile`` stays the same object), taking ``values[dotted path]``."""
+    items = live.items() if isinstance(live, dict) else enumerate(live)
+    for key, value in list(items):
+        path = f"{prefix}{key}"
+        if isinstance(value, mx.array):
+            live[key] = values[path]
+        elif isinstance(value, (dict, list)):
+            _assign(value, values, path + ".")
+
+
+def _resolve_scale(loss_scale: Any, where: str) -> LossScale | None:
+    return None if isinstance(loss_scale, str) and loss_scale == "auto" else (
+        lossscale.resolve(loss_scale, where)
+    )
+
+
+def setup(
+    rule: Rule | optim.Optimizer, model: nn.Module, *, loss_scale: Any = None
+) -> OptState:
+    """Prepare to train ``model`` with ``rule``: returns an :class:`OptState`.
+
+    ``rule`` is a fluxlike rule (``Adam(1e-3)``, ``OptimiserChain(ClipNorm(1.0),
+    Descent())``, ...) or an ``mlx.optimizers.Optimizer``, which is used as it is. The
+    optimiser is initialised for the model's trainable parameters, so ``opt_state.state``
+    is complete before the first step.
+
+    ``loss_scale``: ``None`` (none), a positive number (a :class:`~fluxlike.StaticLossScale`),
+    a loss-scale object, or ``"auto"``, which is the same as ``None`` here: :func:`train`
+    then chooses (a dynamic scale for float16 autocast).
+
+    >>> from fluxlike import Dense, Descent, DynamicLossScale, setup
+    >>> opt_state = setup(Descent(0.1), Dense(2, 1), loss_scale=DynamicLossScale())
+    >>> type(opt_state.optimizer).__mro__[1].__name__, opt_state.loss_scale.loss_scale
+    ('SGD', array(32768, dtype=float32))
+    """
+    if isinstance(rule, Rule):
+        optimizer = rule.build()
+    elif isinstance(rule, optim.Optimizer):
+        optimizer = rule
+    else:
+        raise TypeError(
+            f"setup: rule must be a fluxlike rule such as Adam() or an mlx.optimizers "
+            f"Optimizer, got {rule!r}"
+            + ("; put a gradient transform in OptimiserChain(..., Adam())"
+               if callable(rule) else "")
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"setup: model must be an mlx.nn.Module, got {type(model).__name__}")
+    scale = _resolve_scale(loss_scale, "setup")
+    optimizer.init(model.trainable_parameters())
+    return OptState(rule, optimizer, scale)
+
+
+def _check_grads(grads: Any, model: nn.Module) -> None:
+    if not isinstance(grads, dict):
+        hint = "; gradient() returns a tuple, pass its model entry (grads[0])" if isinstance(
+            grads, tuple) else ""
+        raise TypeError(
+            f"update: grads must be a dict shaped like model.trainable_parameters(), "
+            f"got {type(grads).__name__}{hint}"
+        )
+    params = dict(tree_flatten(model.trainable_parameters()))
+    for key, g in tree_flatten(grads):
+        if key not in params:
+            raise ValueError(f"update: the model has no trainable parameter {key!r}")
+        if not isinstance(g, mx.array) or g.shape != params[key].shape:
+            found = tuple(g.shape) if isinstance(g, mx.array) else type(g).__name__
+            raise ValueError(
+                f"update: gradient {key!r} must be an array of shape "
+                f"{tuple(params[key].shape)}, got {found}"
+            )
+
+
+def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
+    """One optimiser step: change ``model`` and ``opt_state`` in place; returns ``None``.
+
+    ``grads`` is the model's gradient (``gradient(loss, model)[0]``). With a loss scale in
+    ``opt_state`` the gradients are first divided by the scale; if any is then inf or nan
+    the step is skipped (weights and optimiser state stay exactly as they were) and the
+    scale is lowered, else the step is taken and the scale adjusted. These decisions are
+    ``mx.where`` selections on arrays: ``update`` never waits for the device and can run
+    inside ``mx.compile`` (capture ``opt_state.state`` and ``model.state``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, Descent, gradient, setup, update
+    >>> model = Dense(2, 1, bias=False)
+    >>> model.weight = mx.array([[1.0, 2.0]])
+    >>> opt_state = setup(Descent(0.5), model)
+    >>> update(opt_state, model, {"weight": mx.array([[2.0, 2.0]])})
+    >>> model.weight
+    array([[0, 1]], dtype=float32)
+    """
+    if not isinstance(opt_state, OptState):
+        raise TypeError(f"update: expected an OptState from setup(), got {opt_state!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"update: model must be an mlx.nn.Module, got {type(model).__name__}")
+    _check_grads(grads, model)
+    optimizer, scale = opt_state.optimizer, opt_state.loss_scale
+    if scale is None:
+        optimizer.update(model, grads)
+        return
+    grads = scale.unscale(grads)
+    finite = all_finite(grads)
+    params = model.trainable_parameters()
+    old_state = tree_map(lambda x: x, optimizer.state)  # new containers, same arrays
+
+    def keep(new: mx.array, old: mx.array) -> mx.array:
+        return mx.where(finite, new, old)
+
+    new_params = optimizer.apply_gradients(grads, params)
+    model.update(tree_map(keep, new_params, params))
+    _assign(optimizer.state, dict(tree_flatten(tree_map(keep, optimizer.state, old_state))))
+    scale.adjust(finite)
+
+
+class _Progress:
+    """A one-line text progress bar on a terminal stream."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int | None, stream: Any):
+        self.total, self.stream = total, stream
+        self.shown_at = 0.0
+
+    def show(self, done: int, mean_loss: float, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self.shown_at < 0.1:  # redraw at most ten times a second
+            return
+        self.shown_at = now
+        if self.total:
+            filled = self.WIDTH * done // self.total
+            bar = "[" + "=" * filled + " " * (self.WIDTH - filled) + "] "
+            count = f"{done}/{self.total}"
+        else:
+            bar, count = "", f"{done}"
+        self.stream.write(f"\r{bar}{count} loss {mean_loss:.4g}" + ("\n" if final else ""))
+        self.stream.flush()
+
+
+def train(
+    loss: Callable[..., mx.array],
+    model: nn.Module,
+    data: Iterable,
+    opt_state: OptState,
+    *,
+    autocast: mx.Dtype | None = None,
+    loss_scale: Any = "auto",
+    progress: bool = True,
+    compile: bool = False,
+) -> float:
+    """One pass over ``data``: for each batch, ``loss(model, *batch)``, its gradient, and an
+    :func:`update`. Returns the mean loss over the batches as a float (nan for no batches).
+
+    A batch that is a tuple is splatted into ``loss``; anything else (an array, a dict)
+    is passed as one argument. ``autocast`` is as in :func:`gradient`.
+
+    ``loss_scale``: ``"auto"`` uses ``opt_state.loss_scale`` if it holds one, else makes a
+    :class:`~fluxlike.DynamicLossScale` when ``autocast=mx.float16`` (bfloat16 and float32
+    need none) and keeps it in ``opt_state.loss_scale``. ``None``, a number or a loss-scale
+    object replaces ``opt_state.loss_scale``. A step whose gradients overflow is skipped
+    by the loss scale, silently; a loss that is inf or nan stops training with
+    ``FloatingPointError`` naming the batch (0-based), and the model and ``opt_state`` are
+    left as they were before that batch.
+
+    ``progress``: a text progress bar on stderr, shown only when stderr is a terminal.
+    ``compile=True`` runs each step as one ``mx.compile``-d function (model, optimiser,
+    loss-scale and random state captured), traced anew in each ``train`` call.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, Descent, setup, train
+    >>> model = Dense(1, 1)
+    >>> x = mx.array([[0.0], [1.0], [2.0]]); y = 2 * x + 1
+    >>> opt_state = setup(Descent(0.1), model)
+    >>> mse = lambda m, x, y: ((m(x) - y) ** 2).mean()
+    >>> for epoch in range(200):
+    ...     _ = train(mse, model, [(x, y)], opt_state, progress=False)
+    >>> round(model.weight.item(), 3), round(model.bias.item(), 3)
+    (2.0, 1.0)
+    """
+    where = "train"
+    dtype = _check_autocast(autocast, where)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an mlx.nn.Module, got {type(model).__name__}")
+    if not isinstance(opt_state, OptState):
+        raise TypeError(f"{where}: expected an OptState from setup(), got {opt_state!r}")
+    if isinstance(loss_scale, str) and loss_scale == "auto":
+        if opt_state.loss_scale is None and dtype is not None and dtype == mx.float16:
+            opt_state.loss_scale = DynamicLossScale()
+    else:
+        opt_state.loss_scale = lossscale.resolve(loss_scale, where)
+    scale = opt_state.loss_scale
+    scale_state = {} if scale is None else scale.state
+
+    def step(*batch: Any) -> mx.array:
+        value, grads = _value_and_grad(loss, (model, *batch), dtype, scale, where,
+                                       wrt_arrays=False)
+        update(opt_state, model, grads[0])
+        return value[0] if isinstance(value, tuple) else value
+
+    captured = [model.state, opt_state.optimizer.state, scale_state, mx.random.state]
+    if compile:
+        step = mx.compile(step, inputs=captured, outputs=captured)
+
+    stream = sys.stderr
+    bar = None
+    if progress and hasattr(stream, "isatty") and stream.isatty():
+        bar = _Progress(len(data) if hasattr(data, "__len__") else None, stream)
+    total, count = 0.0, 0
+    for i, batch in enumerate(data):
+        args = batch if isinstance(batch, tuple) else (batch,)
+        before = (model.parameters(), dict(tree_flatten(opt_state.optimizer.state)),
+                  dict(scale_state))
+        value = step(*args)
+        mx.eval(value, captured)
+        value = value.item()
+        if not math.isfinite(value):
+            model.update(before[0])
+            _assign(opt_state.optimizer.state, before[1])
+            scale_state.update(before[2])
+            if bar is not None:
+                bar.stream.write("\n")
+            raise FloatingPointError(
+                f"{where}: the loss is {value} at batch {i} (counting from 0); the model and "
+                f"optimiser state are left as they were before that batch"
+            )
+        total, count = total + value, count + 1
+        if bar is not None:
+            bar.show(count, total / count)
+    if bar is not None and count:
+        bar.show(count, total / count, final=True)
+    return total / count if count else math.nan

@@ -1,0 +1,234 @@
+"""Tests of fluxlike/optimise.py: each rule against a numpy step written from Flux's formulas."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+
+from fluxlike import (
+    Adam,
+    AdamW,
+    ClipNorm,
+    ClipValue,
+    Dense,
+    Descent,
+    Lion,
+    Momentum,
+    Nesterov,
+    OptimiserChain,
+    RMSProp,
+    setup,
+    update,
+)
+
+STEPS = 3
+
+
+def _problem(seed: int = 0):
+    """A Dense(3, 2) with known weights and a different gradient for each step."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(2, 3)).astype(np.float32)
+    b = rng.normal(size=(2,)).astype(np.float32)
+    grads = [
+        {"weight": rng.normal(size=(2, 3)).astype(np.float32),
+         "bias": rng.normal(size=(2,)).astype(np.float32)}
+        for _ in range(STEPS)
+    ]
+    model = Dense(3, 2)
+    model.weight, model.bias = mx.array(w), mx.array(b)
+    return model, {"weight": w.astype(np.float64), "bias": b.astype(np.float64)}, grads
+
+
+def _run(rule, model, grads):
+    opt_state = setup(rule, model)
+    for g in grads:
+        assert update(opt_state, model, {k: mx.array(v) for k, v in g.items()}) is None
+    return opt_state
+
+
+def _reference(step, params, grads):
+    """Apply ``step(w, g, state, t) -> w`` per parameter for each gradient, in float64."""
+    out = {}
+    for name, w in params.items():
+        state: dict = {}
+        for t, g in enumerate(grads, start=1):
+            w = step(w, g[name].astype(np.float64), state, t)
+        out[name] = w
+    return out
+
+
+def _check(model, expected, rtol=1e-5, atol=1e-6):
+    for name, w in expected.items():
+        np.testing.assert_allclose(np.array(getattr(model, name)), w, rtol=rtol, atol=atol,
+                                   err_msg=name)
+
+
+def test_descent():
+    model, params, grads = _problem()
+    _run(Descent(0.1), model, grads)
+    _check(model, _reference(lambda w, g, s, t: w - 0.1 * g, params, grads))
+
+
+def test_descent_keeps_no_buffer():
+    opt_state = setup(Descent(), Dense(3, 2))
+    assert sorted(opt_state.state["optimizer"]) == ["bias", "learning_rate", "step", "weight"]
+    assert opt_state.state["optimizer"]["weight"] == {}
+
+
+def test_momentum():  # Optimisers.jl: v = rho v + lr g; w -= v
+    model, params, grads = _problem()
+
+    def step(w, g, s, t):
+        s["v"] = 0.8 * s.get("v", 0) + 0.05 * g
+        return w - s["v"]
+
+    _run(Momentum(0.05, 0.8), model, grads)
+    _check(model, _reference(step, params, grads))
+
+
+def test_nesterov():  # Optimisers.jl: dx = -rho^2 v + (1 + rho) lr g; v = rho v - lr g
+    model, params, grads = _problem()
+    lr, rho = 0.01, 0.9
+
+    def step(w, g, s, t):
+        v = s.get("v", 0)
+        dx = -(rho**2) * v + (1 + rho) * lr * g
+        s["v"] = rho * v - lr * g
+        return w - dx
+
+    _run(Nesterov(lr, rho), model, grads)
+    _check(model, _reference(step, params, grads))
+
+
+def test_rmsprop():
+    model, params, grads = _problem()
+    lr, rho, eps = 0.01, 0.9, 1e-8
+
+    def step(w, g, s, t):
+        s["a"] = rho * s.get("a", 0) + (1 - rho) * g**2
+        return w - lr * g / (np.sqrt(s["a"]) + eps)
+
+    _run(RMSProp(lr, rho, eps), model, grads)
+    _check(model, _reference(step, params, grads))
+
+
+def _adam_step(lr, b1, b2, eps, wd=0.0):
+    def step(w, g, s, t):
+        s["m"] = b1 * s.get("m", 0) + (1 - b1) * g
+        s["v"] = b2 * s.get("v", 0) + (1 - b2) * g**2
+        m_hat, v_hat = s["m"] / (1 - b1**t), s["v"] / (1 - b2**t)
+        return w * (1 - lr * wd) - lr * m_hat / (np.sqrt(v_hat) + eps)
+
+    return step
+
+
+def test_adam_has_bias_correction():
+    model, params, grads = _problem()
+    _run(Adam(0.01, (0.8, 0.99), 1e-7), model, grads)
+    _check(model, _reference(_adam_step(0.01, 0.8, 0.99, 1e-7), params, grads))
+
+
+def test_adamw():
+    model, params, grads = _problem()
+    _run(AdamW(0.01, weight_decay=0.1), model, grads)
+    _check(model, _reference(_adam_step(0.01, 0.9, 0.999, 1e-8, wd=0.1), params, grads))
+
+
+def test_lion():
+    model, params, grads = _problem()
+    lr, b1, b2, wd = 0.01, 0.9, 0.99, 0.1
+
+    def step(w, g, s, t):
+        m = s.get("m", 0)
+        c = b1 * m + (1 - b1) * g
+        s["m"] = b2 * m + (1 - b2) * g
+        return w * (1 - lr * wd) - lr * np.sign(c)
+
+    _run(Lion(lr, (b1, b2), wd), model, grads)
+    _check(model, _reference(step, params, grads))
+
+
+def test_learning_rate_schedule():
+    model, params, grads = _problem()
+    schedule = optim.step_decay(0.1, 0.5, 1)  # 0.1, 0.05, 0.025 at steps 0, 1, 2
+    _run(Descent(schedule), model, grads)
+    _check(model, _reference(lambda w, g, s, t: w - 0.1 * 0.5 ** (t - 1) * g, params, grads))
+
+
+def test_clip_norm_is_global():
+    g = {"a": mx.array([3.0, 0.0]), "b": [mx.array([[4.0]])]}
+    clipped = ClipNorm(1.0)(g)
+    np.testing.assert_allclose(np.array(clipped["a"]), [0.6, 0.0], rtol=1e-5)
+    np.testing.assert_allclose(np.array(clipped["b"][0]), [[0.8]], rtol=1e-5)
+    small = ClipNorm(10.0)(g)
+    np.testing.assert_allclose(np.array(small["a"]), [3.0, 0.0], rtol=1e-5)
+
+
+def test_clip_value_keeps_dtype():
+    out = ClipValue(1.0)({"w": mx.array([-3.0, 0.5, 2.0], dtype=mx.float16)})["w"]
+    assert out.dtype == mx.float16
+    assert out.tolist() == [-1.0, 0.5, 1.0]
+
+
+def _clip_norm_reference(g, max_norm):
+    norm = np.sqrt(sum((v**2).sum() for v in g.values()))
+    return {k: v * min(1.0, max_norm / (norm + 1e-6)) for k, v in g.items()}
+
+
+@pytest.mark.parametrize("clip, reference", [
+    (ClipNorm(0.5), lambda g: _clip_norm_reference(g, 0.5)),
+    (ClipValue(0.3), lambda g: {k: np.clip(v, -0.3, 0.3) for k, v in g.items()}),
+])
+def test_chain_clips_before_the_rule(clip, reference):
+    model, params, grads = _problem()
+    _run(OptimiserChain(clip, Descent(0.1)), model, grads)
+    expected = dict(params)
+    for g in grads:
+        g64 = reference({k: v.astype(np.float64) for k, v in g.items()})
+        expected = {k: expected[k] - 0.1 * g64[k] for k in expected}
+    _check(model, expected)
+
+
+def test_chain_state_is_the_rules_state():
+    opt_state = setup(OptimiserChain(ClipNorm(1.0), Adam()), Dense(3, 2))
+    assert sorted(opt_state.state["optimizer"]["weight"]) == ["m", "v"]
+    assert opt_state.optimizer.learning_rate.item() == pytest.approx(0.001)
+
+
+def test_reprs():
+    assert repr(Descent()) == "Descent(lr=0.1)"
+    assert repr(AdamW()) == "AdamW(lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01)"
+    assert repr(OptimiserChain(ClipValue(1), Lion())) == (
+        "OptimiserChain(ClipValue(delta=1.0), Lion(lr=0.0001, betas=(0.9, 0.99), "
+        "weight_decay=0.0))"
+    )
+    assert Adam(1e-3) == Adam(0.001, (0.9, 0.999))
+
+
+def test_positional_and_keyword_construction():
+    assert Momentum(0.1, 0.5) == Momentum(lr=0.1, rho=0.5)
+    assert AdamW(0.1, (0.8, 0.9), 1e-6, 0.2) == AdamW(
+        lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Descent(-1.0), r"\[Descent\] lr must be a positive number"),
+    (lambda: Descent("fast"), r"\[Descent\] lr"),
+    (lambda: Momentum(rho=1.0), r"\[Momentum\] rho must be a number in \[0, 1\)"),
+    (lambda: Nesterov(rho=0), r"\[Nesterov\] rho must be in \(0, 1\)"),
+    (lambda: RMSProp(eps=0), r"\[RMSProp\] eps must be a positive number"),
+    (lambda: Adam(betas=(0.9,)), r"\[Adam\] betas must be a pair"),
+    (lambda: AdamW(betas=(0.9, 1.5)), r"\[AdamW\] betas\[1\]"),
+    (lambda: AdamW(weight_decay=-1), r"\[AdamW\] weight_decay must be a non-negative"),
+    (lambda: Lion(weight_decay=float("nan")), r"\[Lion\] weight_decay"),
+    (lambda: ClipNorm(0), r"\[ClipNorm\] max_norm must be a positive"),
+    (lambda: ClipValue(-1), r"\[ClipValue\] delta must be a positive"),
+    (lambda: OptimiserChain(Adam(), ClipNorm(1.0)), r"\[OptimiserChain\] the last part"),
+    (lambda: OptimiserChain(Adam(), Descent()), r"\[OptimiserChain\] parts before the rule"),
+    (lambda: OptimiserChain(), r"\[OptimiserChain\] the last part"),
+])
+def test_bad_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -1,0 +1,460 @@
+"""Tests of fluxlike/train.py: gradient, withgradient, setup, update, train."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from fluxlike import (
+    Adam,
+    BatchNorm,
+    Chain,
+    Dense,
+    Descent,
+    Dropout,
+    DynamicLossScale,
+    Momentum,
+    OptState,
+    StaticLossScale,
+    gradient,
+    relu,
+    setup,
+    train,
+    update,
+    withgradient,
+)
+from fluxlike.modes import is_active
+
+
+def _mse(m, x, y):
+    return ((m(x) - y) ** 2).mean()
+
+
+def _dense(w, b):
+    layer = Dense(len(w[0]), len(w))
+    layer.weight, layer.bias = mx.array(w), mx.array(b)
+    return layer
+
+
+def _leaves(tree):
+    return dict(tree_flatten(tree))
+
+
+# ---------------------------------------------------------------- gradient / withgradient
+
+
+def test_gradient_of_a_module_matches_numpy():
+    w = np.array([[1.0, -2.0, 0.5], [0.0, 1.5, -1.0]], dtype=np.float32)
+    b = np.array([0.1, -0.2], dtype=np.float32)
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    y = np.random.default_rng(1).normal(size=(4, 2)).astype(np.float32)
+    model = _dense(w, b)
+    (g,) = gradient(lambda m: _mse(m, mx.array(x), mx.array(y)), model)
+    err = x @ w.T + b - y
+    np.testing.assert_allclose(np.array(g["weight"]), 2 * err.T @ x / err.size, rtol=1e-5)
+    np.testing.assert_allclose(np.array(g["bias"]), 2 * err.sum(0) / err.size, rtol=1e-5)
+    assert sorted(g) == sorted(model.trainable_parameters())
+
+
+def test_gradient_of_arrays_and_other_arguments():
+    model = Dense(3, 2)
+    x = mx.array([[1.0, 2.0, 3.0]])
+    labels = mx.array([1, 0])
+
+    def f(m, x, scale, labels, name):
+        assert name == "tag" and labels.dtype == mx.int32
+        return (m(x) * scale).sum() + (x**2).sum()
+
+    g_m, g_x, g_scale, g_labels, g_name = gradient(f, model, x, 2.0, labels, "tag")
+    assert g_scale is None and g_labels is None and g_name is None
+    expected_x = 2 * np.array(model.weight).sum(0) + 2 * np.array(x)
+    np.testing.assert_allclose(np.array(g_x), expected_x, rtol=1e-5)
+    np.testing.assert_allclose(np.array(g_m["weight"]), 2 * np.ones((2, 1)) * np.array(x))
+
+
+def test_gradient_of_two_modules():
+    a, b = Dense(2, 2), Dense(2, 1)
+    x = mx.ones((3, 2))
+    ga, gb = gradient(lambda a, b: b(a(x)).sum(), a, b)
+    ref_a, ref_b = gradient(lambda m: m(x).sum(), Chain(a, b))[0]["layers"]
+    for got, ref in ((ga, ref_a), (gb, ref_b)):
+        for k in ("weight", "bias"):
+            np.testing.assert_allclose(np.array(got[k]), np.array(ref[k]), rtol=1e-6)
+
+
+def test_withgradient_value_and_aux():
+    x = mx.array([1.0, 2.0])
+    value, (g,) = withgradient(lambda x: (x**2).sum(), x)
+    assert value.dtype == mx.float32 and value.item() == 5.0
+    assert g.tolist() == [2.0, 4.0]
+    (loss, aux), (g,) = withgradient(lambda x: ((x**2).sum(), x * 3), x)
+    assert loss.item() == 5.0 and aux.tolist() == [3.0, 6.0] and g.tolist() == [2.0, 4.0]
+
+
+def test_half_loss_is_returned_as_float32():
+    x = mx.array([1.0, 2.0], dtype=mx.float16)
+    value, (g,) = withgradient(lambda x: (x**2).sum(), x)
+    assert value.dtype == mx.float32 and g.dtype == mx.float16
+
+
+def test_model_keeps_its_arrays():
+    model = Dense(3, 2)
+    weight, bias = model.weight, model.bias
+    gradient(lambda m: m(mx.ones((2, 3))).sum(), model)
+    assert model.weight is weight and model.bias is bias
+
+
+def test_dropout_is_active_only_inside_gradient():
+    drop = Dropout(0.5)
+    model = Chain(Dense(4, 64), drop)
+    seen = []
+
+    def f(m):
+        seen.append(is_active(drop))
+        out = m(mx.ones((8, 4)))
+        seen.append((out == 0).sum().item())
+        return out.sum()
+
+    gradient(f, model)
+    assert seen[0] is True and seen[1] > 0
+    assert not is_active(drop)
+    assert (model(mx.ones((8, 4))) == 0).sum().item() == 0
+
+
+def test_batchnorm_running_stats_persist_as_concrete_arrays():
+    bn = BatchNorm(3, momentum=0.5)
+    model = Chain(Dense(2, 3), bn)
+    x = mx.array(np.random.default_rng(0).normal(size=(16, 2)).astype(np.float32))
+    weight, bn_weight = model[0].weight, bn.weight
+    h = np.array(model[0](x))
+    gradient(lambda m: m(x).sum(), model)
+    assert model[0].weight is weight and bn.weight is bn_weight
+    np.testing.assert_allclose(np.array(bn.running_mean), 0.5 * h.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(bn.running_var), 0.5 + 0.5 * h.var(0, ddof=1), rtol=1e-5)
+    assert "running_mean" not in _leaves(model.trainable_parameters()).get("layers.1", {})
+    # A second call starts from the stored statistics (they are ordinary arrays now).
+    gradient(lambda m: m(x).sum(), model)
+    np.testing.assert_allclose(np.array(bn.running_mean), 0.75 * h.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_stats_inside_compile():
+    model = Chain(Dense(2, 3), BatchNorm(3))
+    x = mx.ones((4, 2)) * mx.arange(4).reshape(4, 1)
+
+    def step(x):
+        return gradient(lambda m: m(x).sum(), model)[0]["layers"][0]["weight"]
+
+    compiled = mx.compile(step, inputs=model.state, outputs=model.state)
+    mx.eval(compiled(x))
+    assert model[1].running_mean.sum().item() != 0.0
+
+
+def test_gradient_errors_leave_model_unchanged():
+    model = Chain(Dense(2, 3), BatchNorm(3))
+    before = _leaves(model.parameters())
+    with pytest.raises(ValueError, match="floating scalar"):
+        gradient(lambda m: m(mx.ones((4, 2))), model)
+    with pytest.raises(TypeError, match="scalar mx.array"):
+        gradient(lambda m: 1.0, model)
+
+    def fails(m):
+        m(mx.ones((4, 2)))
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        gradient(fails, model)
+    after = _leaves(model.parameters())
+    assert all(after[k] is v for k, v in before.items())
+
+
+@pytest.mark.parametrize("bad", [mx.float32, mx.float64, "float16", 16])
+def test_bad_autocast(bad):
+    with pytest.raises(ValueError, match="autocast must be None, mx.float16 or mx.bfloat16"):
+        gradient(lambda x: x.sum(), mx.ones(2), autocast=bad)
+    with pytest.raises(ValueError, match="autocast must be"):
+        train(_mse, Dense(1, 1), [], setup(Descent(), Dense(1, 1)), autocast=bad)
+
+
+def test_nothing_to_differentiate():
+    value, grads = withgradient(lambda n, s: mx.array(2.0) * n, 3, "s")
+    assert value.item() == 6.0 and grads == (None, None)
+    assert gradient(lambda: mx.array(1.0)) == ()
+
+
+def test_not_callable():
+    with pytest.raises(TypeError, match="callable"):
+        gradient(Dense(1, 1).weight, mx.ones(2))
+
+
+# ---------------------------------------------------------------- setup / OptState
+
+
+def test_setup_state_and_repr():
+    model = Chain(Dense(2, 3, relu), BatchNorm(3), Dense(3, 1))
+    opt_state = setup(Adam(), model)
+    assert isinstance(opt_state, OptState)
+    assert repr(opt_state) == (
+        "OptState(Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08), loss_scale=None)"
+    )
+    keys = sorted(_leaves(opt_state.state))
+    assert "optimizer.layers.1.weight.m" in keys and "optimizer.step" in keys
+    assert not any("running" in k for k in keys)
+
+
+def test_setup_accepts_mlx_optimizer_and_loss_scales():
+    opt = optim.SGD(0.1, momentum=0.5)
+    opt_state = setup(opt, Dense(2, 1), loss_scale=256)
+    assert opt_state.optimizer is opt and "v" in opt.state["weight"]
+    assert isinstance(opt_state.loss_scale, StaticLossScale)
+    assert setup(Adam(), Dense(2, 1), loss_scale="auto").loss_scale is None
+    ls = DynamicLossScale()
+    assert setup(Adam(), Dense(2, 1), loss_scale=ls).loss_scale is ls
+
+
+@pytest.mark.parametrize("rule, model, kwargs, error, message", [
+    ("adam", Dense(1, 1), {}, TypeError, "rule must be a fluxlike rule"),
+    (Adam(), "model", {}, TypeError, "model must be an mlx.nn.Module"),
+    (Adam(), Dense(1, 1), {"loss_scale": "dynamic"}, ValueError, "loss_scale must be None"),
+    (Adam(), Dense(1, 1), {"loss_scale": -2.0}, ValueError, "positive number"),
+])
+def test_setup_errors(rule, model, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        setup(rule, model, **kwargs)
+
+
+def test_load_state_round_trip_nested_and_flat():
+    def make():
+        return Chain(Dense(2, 3), relu, BatchNorm(3), Dense(3, 1))  # sparse list indices
+
+    model = make()
+    opt_state = setup(Adam(0.1), model, loss_scale=DynamicLossScale(scale=8.0))
+    x, y = mx.ones((4, 2)) * mx.arange(4).reshape(4, 1), mx.zeros((4, 1))
+    for _ in range(3):
+        update(opt_state, model, gradient(lambda m: _mse(m, x, y), model)[0])
+    saved = {k: mx.array(v) for k, v in _leaves(opt_state.state).items()}
+
+    fresh = setup(Adam(0.1), make())
+    fresh.load_state(saved)  # flat form, and it creates the dynamic loss scale
+    assert isinstance(fresh.loss_scale, DynamicLossScale)
+    for k, v in _leaves(fresh.state).items():
+        assert mx.array_equal(v, saved[k]).item() and v.dtype == saved[k].dtype, k
+
+    again = setup(Adam(0.1), make(), loss_scale=DynamicLossScale())
+    again.load_state(tree_unflatten(list(saved.items())))  # nested form
+    assert again.loss_scale.loss_scale.item() == opt_state.loss_scale.loss_scale.item()
+    assert again.optimizer.step.item() == 3
+    assert set(_leaves(again.state)) == set(saved)
+
+
+def test_load_state_mismatch_changes_nothing():
+    opt_state = setup(Momentum(), Chain(Dense(2, 3), Dense(3, 1)), loss_scale=4.0)
+    before = _leaves(opt_state.state)
+    good = dict(before)
+    cases = [
+        ({k: v for k, v in good.items() if k != "optimizer.layers.1.bias.v"},
+         "missing entry 'optimizer.layers.1.bias.v'"),
+        ({**good, "optimizer.layers.0.weight.v": mx.zeros((3, 3))},
+         r"'optimizer.layers.0.weight.v' must be a float32 array of shape \(3, 2\)"),
+        ({**good, "optimizer.step": mx.array(1, mx.int32)}, "'optimizer.step' must be a uint64"),
+        ({**good, "optimizer.extra": mx.zeros(1)}, "unexpected entry 'optimizer.extra'"),
+        ({**good, "loss_scale.loss_scale": mx.zeros(2)}, "loss_scale"),
+    ]
+    for tree, message in cases:
+        with pytest.raises(ValueError, match=message):
+            opt_state.load_state(tree)
+        after = _leaves(opt_state.state)
+        assert all(after[k] is v for k, v in before.items())
+
+
+# ---------------------------------------------------------------- update
+
+
+def test_update_errors_leave_model_unchanged():
+    model = Dense(2, 1)
+    opt_state = setup(Descent(), model)
+    weight = model.weight
+    grads = gradient(lambda m: m(mx.ones((1, 2))).sum(), model)
+    with pytest.raises(TypeError, match=r"grads\[0\]"):
+        update(opt_state, model, grads)
+    with pytest.raises(ValueError, match=r"'weight' must be an array of shape \(1, 2\)"):
+        update(opt_state, model, {"weight": mx.zeros((2, 1))})
+    with pytest.raises(ValueError, match="no trainable parameter 'kernel'"):
+        update(opt_state, model, {"kernel": mx.zeros((2, 1))})
+    with pytest.raises(TypeError, match="OptState"):
+        update(opt_state.optimizer, model, grads[0])
+    assert model.weight is weight and opt_state.optimizer.step.item() == 0
+
+
+def test_update_with_partial_grads():
+    model = Dense(2, 1)
+    bias = model.bias
+    opt_state = setup(Descent(1.0), model)
+    update(opt_state, model, {"weight": mx.ones((1, 2))})
+    assert model.bias is bias
+
+
+# ---------------------------------------------------------------- train
+
+
+def _regression(n_batches=8, batch=16, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(3, 1)).astype(np.float32)
+    data = []
+    for _ in range(n_batches):
+        x = rng.normal(size=(batch, 3)).astype(np.float32)
+        data.append((mx.array(x), mx.array(x @ w + 0.5)))
+    return data
+
+
+def test_train_converges_and_returns_mean_loss():
+    data = _regression()
+    model = Chain(Dense(3, 8, relu), Dense(8, 1))
+    opt_state = setup(Adam(0.02), model)
+    first = train(_mse, model, data, opt_state, progress=False)
+    for _ in range(30):
+        last = train(_mse, model, data, opt_state, progress=False)
+    assert isinstance(last, float) and last < 0.02 * first
+    assert opt_state.optimizer.step.item() == 31 * len(data)
+    expected = np.mean([_mse(model, x, y).item() for x, y in data])
+    assert train(_mse, model, data, opt_state, progress=False) == pytest.approx(expected, rel=0.2)
+
+
+def test_train_splats_tuples_and_passes_other_batches_whole():
+    model = Dense(2, 1)
+    seen = []
+
+    def loss(m, *batch):
+        seen.append(len(batch))
+        return m(batch[0]).sum()
+
+    opt_state = setup(Descent(0.0001), model)
+    train(loss, model, [(mx.ones((1, 2)), mx.ones(1)), mx.ones((1, 2))], opt_state,
+          progress=False)
+    assert seen == [2, 1]
+    assert math.isnan(train(loss, model, [], opt_state, progress=False))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_non_finite_loss_names_the_batch_and_leaves_state(compile):
+    good = (mx.ones((4, 2)) * mx.arange(4).reshape(4, 1),)
+    bad = (mx.full((4, 2), float("nan")),)
+    runs = []
+    for data in ([good, good], [good, good, bad, good]):
+        mx.random.seed(1)
+        model = Chain(Dense(2, 2), BatchNorm(2))
+        opt_state = setup(Adam(0.1), model)
+        try:
+            train(lambda m, x: (m(x) ** 2).sum(), model, data, opt_state, progress=False,
+                  compile=compile)
+        except FloatingPointError as e:
+            assert "loss is nan at batch 2" in str(e)
+        else:
+            assert len(data) == 2
+        runs.append((_leaves(model.parameters()), _leaves(opt_state.state)))
+    (p_ok, s_ok), (p_err, s_err) = runs
+    for ok, err in ((p_ok, p_err), (s_ok, s_err)):
+        assert set(ok) == set(err)
+        for k in ok:
+            assert mx.array_equal(ok[k], err[k]).item(), k
+
+
+def test_train_loss_scale_argument():
+    model = Dense(2, 1)
+    data = [(mx.ones((2, 2)), mx.zeros((2, 1)))]
+    opt_state = setup(Descent(0.1), model)
+    train(_mse, model, data, opt_state, autocast=mx.bfloat16, progress=False)
+    assert opt_state.loss_scale is None
+    train(_mse, model, data, opt_state, autocast=mx.float16, progress=False)
+    ls = opt_state.loss_scale
+    assert isinstance(ls, DynamicLossScale)
+    train(_mse, model, data, opt_state, progress=False)  # "auto" keeps the existing scale
+    assert opt_state.loss_scale is ls
+    train(_mse, model, data, opt_state, loss_scale=128, progress=False)
+    assert isinstance(opt_state.loss_scale, StaticLossScale)
+    train(_mse, model, data, opt_state, autocast=mx.float16, loss_scale=None, progress=False)
+    assert opt_state.loss_scale is None
+    with pytest.raises(ValueError, match="loss_scale must be None, 'auto'"):
+        train(_mse, model, data, opt_state, loss_scale="dynamic")
+
+
+def test_compiled_training_matches_eager():
+    data = _regression(n_batches=4)
+
+    def fresh():
+        mx.random.seed(3)
+        return Chain(Dense(3, 4, relu), BatchNorm(4), Dense(4, 1))
+
+    results = []
+    for compile in (False, True):
+        model = fresh()
+        opt_state = setup(Adam(0.01), model)
+        losses = [train(_mse, model, data, opt_state, progress=False, compile=compile)
+                  for _ in range(2)]
+        results.append((losses, _leaves(model.parameters()), _leaves(opt_state.state)))
+    (l0, p0, s0), (l1, p1, s1) = results
+    np.testing.assert_allclose(l0, l1, rtol=1e-5)
+    for eager, compiled in ((p0, p1), (s0, s1)):
+        assert set(eager) == set(compiled)
+        for k in eager:
+            np.testing.assert_allclose(np.array(compiled[k]), np.array(eager[k]),
+                                       rtol=1e-4, atol=1e-6, err_msg=k)
+    assert "layers.1.running_mean" in p1 and np.abs(np.array(p1["layers.1.running_mean"])).sum()
+
+
+def test_compiled_training_with_dropout_matches_eager():
+    results = []
+    for compile in (False, True):
+        mx.random.seed(5)
+        model = Chain(Dense(3, 16, relu), Dropout(0.5), Dense(16, 1))
+        opt_state = setup(Adam(0.01), model)
+        data = [(mx.ones((4, 3)), mx.zeros((4, 1)))] * 4
+        losses = [train(_mse, model, data, opt_state, progress=False, compile=compile)
+                  for _ in range(2)]
+        results.append((losses, model[0].weight))
+    (l0, w0), (l1, w1) = results
+    np.testing.assert_allclose(l0, l1, rtol=1e-5)
+    np.testing.assert_allclose(np.array(w0), np.array(w1), rtol=1e-5, atol=1e-7)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    stream = _Terminal()
+    monkeypatch.setattr("sys.stderr", stream)
+    data = _regression(n_batches=5)
+    train(_mse, Dense(3, 1), data, setup(Descent(0.01), Dense(3, 1)), progress=True)
+    text = stream.getvalue()
+    assert text.startswith("\r[") and text.endswith("\n")
+    last = text.rstrip("\n").split("\r")[-1]
+    assert last.startswith("[" + "=" * 30 + "] 5/5 loss ")
+    float(last.split("loss ")[1])
+
+
+def test_progress_bar_for_unsized_data(monkeypatch):
+    stream = _Terminal()
+    monkeypatch.setattr("sys.stderr", stream)
+    model = Dense(3, 1)
+    train(_mse, model, iter(_regression(n_batches=3)), setup(Descent(0.01), model))
+    assert stream.getvalue().rstrip("\n").split("\r")[-1].startswith("3 loss ")
+
+
+def test_no_progress_bar_off_terminal_or_when_disabled(monkeypatch):
+    data = _regression(n_batches=2)
+    plain = io.StringIO()
+    monkeypatch.setattr("sys.stderr", plain)
+    model = Dense(3, 1)
+    train(_mse, model, data, setup(Descent(0.01), model))
+    assert plain.getvalue() == ""
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    train(_mse, model, data, setup(Descent(0.01), model), progress=False)
+    assert terminal.getvalue() == ""
