@@ -1,0 +1,375 @@
+"""Convolution layers: ``Conv`` and ``ConvTranspose``, channels last, batch first.
+
+The kernel tuple's length chooses the dimension: ``(3,)`` is a 1-D convolution over
+``(N, L, C)``, ``(3, 3)`` a 2-D one over ``(N, H, W, C)``, ``(3, 3, 3)`` a 3-D one over
+``(N, D, H, W, C)``. Weights use MLX's layout ``(out, *kernel, in // groups)``.
+
+``padding`` is an int (every side), a tuple with one int per spatial dimension (both sides
+of that dimension), a tuple of ``(lo, hi)`` pairs (entries may mix ints and pairs), or
+``"same"``, Flux's ``SamePad``: a stride-1 ``Conv`` keeps the spatial size, a strided one
+gives ``ceil(size / stride)``, and an odd total padding puts the extra row on the low side.
+
+Inputs need their batch axis. MLX's kernels take ``groups > 1`` only in 1-D and 2-D, so a
+grouped 3-D layer runs one convolution per group. Float64 works on the CPU only where MLX
+has float64 kernels (stride 1 in the backward pass, no dilation, one group), and MLX
+computes those at about float32 precision.
+
+The helpers here (argument checks, padding, repr text) are shared with ``pooling.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ..activations import identity, resolve
+from ..init import glorot_uniform
+from ..precision import ops
+from ..precision.policy import autocast_policy
+from .base import Layer, signature_of
+from .basic import check_size
+
+Pairs = tuple[tuple[int, int], ...]
+
+SHAPES = {1: "(N, L, C)", 2: "(N, H, W, C)", 3: "(N, D, H, W, C)"}
+
+
+def kernel_tuple(kernel: Any, layer: str, name: str = "kernel") -> tuple[int, ...]:
+    """``kernel`` as a tuple of 1 to 3 positive ints; an int is refused as ambiguous."""
+    if isinstance(kernel, int) and not isinstance(kernel, bool):
+        raise TypeError(
+            f"[{layer}] {name} must be a tuple whose length is the number of spatial dims, "
+            f"got {kernel!r}; write ({kernel},) for 1-D or ({kernel}, {kernel}) for 2-D"
+        )
+    if not isinstance(kernel, (tuple, list)) or not 1 <= len(kernel) <= 3:
+        raise ValueError(f"[{layer}] {name} must be a tuple of 1 to 3 sizes, got {kernel!r}")
+    for k in kernel:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"[{layer}] {name} must hold positive integers, got {kernel!r}")
+    return tuple(kernel)
+
+
+def per_dim(value: Any, n: int, layer: str, name: str, minimum: int = 1) -> tuple[int, ...]:
+    """An int or a length-``n`` tuple of ints ``>= minimum`` as a length-``n`` tuple."""
+    values = (value,) * n if isinstance(value, int) else value
+    ok = isinstance(values, (tuple, list)) and len(values) == n and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values
+    )
+    if not ok:
+        what = "positive" if minimum == 1 else f"at least {minimum}"
+        raise ValueError(
+            f"[{layer}] {name} must be an int or a tuple of {n} ints, each {what}, "
+            f"got {value!r}"
+        )
+    return tuple(values)
+
+
+def same_padding(kernel: Sequence[int], dilation: Sequence[int]) -> Pairs:
+    """Flux's ``SamePad``: total ``dilation * (k - 1)`` per dim, the odd row on the low side."""
+    totals = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
+    return tuple((t - t // 2, t // 2) for t in totals)
+
+
+def padding_pairs(padding: Any, n: int, layer: str) -> Pairs:
+    """``padding`` (int, tuple of ints and/or ``(lo, hi)`` pairs) as ``n`` ``(lo, hi)`` pairs."""
+    if isinstance(padding, str):
+        raise ValueError(
+            f"[{layer}] unknown padding {padding!r}; expected 'same', an int or a tuple"
+        )
+    if isinstance(padding, int) and not isinstance(padding, bool):
+        padding = (padding,) * n
+    if not isinstance(padding, (tuple, list)) or len(padding) != n:
+        raise ValueError(
+            f"[{layer}] padding must be 'same', an int, or a tuple of {n} ints or (lo, hi) "
+            f"pairs (one per spatial dim), got {padding!r}"
+        )
+    pairs = tuple((p, p) if isinstance(p, int) else p for p in padding)
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair
+        ):
+            raise ValueError(
+                f"[{layer}] padding must hold non-negative ints or (lo, hi) pairs of them, "
+                f"got {padding!r}"
+            )
+    return tuple((lo, hi) for lo, hi in pairs)
+
+
+def check_input(x: Any, n: int, layer: str, kind: str, channels: int | None = None) -> None:
+    """Raise unless ``x`` is an ``(N, *spatial, C)`` array with ``n`` spatial dims."""
+    if not isinstance(x, mx.array):
+        raise TypeError(f"[{layer}] expected an mx.array input, got {type(x).__name__}")
+    if x.ndim != n + 2:
+        raise ValueError(
+            f"[{layer}] expected input of shape {SHAPES[n]} for a {n}-D {kind}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if channels is not None and x.shape[-1] != channels:
+        raise ValueError(
+            f"[{layer}] expected input with {channels} channels (last axis), "
+            f"got shape {tuple(x.shape)}"
+        )
+
+
+def check_fits(x: mx.array, extent: Sequence[int], pads: Pairs, layer: str, what: str) -> None:
+    """Raise unless every padded spatial size of ``x`` holds a window of ``extent``."""
+    padded = tuple(s + lo + hi for s, (lo, hi) in zip(x.shape[1:-1], pads, strict=True))
+    if any(p < e for p, e in zip(padded, extent, strict=True)):
+        raise ValueError(
+            f"[{layer}] input of shape {tuple(x.shape)} is too small: padded spatial size "
+            f"{padded} is smaller than the {what} {tuple(extent)}"
+        )
+
+
+def short(values: Sequence[Any]) -> str:
+    """One value when all are equal (``2`` for ``(2, 2)``), else the tuple, as Flux prints."""
+    values = tuple(values)
+    return str(values[0]) if len(set(values)) == 1 else str(values)
+
+
+def pad_text(pairs: Pairs, same: bool) -> str | None:
+    """The ``pad=`` text of a repr, or ``None`` for no padding."""
+    if same:
+        return "'same'"
+    if all(lo == hi for lo, hi in pairs):
+        return None if all(lo == 0 for lo, _ in pairs) else short(lo for lo, _ in pairs)
+    return str(pairs)
+
+
+def _options(layer: Any, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The non-default options of a convolution, in repr order."""
+    options = {}
+    if any(s != 1 for s in layer.stride):
+        options["stride"] = short(layer.stride)
+    pad = pad_text(layer.padding, layer.same)
+    if pad is not None:
+        options["pad"] = pad
+    options.update(extra or {})
+    if any(d != 1 for d in layer.dilation):
+        options["dilation"] = short(layer.dilation)
+    if layer.groups != 1:
+        options["groups"] = str(layer.groups)
+    if layer.bias is None:
+        options["bias"] = "False"
+    return options
+
+
+def _grouped(kernel: Callable, x: mx.array, weight: mx.array, *options: Any) -> mx.array:
+    """``kernel(x, weight, *options, groups)``, one call per group for 3-D grouped input.
+
+    MLX's convolutions accept ``groups > 1`` only in 1-D and 2-D.
+    """
+    groups = options[-1]
+    if groups == 1 or x.ndim < 5:
+        return kernel(x, weight, *options)
+    parts = zip(mx.split(x, groups, axis=-1), mx.split(weight, groups, axis=0), strict=True)
+    return mx.concatenate([kernel(a, w, *options[:-1], 1) for a, w in parts], axis=-1)
+
+
+class _ConvBase(Layer):
+    """What ``Conv`` and ``ConvTranspose`` share: checks, parameters and the repr."""
+
+    def _setup(self, name: str, kernel: Any, in_channels: int, out_channels: int, act: Any,
+               stride: Any, dilation: Any, groups: int) -> tuple[int, ...]:
+        kernel = kernel_tuple(kernel, name)
+        n = len(kernel)
+        check_size(in_channels, name, "in_channels")
+        check_size(out_channels, name, "out_channels")
+        check_size(groups, name, "groups")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"[{name}] in_channels ({in_channels}) and out_channels ({out_channels}) "
+                f"must both be divisible by groups ({groups})"
+            )
+        self.stride = per_dim(stride, n, name, "stride")
+        self.dilation = per_dim(dilation, n, name, "dilation")
+        self.act = resolve(act, name)
+        self.groups = groups
+        return kernel
+
+    def _make_parameters(self, kernel: tuple[int, ...], in_channels: int, out_channels: int,
+                         bias: bool, init: Callable) -> None:
+        self.weight = init((out_channels, *kernel, in_channels // self.groups))
+        self.bias = mx.zeros((out_channels,)) if bias else None
+
+    @property
+    def kernel(self) -> tuple[int, ...]:
+        """The kernel's spatial size."""
+        return tuple(self.weight.shape[1:-1])
+
+    def _check(self, x: Any) -> None:
+        check_input(x, len(self.kernel), type(self).__name__, self.kind, self.in_channels)
+
+    def _finish(self, y: mx.array) -> mx.array:
+        return self.act(y if self.bias is None else y + self.bias)
+
+    def _signature(self, in_ch: int, out_ch: int, extra: dict[str, str] | None = None) -> str:
+        name = type(self).__name__
+        args = [str(self.kernel), f"{in_ch} => {out_ch}"]
+        return signature_of(args, name, self.act, **_options(self, extra))
+
+
+@autocast_policy("down")
+class Conv(_ConvBase):
+    """A convolution: ``act(conv(x, weight) + bias)``, channels last.
+
+    ``Conv(kernel, in_channels, out_channels, act=identity, *, stride=1, padding=0,
+    dilation=1, groups=1, bias=True, init=glorot_uniform)``. ``kernel`` is a tuple; its
+    length (1, 2 or 3) chooses the dimension (an int is refused: write ``(3,)`` for 1-D).
+    The input is ``(N, *spatial, in_channels)`` with a batch axis; ``weight`` has shape
+    ``(out_channels, *kernel, in_channels // groups)``, ``bias`` ``(out_channels,)`` or
+    ``None``. ``stride`` and ``dilation`` are an int or one per dim; ``padding`` as in the
+    module docstring (``"same"``: output size ``ceil(input / stride)``). Under
+    :func:`~fluxlike.autocast` it computes in the scope's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Conv, relu
+    >>> layer = Conv((3, 3), 1, 8, relu, stride=2, padding=1)
+    >>> layer
+    Conv((3, 3), 1 => 8, relu, stride=2, pad=1)  # 80 parameters
+    >>> layer.weight.shape
+    (8, 3, 3, 1)
+    >>> layer(mx.ones((2, 28, 28, 1))).shape
+    (2, 14, 14, 8)
+    >>> Conv((5,), 4, 6, padding="same", groups=2, bias=False)(mx.ones((1, 10, 4))).shape
+    (1, 10, 6)
+    """
+
+    kind = "convolution"
+
+    def __init__(
+        self,
+        kernel: tuple[int, ...],
+        in_channels: int,
+        out_channels: int,
+        act: Callable | str = identity,
+        *,
+        stride: int | tuple[int, ...] = 1,
+        padding: int | str | tuple = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
+    ):
+        super().__init__()
+        kernel = self._setup("Conv", kernel, in_channels, out_channels, act, stride, dilation,
+                             groups)
+        self.same = padding == "same"
+        if self.same:
+            self.padding = same_padding(kernel, self.dilation)
+        else:
+            self.padding = padding_pairs(padding, len(kernel), "Conv")
+        self.in_channels = in_channels
+        self._make_parameters(kernel, in_channels, out_channels, bias, init)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self._check(x)
+        extent = [d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilation, strict=True)]
+        check_fits(x, extent, self.padding, "Conv", "dilated kernel")
+        x = ops.match_input(x, self.weight, "Conv")
+        lo, hi = zip(*self.padding, strict=True)
+        y = _grouped(ops.conv, x, self.weight, self.stride, (lo, hi), self.dilation,
+                     self.groups)
+        return self._finish(y)
+
+    def signature(self) -> str:
+        return self._signature(self.in_channels, self.weight.shape[0])
+
+
+@autocast_policy("down")
+class ConvTranspose(_ConvBase):
+    """A transposed convolution (the adjoint of ``Conv``'s map of ``x``), channels last.
+
+    ``ConvTranspose(kernel, in_channels, out_channels, act=identity, *, stride=1, padding=0,
+    dilation=1, output_padding=0, groups=1, bias=True, init=glorot_uniform)``. Each input
+    position ``i`` scatters ``x[i] * weight[:, k]`` to output position
+    ``i * stride + k * dilation - lo``; the output's spatial size is
+    ``(n - 1) * stride + dilation * (k - 1) + 1 - lo - hi + output_padding``.
+    ``padding`` takes the same forms as ``Conv``'s; ``"same"`` makes the output exactly
+    ``input * stride`` (and picks ``output_padding`` itself). ``weight`` has shape
+    ``(out_channels, *kernel, in_channels // groups)``, as in MLX.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import ConvTranspose
+    >>> layer = ConvTranspose((3, 3), 8, 1)
+    >>> layer
+    ConvTranspose((3, 3), 8 => 1)  # 73 parameters
+    >>> layer(mx.ones((2, 7, 7, 8))).shape
+    (2, 9, 9, 1)
+    >>> ConvTranspose((4, 4), 8, 4, stride=2, padding="same")(mx.ones((2, 7, 7, 8))).shape
+    (2, 14, 14, 4)
+    """
+
+    kind = "transposed convolution"
+
+    def __init__(
+        self,
+        kernel: tuple[int, ...],
+        in_channels: int,
+        out_channels: int,
+        act: Callable | str = identity,
+        *,
+        stride: int | tuple[int, ...] = 1,
+        padding: int | str | tuple = 0,
+        dilation: int | tuple[int, ...] = 1,
+        output_padding: int | tuple[int, ...] = 0,
+        groups: int = 1,
+        bias: bool = True,
+        init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
+    ):
+        super().__init__()
+        name = "ConvTranspose"
+        kernel = self._setup(name, kernel, in_channels, out_channels, act, stride, dilation,
+                             groups)
+        n = len(kernel)
+        output_padding = per_dim(output_padding, n, name, "output_padding", minimum=0)
+        self.same = padding == "same"
+        if self.same:
+            if any(output_padding):
+                raise ValueError(
+                    f"[{name}] padding='same' picks the output padding itself; "
+                    f"drop output_padding={output_padding!r}"
+                )
+            # Crop dilation * (k - 1) + 1 - stride in all, or extend when that is negative.
+            dims = zip(kernel, self.dilation, self.stride, strict=True)
+            totals = [d * (k - 1) + 1 - s for k, d, s in dims]
+            self.padding = tuple((t - t // 2, t // 2) if t > 0 else (0, 0) for t in totals)
+            output_padding = tuple(max(-t, 0) for t in totals)
+        else:
+            self.padding = padding_pairs(padding, n, name)
+        self.output_padding = output_padding
+        self.in_channels = in_channels
+        self._make_parameters(kernel, in_channels, out_channels, bias, init)
+
+    def output_size(self, size: Sequence[int]) -> tuple[int, ...]:
+        """The output's spatial size for an input of spatial size ``size``."""
+        dims = zip(size, self.stride, self.dilation, self.kernel, self.padding,
+                   self.output_padding, strict=True)
+        return tuple((n - 1) * s + d * (k - 1) + 1 - lo - hi + op
+                     for n, s, d, k, (lo, hi), op in dims)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self._check(x)
+        size = self.output_size(x.shape[1:-1])
+        if min(size) < 1:
+            raise ValueError(
+                f"[ConvTranspose] padding {self.padding} crops the output for input shape "
+                f"{tuple(x.shape)} to nothing (spatial size {size}); use less padding"
+            )
+        x = ops.match_input(x, self.weight, "ConvTranspose")
+        # MLX pads symmetrically: pad by the smaller side, then crop the rest.
+        sym = tuple(min(lo, hi) for lo, hi in self.padding)
+        y = _grouped(ops.conv_transpose, x, self.weight, self.stride, sym, self.dilation,
+                     self.output_padding, self.groups)
+        if any(lo != hi for lo, hi in self.padding):
+            starts = [lo - p for (lo, _), p in zip(self.padding, sym, strict=True)]
+            y = y[(slice(None), *(slice(a, a + n) for a, n in zip(starts, size, strict=True)))]
+        return self._finish(y)
+
+    def signature(self) -> str:
+        extra = {}
+        if any(self.output_padding) and not self.same:
+            extra["outpad"] = short(self.output_padding)
+        return self._signature(self.in_channels, self.weight.shape[0], extra)
