@@ -35,12 +35,15 @@ def relu(x: mx.array) -> mx.array:
 
 def leakyrelu(x: mx.array, a: float = 0.01) -> mx.array:
     """``x`` where positive, ``a * x`` elsewhere."""
-    return nn.leaky_relu(x, a)
+    # not nn.leaky_relu: its max(a * x, x) is wrong for a > 1
+    return mx.where(x > 0, x, a * x)
 
 
 def elu(x: mx.array, alpha: float = 1.0) -> mx.array:
     """``x`` where positive, ``alpha * (exp(x) - 1)`` elsewhere."""
-    return nn.elu(x, alpha)
+    # not nn.elu: exp of a large positive x overflows (above ~11 in float16) in the branch
+    # where() discards, and its gradient there is 0 * inf = NaN
+    return mx.where(x > 0, x, alpha * mx.expm1(mx.minimum(x, 0)))
 
 
 def gelu(x: mx.array) -> mx.array:

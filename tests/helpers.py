@@ -56,6 +56,7 @@ def check_gradients(
     with mx.stream(CPU):
         rng = np.random.default_rng(seed)
         grads = mx.grad(loss, argnums=list(range(len(args))))(*args)
+        grads = (grads,) if len(args) == 1 else grads  # one argnum gives a bare array
         for k, (x, g) in enumerate(zip(args, grads)):
             assert x.dtype == mx.float64, f"argument {k} must be float64, got {x.dtype}"
             picks = rng.choice(x.size, size=min(samples, x.size), replace=False)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -142,3 +144,371 @@ class Dense(Layer):
         out_dims, in_dims = self.weight.shape
         options = {} if self.bias is not None else {"bias": False}
         return signature_of([f"{in_dims} => {out_dims}"], "Dense", self.act, **options)
+
+
+def index_range(x: mx.array) -> tuple[int, int] | None:
+    """``(min, max)`` of an integer array, read back to the host (one synchronisation).
+
+    ``None`` for an empty array, and inside ``mx.compile``/``mx.vmap``, where nothing can
+    be read back. MLX's gathers do not check bounds (an index past the end reads arbitrary
+    memory or crashes), so index-taking code checks with this before gathering.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.layers.basic import index_range
+    >>> index_range(mx.array([[3, 1], [7, 2]]))
+    (1, 7)
+    """
+    if x.size == 0:
+        return None
+    try:
+        low, high = mx.stack([mx.min(x), mx.max(x)]).tolist()
+    except ValueError as error:
+        if "function transformations" not in str(error):  # MLX's message for a traced eval
+            raise
+        return None
+    return low, high
+
+
+def _standard_normal(shape: tuple[int, ...]) -> mx.array:
+    """Standard normal float32 entries (Flux's ``randn32``), Embedding's default init."""
+    return mx.random.normal(shape)
+
+
+def flatten(x: mx.array) -> mx.array:
+    """Reshape ``(N, ...)`` to ``(N, prod(...))``, keeping the batch axis first.
+
+    A plain function, so it can sit in a :class:`Chain` between convolutions and
+    :class:`Dense` layers. A 1-d input ``(N,)`` becomes ``(N, 1)``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import flatten
+    >>> flatten(mx.zeros((2, 3, 4, 5))).shape
+    (2, 60)
+    """
+    if not isinstance(x, mx.array):
+        raise TypeError(f"[flatten] expected an mx.array input, got {type(x).__name__}")
+    if x.ndim == 0:
+        raise ValueError("[flatten] expected an input with a batch axis, got a 0-d array")
+    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
+
+
+@autocast_policy("down")
+class Bilinear(Layer):
+    """A bilinear map of two inputs: ``y[..., k] = act(x1 @ weight[k] @ x2 + bias[k])``.
+
+    ``Bilinear(in1, in2, out, act=identity, *, bias=True, init=glorot_uniform)``: ``weight``
+    has shape ``(out, in1, in2)`` (made by ``init``), ``bias`` shape ``(out,)`` or ``None``.
+    Call it as ``layer(x1, x2)`` or ``layer((x1, x2))`` (a tuple, as a :class:`Chain` passes
+    it), with ``x1`` of shape ``(..., in1)`` and ``x2`` of shape ``(..., in2)`` sharing their
+    batch axes; ``layer(x)`` means ``layer(x, x)``. Under :func:`~fluxlike.autocast` it
+    computes in the scope's dtype, like :class:`Dense`. The repr always shows both input
+    sizes, in the order of the constructor.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Bilinear
+    >>> layer = Bilinear(5, 4, 3)
+    >>> layer
+    Bilinear((5, 4) => 3)  # 63 parameters
+    >>> layer(mx.ones((2, 5)), mx.ones((2, 4))).shape
+    (2, 3)
+    >>> Bilinear(2, 2, 3, "tanh", bias=False)
+    Bilinear((2, 2) => 3, tanh, bias=False)  # 12 parameters
+    """
+
+    def __init__(
+        self,
+        in1: int,
+        in2: int,
+        out: int,
+        act: Callable | str = identity,
+        *,
+        bias: bool = True,
+        init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
+    ):
+        super().__init__()
+        for name, value in (("in1", in1), ("in2", in2), ("out", out)):
+            check_size(value, "Bilinear", name)
+        self.act = resolve(act, "Bilinear")
+        self.weight = init((out, in1, in2))
+        self.bias = mx.zeros((out,)) if bias else None
+
+    def __call__(self, x1: mx.array | tuple[mx.array, mx.array], x2: mx.array | None = None):
+        if isinstance(x1, tuple) and x2 is None:
+            if len(x1) != 2:
+                raise ValueError(f"[Bilinear] expected a pair of inputs, got {len(x1)}")
+            x1, x2 = x1
+        x2 = x1 if x2 is None else x2
+        out, in1, in2 = self.weight.shape
+        check_features(x1, in1, "Bilinear")
+        check_features(x2, in2, "Bilinear")
+        if x1.shape[:-1] != x2.shape[:-1]:
+            raise ValueError(
+                f"[Bilinear] the two inputs must share their batch axes, got shapes "
+                f"{tuple(x1.shape)} and {tuple(x2.shape)}"
+            )
+        batch = x1.shape[:-1]
+        n = math.prod(batch)
+        x1 = ops.match_input(x1, self.weight, "Bilinear").reshape(n, in1, 1)
+        x2 = ops.match_input(x2, self.weight, "Bilinear").reshape(n, in2)
+        # (x2 contracted with W) then with x1: two GEMMs, no (n, out, in1, in2) temporary
+        wx2 = ops.linear(x2, self.weight.reshape(out * in1, in2)).reshape(n, out, in1)
+        y = ops.matmul(wx2, x1).reshape(*batch, out)
+        return self.act(y if self.bias is None else y + self.bias)
+
+    def signature(self) -> str:
+        out, in1, in2 = self.weight.shape
+        options = {} if self.bias is not None else {"bias": False}
+        return signature_of([f"({in1}, {in2}) => {out}"], "Bilinear", self.act, **options)
+
+
+class Scale(Layer):
+    """Elementwise affine map: ``act(weight * x + bias)``, with ``weight`` and ``bias`` of
+    shape ``size``.
+
+    ``Scale(size, act=identity, *, bias=True, init=mx.ones)``: ``size`` is an int or a
+    tuple of ints; ``weight = init(size)`` (ones by default), ``bias`` is zeros or ``None``.
+    The input's trailing axes must broadcast against ``size`` without changing the input's
+    shape (``Scale(C)`` scales the channels of an ``(N, H, W, C)`` image).
+
+    Precision: policy "none". The layer computes in its input's floating dtype (its
+    parameters are cast to it for the call; the master copies stay as they are), so under
+    :func:`~fluxlike.autocast` it keeps a half-precision activation in half precision.
+    Integer input is computed in the parameters' dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Scale
+    >>> Scale(3)
+    Scale(3)  # 6 parameters
+    >>> Scale(3)(mx.ones((2, 3), dtype=mx.float16)).dtype
+    mlx.core.float16
+    >>> Scale((2, 3), "relu", bias=False)
+    Scale((2, 3), relu, bias=False)  # 6 parameters
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, ...],
+        act: Callable | str = identity,
+        *,
+        bias: bool = True,
+        init: Callable[[tuple[int, ...]], mx.array] = mx.ones,
+    ):
+        super().__init__()
+        shape = (size,) if isinstance(size, int) and not isinstance(size, bool) else size
+        if not isinstance(shape, tuple) or not shape:
+            raise ValueError(
+                f"[Scale] size must be a positive integer or a tuple of them, got {size!r}"
+            )
+        for value in shape:
+            check_size(value, "Scale", "size")
+        self.act = resolve(act, "Scale")
+        self.weight = init(shape)
+        self.bias = mx.zeros(shape) if bias else None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not isinstance(x, mx.array):
+            raise TypeError(f"[Scale] expected an mx.array input, got {type(x).__name__}")
+        size = tuple(self.weight.shape)
+        trailing = tuple(x.shape[-len(size) :]) if x.ndim >= len(size) else None
+        if trailing is None or any(s not in (1, t) for s, t in zip(size, trailing, strict=True)):
+            raise ValueError(
+                f"[Scale] expected input whose trailing axes match {size}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        dtype = x.dtype if mx.issubdtype(x.dtype, mx.floating) else self.weight.dtype
+        y = self.weight.astype(dtype) * x.astype(dtype)
+        return self.act(y if self.bias is None else y + self.bias.astype(dtype))
+
+    def signature(self) -> str:
+        size = self.weight.shape
+        shown = str(size[0]) if len(size) == 1 else str(tuple(size))
+        options = {} if self.bias is not None else {"bias": False}
+        return signature_of([shown], "Scale", self.act, **options)
+
+
+class SkipConnection(Layer):
+    """``connection(layers(x), x)``: a residual block when ``connection`` is ``mx.add``.
+
+    ``connection`` is any callable of two arguments (``mx.add``, ``lambda a, b: ...``, a
+    layer such as :class:`Bilinear` whose parameters then belong to the block). The repr
+    expands both like a container.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, SkipConnection
+    >>> block = SkipConnection(Dense(3, 3), mx.add)
+    >>> block(mx.ones((2, 3))).shape
+    (2, 3)
+    >>> block
+    SkipConnection(
+      Dense(3 => 3),  # 12 parameters
+      add,
+    )  # Total: 2 arrays, 12 parameters, 48 bytes.
+    """
+
+    def __init__(self, layers: Callable, connection: Callable):
+        super().__init__()
+        for name, value in (("layers", layers), ("connection", connection)):
+            if not callable(value):
+                raise TypeError(f"[SkipConnection] {name} must be callable, got {value!r}")
+        self.layers = layers
+        self.connection = connection
+
+    def __call__(self, x: Any) -> Any:
+        return self.connection(self.layers(x), x)
+
+    def shown_children(self) -> list[tuple[str | None, Any]]:
+        return [(None, self.layers), (None, self.connection)]
+
+
+class Parallel(Layer):
+    """Apply several layers side by side and combine: ``connection(f(x), g(x), ...)``.
+
+    ``Parallel(connection, *layers)`` or ``Parallel(connection, name=layer, ...)``:
+
+    - one input ``x``: every layer gets ``x``;
+    - as many inputs as layers (``p(x1, x2)`` or the tuple ``p((x1, x2))``): one each;
+    - several inputs and a single layer: that layer is applied to each input.
+
+    The outputs are combined by ``connection(*outputs)``; ``connection=None`` returns the
+    tuple of outputs. Layers can be indexed like a :class:`Chain` (``p[0]``, ``p["a"]``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, Parallel
+    >>> p = Parallel(mx.add, a=Dense(2, 3), b=Dense(4, 3))
+    >>> p(mx.ones((5, 2)), mx.ones((5, 4))).shape
+    (5, 3)
+    >>> p
+    Parallel(
+      add,
+      a = Dense(2 => 3),  # 9 parameters
+      b = Dense(4 => 3),  # 15 parameters
+    )  # Total: 4 arrays, 24 parameters, 96 bytes.
+    >>> [y.shape for y in Parallel(None, Dense(2, 3), Dense(2, 1))(mx.ones((5, 2)))]
+    [(5, 3), (5, 1)]
+    """
+
+    def __init__(self, connection: Callable | None, *layers: Callable, **named: Callable):
+        super().__init__()
+        if connection is not None and not callable(connection):
+            raise TypeError(f"[Parallel] connection must be callable or None, got {connection!r}")
+        if layers and named:
+            raise ValueError("[Parallel] give layers either by position or by name, not both")
+        if not layers and not named:
+            raise ValueError("[Parallel] needs at least one layer")
+        reserved = {"layers", "connection"} & set(named)
+        if reserved:
+            raise ValueError(f"[Parallel] {sorted(reserved)} cannot name a layer (reserved)")
+        for key, layer in list(enumerate(layers)) + list(named.items()):
+            if not callable(layer):
+                raise TypeError(f"[Parallel] layer {key!r} must be callable, got {layer!r}")
+        self.connection = connection
+        self.layers = dict(named) if named else list(layers)
+
+    def _items(self) -> list[tuple[str | None, Callable]]:
+        if isinstance(self.layers, dict):
+            return list(self.layers.items())
+        return [(None, layer) for layer in self.layers]
+
+    def __call__(self, *xs: Any) -> Any:
+        if len(xs) == 1 and isinstance(xs[0], tuple):  # a tuple is always spread, as in Flux
+            xs = xs[0]
+        layers = [layer for _, layer in self._items()]
+        if not xs:
+            raise ValueError("[Parallel] expected at least one input, got none")
+        if len(xs) == 1:
+            outputs = tuple(layer(xs[0]) for layer in layers)
+        elif len(layers) == 1:
+            outputs = tuple(layers[0](x) for x in xs)
+        elif len(xs) == len(layers):
+            outputs = tuple(layer(x) for layer, x in zip(layers, xs, strict=True))
+        else:
+            raise ValueError(
+                f"[Parallel] with {len(layers)} layers takes one input or {len(layers)} "
+                f"inputs, got {len(xs)}"
+            )
+        return outputs if self.connection is None else self.connection(*outputs)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, index: int | slice | str) -> Any:
+        if isinstance(index, str):  # mlx.nn.Module reads its own entries with string keys
+            layers = dict.get(self, "layers")
+            if isinstance(layers, dict) and index in layers:
+                return layers[index]
+            if index in self.keys():
+                return dict.__getitem__(self, index)
+            raise KeyError(f"[Parallel] no layer named {index!r}")
+        items = self._items()
+        if isinstance(index, slice):
+            chosen = items[index]
+            if isinstance(self.layers, dict):
+                return Parallel(self.connection, **dict(chosen))
+            return Parallel(self.connection, *(layer for _, layer in chosen))
+        return items[index][1]
+
+    def shown_children(self) -> list[tuple[str | None, Any]]:
+        return [(None, self.connection)] + self._items()
+
+
+class Embedding(Layer):
+    """A lookup table: integer indices ``(...)`` give rows of ``weight``, ``(..., dims)``.
+
+    ``Embedding(vocab, dims, *, init=standard normal)``: ``weight`` has shape
+    ``(vocab, dims)`` (MLX's layout; Flux stores its transpose). Indices are 0-based and
+    must lie in ``[0, vocab)``; any integer dtype and any shape, a 0-d index gives one row.
+
+    Index checking: MLX's gather does not check bounds (an index past the end reads
+    arbitrary memory or crashes), so each eager call checks the indices' range and raises
+    a ``ValueError`` naming the offending values. That check reads two numbers back to the
+    host, one synchronisation per call. Inside ``mx.compile``/``fluxlike.compile`` or
+    ``mx.vmap`` nothing can be read back, so there the rows of out-of-range indices are NaN
+    instead (memory-safe, and the loss turns NaN).
+
+    Precision: policy "none"; the output has the weight's dtype (float32 under autocast,
+    as in PyTorch).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Embedding
+    >>> emb = Embedding(10, 4)
+    >>> emb
+    Embedding(10 => 4)  # 40 parameters
+    >>> emb(mx.array([[1, 2, 3], [4, 5, 9]])).shape
+    (2, 3, 4)
+    """
+
+    def __init__(
+        self,
+        vocab: int,
+        dims: int,
+        *,
+        init: Callable[[tuple[int, ...]], mx.array] = _standard_normal,
+    ):
+        super().__init__()
+        check_size(vocab, "Embedding", "vocab")
+        check_size(dims, "Embedding", "dims")
+        self.weight = init((vocab, dims))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.integer):
+            got = x.dtype if isinstance(x, mx.array) else type(x).__name__
+            raise TypeError(
+                f"[Embedding] expected an mx.array of integer indices, got {got}; "
+                f"convert class labels with x.astype(mx.int32)"
+            )
+        vocab = self.weight.shape[0]
+        bounds = index_range(x)
+        if bounds is None:  # traced (or empty): nothing to read back, mask instead
+            valid = (x >= 0) & (x < vocab)
+            rows = self.weight[mx.where(valid, x, 0)]
+            return mx.where(valid[..., None], rows, mx.array(float("nan"), rows.dtype))
+        if bounds[0] < 0 or bounds[1] >= vocab:
+            raise ValueError(
+                f"[Embedding] indices must lie in [0, {vocab}), "
+                f"got values from {bounds[0]} to {bounds[1]}"
+            )
+        return self.weight[x]
+
+    def signature(self) -> str:
+        vocab, dims = self.weight.shape
+        return f"Embedding({vocab} => {dims})"

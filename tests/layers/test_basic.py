@@ -1,9 +1,21 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import check_layer_gradients, np64
+from helpers import check_gradients, check_layer_gradients, np64
 
-from fluxlike import Chain, Dense, relu
+from fluxlike import (
+    Bilinear,
+    Chain,
+    Dense,
+    Embedding,
+    Parallel,
+    Scale,
+    SkipConnection,
+    autocast,
+    flatten,
+    relu,
+)
+from fluxlike.precision import ops
 
 
 class TestDense:
@@ -29,7 +41,8 @@ class TestDense:
 
     def test_repr(self):
         assert repr(Dense(5, 2)) == "Dense(5 => 2)  # 12 parameters"
-        assert repr(Dense(5, 2, relu, bias=False)) == "Dense(5 => 2, relu, bias=False)  # 10 parameters"
+        assert repr(Dense(5, 2, relu, bias=False)) == \
+            "Dense(5 => 2, relu, bias=False)  # 10 parameters"
 
     def test_wrong_features_raises_and_names_layer(self):
         layer = Dense(5, 2)
@@ -101,3 +114,317 @@ class TestChain:
             "  ),  # Total: 2 arrays, 8 parameters, 32 bytes.",
             ")  # Total: 4 arrays, 26 parameters, 104 bytes.",
         ]
+
+
+def bilinear_reference(layer, x1, x2):
+    w = np64(layer.weight)
+    out = np.einsum("...i,kij,...j->...k", np64(x1), w, np64(x2))
+    return out if layer.bias is None else out + np64(layer.bias)
+
+
+class TestBilinear:
+    def test_construction_positional_and_keyword(self):
+        a = Bilinear(5, 4, 3, relu)
+        b = Bilinear(in1=5, in2=4, out=3, act=relu, bias=False, init=mx.ones)
+        assert a.weight.shape == b.weight.shape == (3, 5, 4)
+        assert a.bias.shape == (3,) and b.bias is None and "bias" not in b.parameters()
+        assert a.act is relu and np64(b.weight).min() == 1
+
+    def test_forward_matches_numpy(self):
+        layer = Bilinear(5, 4, 3)
+        layer.bias = mx.random.normal((3,))
+        x1, x2 = mx.random.normal((2, 6, 5)), mx.random.normal((2, 6, 4))
+        out = layer(x1, x2)
+        assert out.shape == (2, 6, 3) and out.dtype == mx.float32
+        np.testing.assert_allclose(np64(out), bilinear_reference(layer, x1, x2),
+                                   rtol=1e-5, atol=1e-5)
+
+    def test_tuple_and_single_input(self):
+        layer = Bilinear(3, 3, 2, mx.tanh)
+        x, z = mx.random.normal((4, 3)), mx.random.normal((4, 3))
+        np.testing.assert_array_equal(np64(layer((x, z))), np64(layer(x, z)))
+        np.testing.assert_allclose(np64(layer(x)), np.tanh(bilinear_reference(layer, x, x)),
+                                   rtol=1e-5, atol=1e-6)
+        assert layer(mx.ones((3,)), mx.ones((3,))).shape == (2,)  # no batch axis
+
+    def test_in_a_chain_after_parallel(self):
+        model = Chain(Parallel(None, Dense(2, 3), Dense(2, 4)), Bilinear(3, 4, 1))
+        assert model(mx.ones((5, 2))).shape == (5, 1)
+
+    def test_gradients_float64(self):
+        check_layer_gradients(Bilinear(3, 4, 2, mx.tanh), mx.random.normal((5, 3)),
+                              mx.random.normal((5, 4)))
+
+    def test_repr(self):
+        assert repr(Bilinear(5, 4, 3)) == "Bilinear((5, 4) => 3)  # 63 parameters"
+        assert repr(Bilinear(2, 2, 3, "tanh", bias=False)) == \
+            "Bilinear((2, 2) => 3, tanh, bias=False)  # 12 parameters"
+
+    def test_autocast_computes_in_half_through_ops(self, monkeypatch):
+        layer = Bilinear(3, 4, 2)
+        calls = []
+        for name in ("linear", "matmul"):
+            kernel = getattr(ops, name)
+            monkeypatch.setattr(ops, name, lambda *a, k=kernel, n=name: calls.append(
+                (n, a[0].dtype, a[1].dtype)) or k(*a))
+        x1, x2 = mx.random.normal((5, 3)), mx.random.normal((5, 4))
+        with autocast(mx.float16, device="cpu"):
+            out = layer(x1, x2)
+        assert out.dtype == mx.float16 and layer.weight.dtype == mx.float32
+        assert calls == [("linear", mx.float16, mx.float16), ("matmul", mx.float16, mx.float16)]
+        np.testing.assert_allclose(np64(out), bilinear_reference(layer, x1, x2),
+                                   rtol=2e-2, atol=2e-2)
+
+        def loss(params):
+            layer.update(params)
+            with autocast(mx.float16, device="cpu"):
+                return mx.sum(layer(x1, x2))
+
+        grads = mx.grad(loss)(layer.trainable_parameters())
+        assert grads["weight"].dtype == grads["bias"].dtype == mx.float32
+
+    def test_bad_input_raises_and_leaves_model_unchanged(self):
+        layer = Bilinear(3, 4, 2)
+        before = np64(layer.weight)
+        with pytest.raises(ValueError, match=r"\[Bilinear\] expected input with 4 features.*"
+                                             r"\(5, 3\)"):
+            layer(mx.ones((5, 3)), mx.ones((5, 3)))
+        with pytest.raises(ValueError, match=r"\[Bilinear\] .*batch axes.*\(5, 3\) and \(6, 4\)"):
+            layer(mx.ones((5, 3)), mx.ones((6, 4)))
+        with pytest.raises(ValueError, match=r"\[Bilinear\] expected a pair of inputs, got 3"):
+            layer((mx.ones((5, 3)),) * 3)
+        with pytest.raises(TypeError, match=r"\[Bilinear\] expected a floating-point input"):
+            layer(mx.ones((5, 3), dtype=mx.int32), mx.ones((5, 4)))
+        np.testing.assert_array_equal(np64(layer.weight), before)
+
+    def test_bad_sizes(self):
+        with pytest.raises(ValueError, match=r"\[Bilinear\] in2 must be a positive integer"):
+            Bilinear(3, 0, 2)
+
+
+class TestScale:
+    def test_construction_positional_and_keyword(self):
+        a = Scale(3, relu)
+        b = Scale(size=(2, 3), act=relu, bias=False, init=mx.zeros)
+        assert a.weight.shape == a.bias.shape == (3,) and np64(a.weight).tolist() == [1, 1, 1]
+        assert b.weight.shape == (2, 3) and b.bias is None and np64(b.weight).max() == 0
+
+    def test_forward_matches_numpy_and_broadcasts(self):
+        layer = Scale(4, mx.tanh)
+        layer.weight, layer.bias = mx.random.normal((4,)), mx.random.normal((4,))
+        x = mx.random.normal((2, 3, 4))
+        expected = np.tanh(np64(layer.weight) * np64(x) + np64(layer.bias))
+        np.testing.assert_allclose(np64(layer(x)), expected, rtol=1e-5, atol=1e-6)
+        assert Scale((1, 4))(mx.ones((2, 3, 4))).shape == (2, 3, 4)
+
+    def test_dtypes(self):
+        layer = Scale(3)
+        assert layer(mx.ones((2, 3), dtype=mx.bfloat16)).dtype == mx.bfloat16
+        assert layer(mx.array([[1, 2, 3]])).dtype == mx.float32  # integers: parameter dtype
+        with autocast(mx.float16, device="cpu"):  # policy "none": input dtype either way
+            assert layer(mx.ones((2, 3), dtype=mx.float16)).dtype == mx.float16
+            assert layer(mx.ones((2, 3))).dtype == mx.float32
+        assert layer.weight.dtype == mx.float32
+
+    def test_gradients_float64(self):
+        layer = Scale(3, mx.tanh)
+        layer.weight = mx.random.normal((3,))
+        check_layer_gradients(layer, mx.random.normal((4, 3)))
+
+    def test_repr(self):
+        assert repr(Scale(3)) == "Scale(3)  # 6 parameters"
+        assert repr(Scale((2, 3), "relu", bias=False)) == \
+            "Scale((2, 3), relu, bias=False)  # 6 parameters"
+
+    def test_bad_input_raises_and_leaves_model_unchanged(self):
+        layer = Scale(3)
+        with pytest.raises(ValueError, match=r"\[Scale\] expected input whose trailing axes "
+                                             r"match \(3,\), got shape \(2, 4\)"):
+            layer(mx.ones((2, 4)))
+        with pytest.raises(ValueError, match=r"\[Scale\] .*got shape \(3,\)"):
+            Scale((2, 3))(mx.ones((3,)))
+        with pytest.raises(TypeError, match=r"\[Scale\] expected an mx.array"):
+            layer([1.0, 2.0, 3.0])
+        assert np64(layer.weight).tolist() == [1, 1, 1]
+
+    @pytest.mark.parametrize("bad", [0, (2, 0), (), "3", 2.0])
+    def test_bad_sizes(self, bad):
+        with pytest.raises(ValueError, match=r"\[Scale\] size must be a positive integer"):
+            Scale(bad)
+
+
+class TestSkipConnection:
+    def test_forward_and_numpy(self):
+        inner = Dense(3, 3, mx.tanh)
+        block = SkipConnection(inner, mx.add)
+        x = mx.random.normal((4, 3))
+        expected = np.tanh(np64(x) @ np64(inner.weight).T + np64(inner.bias)) + np64(x)
+        np.testing.assert_allclose(np64(block(x)), expected, rtol=1e-5, atol=1e-6)
+        keyword = SkipConnection(layers=inner, connection=lambda a, b: mx.concatenate([a, b], -1))
+        assert keyword(x).shape == (4, 6) and keyword.layers is inner
+
+    def test_layer_connection_owns_parameters(self):
+        block = SkipConnection(Dense(3, 2), Bilinear(2, 3, 4))
+        assert block(mx.ones((5, 3))).shape == (5, 4)
+        assert set(block.parameters()) == {"layers", "connection"}
+
+    def test_gradients_float64(self):
+        check_layer_gradients(SkipConnection(Dense(3, 3, mx.tanh), mx.multiply),
+                              mx.random.normal((4, 3)))
+
+    def test_dtype_under_autocast(self):
+        block = SkipConnection(Dense(3, 3), mx.add)
+        with autocast(mx.bfloat16, device="cpu"):
+            assert block(mx.ones((2, 3), dtype=mx.bfloat16)).dtype == mx.bfloat16
+
+    def test_repr_expands(self):
+        assert repr(SkipConnection(Dense(3, 3), mx.add)).splitlines() == [
+            "SkipConnection(",
+            "  Dense(3 => 3),  # 12 parameters",
+            "  add,",
+            ")  # Total: 2 arrays, 12 parameters, 48 bytes.",
+        ]
+
+    def test_bad_construction(self):
+        with pytest.raises(TypeError, match=r"\[SkipConnection\] connection must be callable"):
+            SkipConnection(Dense(2, 2), "add")
+
+
+class TestParallel:
+    def test_one_input_goes_to_every_layer(self):
+        a, b = Dense(2, 3), Dense(2, 3, relu)
+        p = Parallel(mx.add, a, b)
+        x = mx.random.normal((4, 2))
+        np.testing.assert_allclose(np64(p(x)), np64(a(x)) + np64(b(x)), rtol=1e-6)
+        assert p[0] is a and p[-1] is b and len(p) == 2
+
+    def test_inputs_one_to_one_as_args_or_tuple(self):
+        p = Parallel(lambda u, v: mx.concatenate([u, v], -1), a=Dense(2, 3), b=Dense(4, 1))
+        x, z = mx.random.normal((5, 2)), mx.random.normal((5, 4))
+        expected = np.concatenate([np64(p["a"](x)), np64(p["b"](z))], -1)
+        np.testing.assert_allclose(np64(p(x, z)), expected, rtol=1e-6)
+        np.testing.assert_array_equal(np64(p((x, z))), np64(p(x, z)))
+        assert p[1] is p["b"] and list(p[:1].layers) == ["a"]
+
+    def test_one_layer_many_inputs_and_none_connection(self):
+        layer = Dense(2, 3)
+        outputs = Parallel(None, layer)(mx.ones((1, 2)), mx.zeros((4, 2)))
+        assert isinstance(outputs, tuple) and [o.shape for o in outputs] == [(1, 3), (4, 3)]
+
+    def test_parameters_tree(self):
+        p = Parallel(Bilinear(3, 3, 1), a=Dense(2, 3), b=Dense(2, 3))
+        assert set(p.parameters()) == {"connection", "layers"}
+        assert set(p.parameters()["layers"]) == {"a", "b"}
+        assert p(mx.ones((4, 2))).shape == (4, 1)
+
+    def test_gradients_float64(self):
+        p = Parallel(mx.multiply, Dense(3, 2, mx.tanh), Dense(4, 2))
+        check_layer_gradients(p, mx.random.normal((5, 3)), mx.random.normal((5, 4)))
+
+    def test_repr(self):
+        assert repr(Parallel(mx.add, a=Dense(2, 3), b=Dense(4, 3))).splitlines() == [
+            "Parallel(",
+            "  add,",
+            "  a = Dense(2 => 3),  # 9 parameters",
+            "  b = Dense(4 => 3),  # 15 parameters",
+            ")  # Total: 4 arrays, 24 parameters, 96 bytes.",
+        ]
+
+    def test_bad_calls_and_construction(self):
+        p = Parallel(mx.add, Dense(2, 2), Dense(2, 2), Dense(2, 2))
+        with pytest.raises(ValueError, match=r"\[Parallel\] with 3 layers takes one input or 3 "
+                                             r"inputs, got 2"):
+            p(mx.ones((1, 2)), mx.ones((1, 2)))
+        with pytest.raises(ValueError, match=r"\[Parallel\] expected at least one input"):
+            p()
+        with pytest.raises(ValueError, match=r"\[Parallel\] needs at least one layer"):
+            Parallel(mx.add)
+        with pytest.raises(ValueError, match=r"either by position or by name"):
+            Parallel(mx.add, Dense(2, 2), b=Dense(2, 2))
+        with pytest.raises(ValueError, match=r"\['layers'\] cannot name a layer"):
+            Parallel(mx.add, layers=Dense(2, 2))
+        with pytest.raises(TypeError, match=r"\[Parallel\] connection must be callable or None"):
+            Parallel("add", Dense(2, 2))
+        with pytest.raises(TypeError, match=r"\[Parallel\] layer 1 must be callable"):
+            Parallel(mx.add, Dense(2, 2), 3)
+        with pytest.raises(KeyError, match=r"no layer named 'c'"):
+            Parallel(mx.add, a=Dense(2, 2))["c"]
+
+
+class TestEmbedding:
+    def test_construction_and_lookup_matches_numpy(self):
+        emb = Embedding(10, 4)
+        keyword = Embedding(vocab=10, dims=4, init=mx.zeros)
+        assert emb.weight.shape == (10, 4) and np64(keyword.weight).max() == 0
+        idx = mx.array([[1, 2, 3], [9, 0, 3]])
+        out = emb(idx)
+        assert out.shape == (2, 3, 4) and out.dtype == mx.float32
+        np.testing.assert_array_equal(np64(out), np64(emb.weight)[np.array(idx)])
+        assert emb(mx.array(7)).shape == (4,)
+        assert emb(mx.array([1, 2], dtype=mx.uint8)).shape == (2, 4)
+        assert emb(mx.zeros((0,), dtype=mx.int32)).shape == (0, 4)
+
+    def test_default_init_is_standard_normal(self):
+        w = np64(Embedding(400, 50).weight)
+        assert abs(w.mean()) < 0.02 and abs(w.std() - 1) < 0.02
+
+    def test_dtype_under_autocast_stays_float32(self):
+        emb = Embedding(5, 3)
+        with autocast(mx.float16, device="cpu"):
+            assert emb(mx.array([1, 2])).dtype == mx.float32
+
+    def test_gradients_float64(self):
+        emb, idx = Embedding(6, 3), mx.array([[0, 2, 2], [5, 1, 0]])
+        r = mx.random.normal((2, 3, 3)).astype(mx.float64)
+
+        def loss(weight, unused):
+            # helpers.check_gradients needs two arguments: mx.grad returns a bare array
+            # (not a tuple) for a single one
+            emb.weight = weight
+            return mx.sum(emb(idx) * r) + 0 * mx.sum(unused)
+
+        with mx.stream(mx.cpu):
+            check_gradients(loss, emb.weight.astype(mx.float64), mx.zeros((1,), mx.float64))
+
+    def test_repr(self):
+        assert repr(Embedding(10, 4)) == "Embedding(10 => 4)  # 40 parameters"
+
+    @pytest.mark.parametrize("bad", [[-1, 2], [0, 10], [10**6]])
+    def test_out_of_range_is_a_clear_error(self, bad):
+        emb = Embedding(10, 4)
+        before = np64(emb.weight)
+        with pytest.raises(ValueError, match=r"\[Embedding\] indices must lie in \[0, 10\), "
+                                             rf"got values from {min(bad)} to {max(bad)}"):
+            emb(mx.array(bad))
+        np.testing.assert_array_equal(np64(emb.weight), before)
+
+    def test_compiled_out_of_range_rows_are_nan(self):
+        emb = Embedding(5, 3)
+        out = mx.compile(lambda i: emb(i))(mx.array([1, 5, -1]))
+        np.testing.assert_array_equal(np64(out[0]), np64(emb.weight[1]))
+        assert np.isnan(np64(out[1:])).all()
+
+    @pytest.mark.parametrize("bad", [mx.ones((2,)), mx.array([True, False]), [1, 2]])
+    def test_non_integer_input_is_a_type_error(self, bad):
+        with pytest.raises(TypeError, match=r"\[Embedding\] expected an mx.array of integer "
+                                            r"indices"):
+            Embedding(4, 2)(bad)
+
+    def test_bad_sizes(self):
+        with pytest.raises(ValueError, match=r"\[Embedding\] dims must be a positive integer"):
+            Embedding(4, 0)
+
+
+class TestFlatten:
+    def test_shapes_numpy_and_chain(self):
+        x = mx.random.normal((2, 3, 4, 5))
+        np.testing.assert_array_equal(np64(flatten(x)), np64(x).reshape(2, 60))
+        assert flatten(mx.ones((3,))).shape == (3, 1)
+        assert flatten(mx.ones((3, 2), dtype=mx.float16)).dtype == mx.float16
+        assert Chain(flatten, Dense(12, 2))(mx.ones((5, 3, 4))).shape == (5, 2)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match=r"\[flatten\] expected an input with a batch axis"):
+            flatten(mx.array(1.0))
+        with pytest.raises(TypeError, match=r"\[flatten\] expected an mx.array"):
+            flatten([[1.0]])

@@ -1,0 +1,361 @@
+"""Loss functions with Flux's names and semantics, in MLX's layout (class axis last).
+
+Every loss is ``loss(ŷ, y, *, agg="mean", ...)``: ``ŷ`` (``yhat``) is the prediction and
+``y`` the target, of the same shape (a shape mismatch is a ``ValueError``; a Python number
+``y`` is a constant target). ``agg`` reduces the elementwise loss (or, for the class-axis
+losses, the per-sample loss): ``"mean"`` (default), ``"sum"``, ``"none"`` (return the
+array), or a function applied to that array.
+
+The class-axis losses (``crossentropy``, ``logitcrossentropy``, ``kldivergence``,
+``focal_loss``) sum over ``axis`` (default ``-1``) first, so ``agg="mean"`` is the mean over
+samples of the per-sample sum over classes, as in Flux; ``agg="none"`` returns the
+per-sample losses with the class axis removed. Their target ``y`` is either one-hot /
+probabilities of ``ŷ``'s shape, or integer class indices (0-based) of ``ŷ``'s shape without
+the class axis. Class indices are range-checked (a ``ValueError``; this reads two numbers
+back to the host, one synchronisation per call); inside ``mx.compile`` nothing can be read
+back and an out-of-range index makes its sample's loss NaN instead.
+
+Precision (policy "fp32", no scope read needed): half-precision inputs are cast up and the
+loss is computed, accumulated and returned in float32, inside or outside
+:func:`~fluxlike.autocast`. float32 and float64 inputs keep their dtype (float64 if either
+input is float64). ``eps`` defaults to the machine epsilon of that compute dtype.
+
+>>> import mlx.core as mx
+>>> from fluxlike.losses import mse, logitcrossentropy
+>>> mse(mx.array([1.0, 2.0]), mx.array([1.0, 4.0])).item()
+2.0
+>>> logitcrossentropy(mx.zeros((3, 4), dtype=mx.float16), mx.array([0, 1, 3])).dtype
+mlx.core.float32
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from .layers.basic import index_range
+
+AGGREGATIONS = ("mean", "sum", "none")
+
+Agg = str | Callable[[mx.array], Any]
+
+
+def _aggregate(agg: Agg, name: str) -> Callable[[mx.array], Any]:
+    """The reduction named or given by ``agg``."""
+    if isinstance(agg, str) and agg in AGGREGATIONS:
+        return {"mean": mx.mean, "sum": mx.sum, "none": lambda a: a}[agg]
+    if callable(agg) and not isinstance(agg, str):
+        return agg
+    raise ValueError(
+        f"[{name}] agg must be one of {AGGREGATIONS} or a function of the loss array, "
+        f"got {agg!r}"
+    )
+
+
+def _compute_dtype(*xs: Any) -> mx.Dtype:
+    """float64 if any input is float64, else float32 (half precision is cast up)."""
+    wide = any(isinstance(x, mx.array) and x.dtype == mx.float64 for x in xs)
+    return mx.float64 if wide else mx.float32
+
+
+def _check_prediction(yhat: Any, name: str) -> None:
+    if not isinstance(yhat, mx.array):
+        raise TypeError(
+            f"[{name}] expected the prediction ŷ as an mx.array, got {type(yhat).__name__}"
+        )
+
+
+def _check_target(y: Any, name: str) -> None:
+    if isinstance(y, mx.array):
+        return
+    if not isinstance(y, numbers.Real):
+        raise TypeError(
+            f"[{name}] expected the target y as an mx.array or a number, got {type(y).__name__}"
+        )
+
+
+def _as_array(y: mx.array | float, dtype: mx.Dtype) -> mx.array:
+    return (y if isinstance(y, mx.array) else mx.array(y)).astype(dtype)
+
+
+def _prepare(yhat: Any, y: Any, name: str, agg: Agg) -> tuple[mx.array, mx.array, Callable]:
+    """Validate, and cast both to the compute dtype: the elementwise losses' preamble."""
+    reduce = _aggregate(agg, name)
+    _check_prediction(yhat, name)
+    _check_target(y, name)
+    if isinstance(y, mx.array) and y.shape != yhat.shape:
+        raise ValueError(
+            f"[{name}] prediction shape {tuple(yhat.shape)} does not match target shape "
+            f"{tuple(y.shape)}"
+        )
+    dtype = _compute_dtype(yhat, y)
+    return yhat.astype(dtype), _as_array(y, dtype), reduce
+
+
+def _prepare_classes(
+    yhat: Any, y: Any, name: str, agg: Agg, axis: int
+) -> tuple[mx.array, mx.array, bool, int, Callable]:
+    """Like :func:`_prepare` for class-axis losses; also accepts integer class indices.
+
+    Returns ``(ŷ, y, y_is_indices, axis, reduce)`` with ``axis`` made non-negative.
+    """
+    reduce = _aggregate(agg, name)
+    _check_prediction(yhat, name)
+    _check_target(y, name)
+    if yhat.ndim == 0 or not -yhat.ndim <= axis < yhat.ndim:
+        raise ValueError(
+            f"[{name}] axis {axis} is out of range for a prediction of shape {tuple(yhat.shape)}"
+        )
+    axis %= yhat.ndim
+    dtype = _compute_dtype(yhat, y)
+    if not isinstance(y, mx.array) or y.shape == yhat.shape:
+        return yhat.astype(dtype), _as_array(y, dtype), False, axis, reduce
+    per_sample = yhat.shape[:axis] + yhat.shape[axis + 1 :]
+    if y.shape == per_sample and mx.issubdtype(y.dtype, mx.integer):
+        bounds, classes = index_range(y), yhat.shape[axis]
+        if bounds is not None and (bounds[0] < 0 or bounds[1] >= classes):
+            raise ValueError(
+                f"[{name}] class indices must lie in [0, {classes}) (0-based), "
+                f"got values from {bounds[0]} to {bounds[1]}"
+            )
+        return yhat.astype(dtype), y, True, axis, reduce
+    if y.shape == per_sample:
+        hint = f"class indices of shape {tuple(per_sample)} must be integers, got {y.dtype}"
+    else:
+        hint = f"integer class indices must have shape {tuple(per_sample)}"
+    raise ValueError(
+        f"[{name}] prediction shape {tuple(yhat.shape)} does not match target shape "
+        f"{tuple(y.shape)}; {hint}"
+    )
+
+
+def _pick(yhat: mx.array, indices: mx.array, axis: int) -> mx.array:
+    """``ŷ`` at the target class of each sample, the class axis removed; NaN for an index
+    out of range (reachable only inside ``mx.compile``, where the eager check cannot run)."""
+    valid = (indices >= 0) & (indices < yhat.shape[axis])
+    safe = mx.expand_dims(mx.where(valid, indices, 0), axis)
+    picked = mx.take_along_axis(yhat, safe, axis=axis).squeeze(axis)
+    return mx.where(valid, picked, mx.array(float("nan"), picked.dtype))
+
+
+def _xlogy(x: mx.array, y: mx.array) -> mx.array:
+    """``x * log(y)``, and 0 where ``x == 0`` (Flux's ``xlogy``)."""
+    return mx.where(x == 0, 0, x * mx.log(y))
+
+
+def _xlogx(x: mx.array) -> mx.array:
+    """``x * log(x)``, and 0 at ``x == 0``."""
+    return mx.where(x == 0, 0, x * mx.log(mx.where(x == 0, 1, x)))
+
+
+def _eps(eps: float | None, x: mx.array) -> float:
+    return mx.finfo(x.dtype).eps if eps is None else eps
+
+
+def mse(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
+    """Mean squared error: ``agg((ŷ - y)**2)``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import mse
+    >>> mse(mx.array([1.1, 1.9, 3.1]), mx.array([1.0, 2.0, 3.0])).item()
+    0.01
+    >>> mse(mx.array([1.0, 3.0]), mx.array([1.0, 1.0]), agg="none")
+    array([0, 4], dtype=float32)
+    """
+    yhat, y, reduce = _prepare(yhat, y, "mse", agg)
+    return reduce(mx.square(yhat - y))
+
+
+def mae(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
+    """Mean absolute error: ``agg(abs(ŷ - y))``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import mae
+    >>> mae(mx.array([1.0, 2.0, 6.0]), mx.array([1.0, 4.0, 3.0]), agg="sum").item()
+    5.0
+    """
+    yhat, y, reduce = _prepare(yhat, y, "mae", agg)
+    return reduce(mx.abs(yhat - y))
+
+
+def msle(
+    yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean", eps: float | None = None
+) -> mx.array:
+    """Mean squared logarithmic error: ``agg(log((ŷ + eps) / (y + eps))**2)``.
+
+    Penalises under-estimation more than over-estimation.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import msle
+    >>> msle(mx.array([1.1, 2.2, 3.3]), mx.array([1.0, 2.0, 3.0])).item()
+    0.009084
+    """
+    yhat, y, reduce = _prepare(yhat, y, "msle", agg)
+    eps = _eps(eps, yhat)
+    return reduce(mx.square(mx.log((yhat + eps) / (y + eps))))
+
+
+def huber_loss(
+    yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean", delta: float = 1.0
+) -> mx.array:
+    """Huber loss: ``0.5 * e**2`` where ``e = |ŷ - y| < delta``, else
+    ``delta * (e - 0.5 * delta)``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import huber_loss
+    >>> huber_loss(mx.array([0.5, 3.0]), mx.array([0.0, 0.0]), agg="none")
+    array([0.125, 2.5], dtype=float32)
+    """
+    if not isinstance(delta, numbers.Real) or not delta > 0:
+        raise ValueError(f"[huber_loss] delta must be a positive number, got {delta!r}")
+    yhat, y, reduce = _prepare(yhat, y, "huber_loss", agg)
+    error = mx.abs(yhat - y)
+    return reduce(mx.where(error < delta, 0.5 * error * error, delta * (error - 0.5 * delta)))
+
+
+def crossentropy(
+    yhat: mx.array,
+    y: mx.array,
+    *,
+    agg: Agg = "mean",
+    eps: float | None = None,
+    axis: int = -1,
+) -> mx.array:
+    """Cross entropy of probabilities ``ŷ`` (e.g. softmax output):
+    ``agg(-sum(y * log(ŷ + eps), axis))``.
+
+    ``y``: one-hot or probabilities of ``ŷ``'s shape, or integer class indices. Prefer
+    :func:`logitcrossentropy` on logits, which is more stable.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import crossentropy
+    >>> p = mx.array([[0.25, 0.75], [0.5, 0.5]])
+    >>> crossentropy(p, mx.array([[0.0, 1.0], [1.0, 0.0]]), agg="none")
+    array([0.287682, 0.693147], dtype=float32)
+    >>> crossentropy(p, mx.array([1, 0])).item()
+    0.490415
+    """
+    yhat, y, indices, axis, reduce = _prepare_classes(yhat, y, "crossentropy", agg, axis)
+    eps = _eps(eps, yhat)
+    if indices:
+        return reduce(-mx.log(_pick(yhat, y, axis) + eps))
+    return reduce(-mx.sum(_xlogy(y, yhat + eps), axis=axis))
+
+
+def logitcrossentropy(
+    yhat: mx.array, y: mx.array, *, agg: Agg = "mean", axis: int = -1
+) -> mx.array:
+    """Cross entropy of logits ``ŷ``: ``agg(-sum(y * logsoftmax(ŷ), axis))``, equal to
+    ``crossentropy(softmax(ŷ), y)`` but stable.
+
+    ``y``: one-hot or probabilities of ``ŷ``'s shape, or integer class indices of ``ŷ``'s
+    shape without ``axis`` (then the loss is ``logsumexp(ŷ) - ŷ[y]`` per sample).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import logitcrossentropy
+    >>> logits = mx.array([[0.0, 0.0], [2.0, 0.0]])
+    >>> logitcrossentropy(logits, mx.array([0, 1]), agg="none")
+    array([0.693147, 2.12693], dtype=float32)
+    >>> logitcrossentropy(logits, mx.array([[1.0, 0.0], [0.0, 1.0]])).item()
+    1.410038
+    """
+    yhat, y, indices, axis, reduce = _prepare_classes(yhat, y, "logitcrossentropy", agg, axis)
+    lse = mx.logsumexp(yhat, axis=axis, keepdims=True)
+    if indices:
+        return reduce(lse.squeeze(axis) - _pick(yhat, y, axis))
+    return reduce(-mx.sum(y * (yhat - lse), axis=axis))
+
+
+def binarycrossentropy(
+    yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean", eps: float | None = None
+) -> mx.array:
+    """Binary cross entropy of probabilities ``ŷ`` (e.g. sigmoid output):
+    ``agg(-y * log(ŷ + eps) - (1 - y) * log(1 - ŷ + eps))``, elementwise.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import binarycrossentropy
+    >>> loss = binarycrossentropy(mx.array([0.9, 0.2]), mx.array([1.0, 0.0]), agg="none")
+    >>> [round(v, 4) for v in loss.tolist()]
+    [0.1054, 0.2231]
+    """
+    yhat, y, reduce = _prepare(yhat, y, "binarycrossentropy", agg)
+    eps = _eps(eps, yhat)
+    return reduce(-_xlogy(y, yhat + eps) - _xlogy(1 - y, 1 - yhat + eps))
+
+
+def logitbinarycrossentropy(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
+    """Binary cross entropy of logits ``ŷ``: ``binarycrossentropy(sigmoid(ŷ), y)``, stably,
+    as ``(1 - y) * ŷ - logsigmoid(ŷ)``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import logitbinarycrossentropy
+    >>> logitbinarycrossentropy(mx.array([2.0, -1.0, 3.1415927]), mx.array([1, 0, 1])).item()
+    0.160832
+    """
+    yhat, y, reduce = _prepare(yhat, y, "logitbinarycrossentropy", agg)
+    return reduce((1 - y) * yhat + mx.logaddexp(mx.zeros_like(yhat), -yhat))
+
+
+def kldivergence(
+    yhat: mx.array,
+    y: mx.array,
+    *,
+    agg: Agg = "mean",
+    eps: float | None = None,
+    axis: int = -1,
+) -> mx.array:
+    """Kullback-Leibler divergence of ``ŷ`` from the distribution ``y``:
+    ``agg(sum(y * log(y) - y * log(ŷ + eps), axis))`` (entropy plus cross entropy).
+
+    ``agg`` is applied to the per-sample divergence (Flux applies it to the entropy and the
+    cross entropy separately; the two agree for ``"mean"`` and ``"sum"``). Integer class
+    indices ``y`` stand for one-hot targets, whose entropy is 0.
+
+    >>> import math, mlx.core as mx
+    >>> from fluxlike.losses import kldivergence
+    >>> kl = kldivergence(mx.full((2, 2), 0.5), mx.array([[1.0, 0.0], [0.0, 1.0]]))
+    >>> math.isclose(kl.item(), math.log(2), rel_tol=1e-5)
+    True
+    """
+    yhat, y, indices, axis, reduce = _prepare_classes(yhat, y, "kldivergence", agg, axis)
+    eps = _eps(eps, yhat)
+    if indices:
+        return reduce(-mx.log(_pick(yhat, y, axis) + eps))
+    return reduce(mx.sum(_xlogx(y) - _xlogy(y, yhat + eps), axis=axis))
+
+
+def focal_loss(
+    yhat: mx.array,
+    y: mx.array,
+    *,
+    agg: Agg = "mean",
+    gamma: float = 2,
+    eps: float | None = None,
+    axis: int = -1,
+) -> mx.array:
+    """Focal loss of probabilities ``ŷ`` (softmax output) for imbalanced classes:
+    ``agg(sum(-y * (1 - p)**gamma * log(p), axis))`` with ``p = ŷ + eps``.
+
+    ``gamma = 0`` gives :func:`crossentropy`. ``y``: one-hot/probabilities or integer class
+    indices.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import focal_loss
+    >>> p = mx.array([[0.25, 0.75], [0.5, 0.5]])
+    >>> focal_loss(p, mx.array([1, 0]), agg="none")
+    array([0.0179801, 0.173287], dtype=float32)
+    """
+    if not isinstance(gamma, numbers.Real) or gamma < 0:
+        raise ValueError(f"[focal_loss] gamma must be a non-negative number, got {gamma!r}")
+    yhat, y, indices, axis, reduce = _prepare_classes(yhat, y, "focal_loss", agg, axis)
+    eps = _eps(eps, yhat)
+    if indices:
+        p = _pick(yhat, y, axis) + eps
+        return reduce(-mx.power(mx.maximum(1 - p, 0), gamma) * mx.log(p))
+    p = yhat + eps
+    # clamped at 0: p may pass 1 by eps, where a fractional power would be NaN
+    weight = mx.power(mx.maximum(1 - p, 0), gamma)
+    return reduce(-mx.sum(_xlogy(y, p) * weight, axis=axis))
