@@ -14,17 +14,19 @@ old trace, so wrap it in a new function (``mx.compile(lambda *a: fn(*a))``) for 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
 from ..modes import _differentiating
-from .state import compute_dtypes
+from .state import compute_dtypes, device_index
 
 
 def trace_key() -> tuple:
-    """The Python state a trace depends on: the autocast dtypes and the automatic train mode."""
-    return compute_dtypes.get(), _differentiating.get()
+    """The Python state a trace depends on: the default device type (it picks which slot of
+    the autocast state layers read), the autocast dtypes and the automatic train mode."""
+    return device_index(), compute_dtypes.get(), _differentiating.get()
 
 
 def compile(

@@ -10,15 +10,17 @@ inside an :func:`~fluxlike.autocast` scope with compute dtype ``T``:
 
 The barrier: until :func:`activate` runs (on the first use of autocast in the process) a
 layer's ``__call__`` is its own plain method and no autocast code runs at all. ``activate``
-wraps the ``__call__`` of every registered class once; from then on a call outside any scope
-costs one context-variable read.
+wraps the ``__call__`` of every registered class (and of their subclasses that define their
+own, including subclasses defined later) once; from then on a call outside any scope costs
+one context-variable read.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,7 +57,7 @@ def autocast_policy(policy: str) -> Callable[[M], M]:
         with _lock:
             _registry[cls] = policy
             if _dispatching:
-                _install(cls, policy)
+                _install_tree(cls)
         return cls
 
     return register
@@ -83,28 +85,59 @@ def activate() -> None:
     with _lock:
         if _dispatching:
             return
-        for cls in _registry:
-            for sub in _subclasses(cls):
-                _install(sub, policy_of(sub))
+        # Bases first, so that a "none" subclass of a wrapped class pins the plain method.
+        for cls in sorted(_registry, key=lambda c: len(c.__mro__)):
+            _install_tree(cls)
         _dispatching = True
 
 
 def _subclasses(cls: type) -> list[type]:
-    """``cls`` and its subclasses that define their own ``__call__`` (and so need wrapping)."""
+    """``cls`` and, bases first, its subclasses that need a ``__call__`` of their own: those
+    defining one, and registered ones (their policy may differ from the inherited wrapper's)."""
     found = [cls]
     for sub in cls.__subclasses__():
-        if sub not in _registry:
-            found.extend(s for s in _subclasses(sub) if "__call__" in s.__dict__)
+        found.extend(s for s in _subclasses(sub) if s in _registry or "__call__" in s.__dict__)
     return found
+
+
+def _install_tree(cls: type) -> None:
+    """Route ``cls``, its existing subclasses and (via a hook) its future ones."""
+    for sub in _subclasses(cls):
+        _install(sub, policy_of(sub))
+    _watch_subclasses(cls)
+
+
+def _watch_subclasses(cls: type) -> None:
+    """Wrap the ``__call__`` of subclasses of ``cls`` defined after the barrier was crossed."""
+    own = cls.__dict__.get("__init_subclass__")
+    if getattr(own, "__fluxlike_watch__", False):
+        return
+
+    def __init_subclass__(sub: type, **kwargs: Any) -> None:
+        if own is not None:
+            own.__func__(sub, **kwargs)
+        else:
+            super(cls, sub).__init_subclass__(**kwargs)
+        call = sub.__dict__.get("__call__")
+        if call is not None and sub not in _registry and not hasattr(call, "__fluxlike_plain__"):
+            with _lock:
+                _install(sub, policy_of(sub))
+
+    hook = classmethod(__init_subclass__)
+    hook.__fluxlike_watch__ = True
+    cls.__init_subclass__ = hook
 
 
 def _install(cls: type, policy: str) -> None:
     call = cls.__call__
     plain = getattr(call, "__fluxlike_plain__", call)  # never wrap a wrapper
     if policy == "none":
-        if plain is not call and "__call__" in cls.__dict__:
+        if plain is not call:  # pin the plain method over an inherited wrapper
             cls.__call__ = plain
         return
+    own = cls.__dict__.get("__call__")
+    if getattr(own, "__fluxlike_policy__", None) == policy:
+        return  # already routed: keep the one wrapper
     dispatch = _down if policy == "down" else _fp32
 
     @functools.wraps(plain)
@@ -118,6 +151,7 @@ def _install(cls: type, policy: str) -> None:
         return dispatch(plain, self, dtype, args, kwargs)
 
     __call__.__fluxlike_plain__ = plain
+    __call__.__fluxlike_policy__ = policy
     cls.__call__ = __call__
 
 
@@ -144,12 +178,23 @@ def half_view(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
     """A shallow copy of ``layer`` whose own floating parameters are cast to ``dtype``.
 
     Child modules are shared, not copied: a child with a policy of its own casts itself
-    when it is called. The casts are ordinary graph ops, so gradients flow back to the
-    float32 master weights in float32.
+    when it is called. Parameters held in lists or dicts are cast too. The casts are
+    ordinary graph ops, so gradients flow back to the float32 master weights in float32.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense
+    >>> layer = Dense(2, 3)
+    >>> view = half_view(layer, mx.float16)
+    >>> view.weight.dtype, layer.weight.dtype
+    (mlx.core.float16, mlx.core.float32)
     """
     view = type(layer).__new__(type(layer))
     view.__dict__.update(layer.__dict__)
     cast = _to(dtype, CASTABLE)
     for key, value in layer.items():
-        dict.__setitem__(view, key, cast(value))
+        if isinstance(value, (list, tuple, dict)) and not isinstance(value, nn.Module):
+            value = tree_map(cast, value, is_leaf=nn.Module.is_module)
+        else:
+            value = cast(value)
+        dict.__setitem__(view, key, value)
     return view

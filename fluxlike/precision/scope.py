@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 
 from . import policy
 from .state import HALF, OFF, compute_dtypes, device_index
 
-# Per-context stack of (scope, state it was entered from); each exit pops its own entry.
-_entries: ContextVar[tuple[tuple["autocast", tuple], ...]] = ContextVar(
+# Per-context stack of live entries (scope, device slot, that slot's dtype before the entry);
+# each exit removes its own entry.
+_entries: ContextVar[tuple[tuple[autocast, int, mx.Dtype | None], ...]] = ContextVar(
     "fluxlike_autocast_entries", default=()
 )
 
@@ -45,6 +47,13 @@ def _check_dtype(dtype: Any, where: str) -> mx.Dtype:
     )
 
 
+def _set(slot: int, dtype: mx.Dtype | None) -> None:
+    """Set one device slot of the state; all-off is always the ``OFF`` object (fast path)."""
+    state = list(compute_dtypes.get())
+    state[slot] = dtype
+    compute_dtypes.set(OFF if state[0] is None and state[1] is None else tuple(state))
+
+
 class autocast:
     """Run eligible layers in half precision inside a scope; master weights stay float32.
 
@@ -59,9 +68,11 @@ class autocast:
       type's state is never touched.
     - ``enabled=False`` switches autocast off for the device inside the scope.
 
-    It is a context manager (``as`` gives the scope itself) and a decorator. Leaving restores
-    the state it was entered from, on exception too. The state lives in a context variable:
-    each thread and each asyncio task has its own, and a new thread starts with autocast off.
+    It is a context manager (``as`` gives the scope itself) and a decorator (each call of the
+    decorated function runs in the scope). Leaving restores its device's state as it was
+    entered from, on exception too; one object may be entered again, also while active (each
+    entry is undone by its own exit). The state lives in a context variable: each thread and
+    each asyncio task has its own, and a new thread starts with autocast off.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, autocast
@@ -90,25 +101,31 @@ class autocast:
         enabled = "" if self.enabled else ", enabled=False"
         return f"autocast({self.dtype}{device}{enabled})"
 
-    def __enter__(self) -> "autocast":
+    def __enter__(self) -> autocast:
         policy.activate()
-        before = compute_dtypes.get()
         slot = device_index() if self._slot is None else self._slot
-        after = list(before)
-        after[slot] = self.dtype if self.enabled else None
-        after = OFF if after[0] is None and after[1] is None else tuple(after)
-        _entries.set(_entries.get() + ((self, before),))
-        compute_dtypes.set(after)
+        _entries.set(_entries.get() + ((self, slot, compute_dtypes.get()[slot]),))
+        _set(slot, self.dtype if self.enabled else None)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         entries = _entries.get()
         for i in range(len(entries) - 1, -1, -1):
             if entries[i][0] is self:
-                compute_dtypes.set(entries[i][1])
-                _entries.set(entries[:i] + entries[i + 1 :])
-                return
-        raise RuntimeError(f"{self!r} exited in a context where it was not entered")
+                break
+        else:
+            raise RuntimeError(f"{self!r} exited in a context where it was not entered")
+        _, slot, before = entries[i]
+        rest = list(entries[:i] + entries[i + 1 :])
+        # Only this device's slot is restored. If a later entry on the same device is still
+        # live (exits out of order, e.g. a generator closed inside another scope), the state
+        # stays that entry's and that entry will restore ours when it exits.
+        later = next((j for j in range(i, len(rest)) if rest[j][1] == slot), None)
+        if later is None:
+            _set(slot, before)
+        else:
+            rest[later] = (rest[later][0], slot, before)
+        _entries.set(tuple(rest))
 
     def __call__(self, fn: Callable) -> Callable:
         """Decorate ``fn`` so that each call runs inside this scope."""

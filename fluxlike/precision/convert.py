@@ -1,0 +1,214 @@
+"""Storage converters: a model with its floating parameters stored in another dtype.
+
+``f32``, ``f64``, ``f16`` and ``bf16`` cast every floating parameter (full casts, like
+PyTorch's ``model.half()``). ``f16mix`` and ``bf16mix`` cast all but the layers that declare
+:func:`keep_float32` (BatchNorm, InstanceNorm and GroupNorm, fluxlike's and ``mlx.nn``'s),
+whose statistics and affine parameters stay float32, as in Flux.
+
+Each converter returns a new model and leaves its argument unchanged: the module tree is
+copied node by node (sharing no module, list, dict or frozen-set with the argument), integer
+and boolean leaves are untouched, and a leaf already of the target dtype is reused, not
+copied. Frozen parameters stay frozen. Modules or arrays that appear twice in the argument
+(tied weights) appear twice, as one object, in the result. Arrays and plain trees of arrays
+(e.g. ``model.parameters()``) are converted too.
+
+Following ``mlx.nn.Module.parameters()``, arrays under keys starting with ``_`` are not
+parameters and are not cast.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, TypeVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+T = TypeVar("T")
+C = TypeVar("C", bound=type)
+
+_keep: dict[type, bool] = {}
+_fluxlike_norms_registered = False
+
+
+def keep_float32(cls: C, keep: bool = True) -> C:
+    """Declare that ``cls`` keeps its parameters in float32 under ``f16mix``/``bf16mix``.
+
+    The one-line trait of Flux's ``_keep_f32_under_halfprec``; works as a class decorator
+    (``@keep_float32``) and on existing classes. Subclasses inherit it; a subclass can opt
+    out with ``keep_float32(Sub, False)``. Children of a layer that keeps float32 stay
+    float32 too. Returns ``cls``.
+
+    >>> import mlx.core as mx
+    >>> import mlx.nn as nn
+    >>> from fluxlike import f16mix, keep_float32
+    >>> @keep_float32
+    ... class Scale(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.gain = mx.ones((3,))
+    >>> f16mix(Scale()).gain.dtype
+    mlx.core.float32
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"keep_float32: expected an mlx.nn.Module subclass, got {cls!r}")
+    if not isinstance(keep, bool):
+        raise TypeError(f"keep_float32: keep must be a bool, got {keep!r}")
+    _keep[cls] = keep
+    return cls
+
+
+def keeps_float32(layer: Any) -> bool:
+    """Whether a layer (or layer class) keeps float32 under mixed conversion: its own
+    declaration, else its nearest declared base's, else ``False``.
+
+    >>> import mlx.nn as nn
+    >>> from fluxlike import BatchNorm, Dense
+    >>> from fluxlike.precision.convert import keeps_float32
+    >>> keeps_float32(BatchNorm), keeps_float32(nn.GroupNorm(4, 8)), keeps_float32(Dense)
+    (True, True, False)
+    """
+    _register_fluxlike_norms()
+    cls = layer if isinstance(layer, type) else type(layer)
+    for base in cls.__mro__:
+        if base in _keep:
+            return _keep[base]
+    return False
+
+
+def _register_fluxlike_norms() -> None:
+    """Register fluxlike's own norms on first use (imported here: the layers import the
+    precision package, not the other way round)."""
+    global _fluxlike_norms_registered
+    if _fluxlike_norms_registered:
+        return
+    _fluxlike_norms_registered = True
+    from ..layers import normalise
+
+    for name in ("BatchNorm", "InstanceNorm", "GroupNorm"):
+        cls = getattr(normalise, name, None)
+        if cls is not None and cls not in _keep:
+            keep_float32(cls)
+
+
+for _cls in (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm):
+    keep_float32(_cls)
+
+
+def _convert(tree: T, dtype: mx.Dtype, mixed: bool) -> T:
+    memo: dict[int, Any] = {}
+
+    def leaf(x: Any, target: mx.Dtype, cast: bool) -> Any:
+        if isinstance(x, nn.Module):
+            return module(x, target)
+        if not (cast and isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating)):
+            return x
+        if x.dtype == target:
+            return x
+        key = (id(x), target)
+        if key not in memo:
+            memo[key] = x.astype(target)
+        return memo[key]
+
+    def module(m: nn.Module, target: mx.Dtype) -> nn.Module:
+        if id(m) in memo:
+            return memo[id(m)]
+        if mixed and keeps_float32(m):
+            target = mx.float32
+        new = memo[id(m)] = copy.copy(m)
+        # Bookkeeping such as the frozen-parameter set must not be shared with the argument.
+        for key, value in m.__dict__.items():
+            if isinstance(value, (set, list, dict)):
+                new.__dict__[key] = copy.copy(value)
+        for key, value in m.items():
+            # "_" keys hold no parameters (mlx's valid_parameter_filter): only their modules
+            # are converted.
+            cast = functools.partial(leaf, target=target, cast=not key.startswith("_"))
+            dict.__setitem__(new, key, tree_map(cast, value, is_leaf=nn.Module.is_module))
+        return new
+
+    return tree_map(lambda x: leaf(x, dtype, True), tree, is_leaf=nn.Module.is_module)
+
+
+def f32(model: T) -> T:
+    """``model`` with every floating parameter in float32.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, f16, f32
+    >>> f32(f16(Dense(2, 3))).weight.dtype
+    mlx.core.float32
+    """
+    return _convert(model, mx.float32, mixed=False)
+
+
+def f64(model: T) -> T:
+    """``model`` with every floating parameter in float64 (float64 runs on the CPU only).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, f64
+    >>> with mx.stream(mx.cpu):
+    ...     f64(Dense(2, 3))(mx.ones((1, 2), dtype=mx.float64)).dtype
+    mlx.core.float64
+    """
+    return _convert(model, mx.float64, mixed=False)
+
+
+def f16(model: T) -> T:
+    """``model`` with every floating parameter in float16, norms included (a full cast).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import BatchNorm, Chain, Dense, f16
+    >>> half = f16(Chain(Dense(2, 3), BatchNorm(3)))
+    >>> half[0].weight.dtype, half[1].weight.dtype, half[1].running_mean.dtype
+    (mlx.core.float16, mlx.core.float16, mlx.core.float16)
+    """
+    return _convert(model, mx.float16, mixed=False)
+
+
+def bf16(model: T) -> T:
+    """``model`` with every floating parameter in bfloat16, norms included (a full cast).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import BatchNorm, Chain, Dense, bf16
+    >>> half = bf16(Chain(Dense(2, 3), BatchNorm(3)))
+    >>> half[0].weight.dtype, half[1].running_var.dtype
+    (mlx.core.bfloat16, mlx.core.bfloat16)
+    """
+    return _convert(model, mx.bfloat16, mixed=False)
+
+
+def f16mix(model: T) -> T:
+    """``model`` in float16, except layers that :func:`keep_float32` (BatchNorm,
+    InstanceNorm, GroupNorm): their statistics and affine parameters stay float32.
+
+    The result takes float32 data (each layer converts its input to its weights' dtype)
+    and computes in float16:
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import BatchNorm, Chain, Dense, f16mix, relu
+    >>> model = Chain(Dense(4, 8, relu), BatchNorm(8), Dense(8, 2))
+    >>> half = f16mix(model)
+    >>> half[0].weight.dtype, half[1].weight.dtype, half[1].running_mean.dtype
+    (mlx.core.float16, mlx.core.float32, mlx.core.float32)
+    >>> half(mx.ones((5, 4))).dtype
+    mlx.core.float16
+    >>> model[0].weight.dtype  # the argument is unchanged
+    mlx.core.float32
+    """
+    return _convert(model, mx.float16, mixed=True)
+
+
+def bf16mix(model: T) -> T:
+    """``model`` in bfloat16, except layers that :func:`keep_float32` (BatchNorm,
+    InstanceNorm, GroupNorm), which stay float32.
+
+    >>> import mlx.core as mx
+    >>> import mlx.nn as nn
+    >>> from fluxlike import bf16mix
+    >>> half = bf16mix(nn.Sequential(nn.Linear(4, 8), nn.GroupNorm(2, 8)))
+    >>> half.layers[0].weight.dtype, half.layers[1].weight.dtype
+    (mlx.core.bfloat16, mlx.core.float32)
+    """
+    return _convert(model, mx.bfloat16, mixed=True)
