@@ -1,0 +1,276 @@
+"""Data handling as in Flux: mini-batch iteration and one-hot encoding.
+
+MLX layout: observations lie on the **first** axis (Flux puts them on the last), and the
+class axis of a one-hot matrix is the last: ``onehotbatch`` gives shape ``(n, classes)``.
+
+>>> import mlx.core as mx
+>>> from fluxlike import DataLoader, onecold, onehotbatch
+>>> x, y = mx.zeros((10, 3)), mx.arange(10)
+>>> [(bx.shape, by.shape) for bx, by in DataLoader((x, y), batchsize=4)]
+[((4, 3), (4,)), ((4, 3), (4,)), ((2, 3), (2,))]
+>>> onehotbatch([1, 0], [0, 1, 2])
+array([[0, 1, 0],
+       [1, 0, 0]], dtype=float32)
+>>> onecold(mx.array([[0.1, 0.9], [0.8, 0.2]]), ["cat", "dog"])
+['dog', 'cat']
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+_NO_DEFAULT = object()
+
+
+def _as_array(x: Any, path: str) -> mx.array:
+    if isinstance(x, mx.array):
+        return x
+    if isinstance(x, np.ndarray):
+        return mx.array(x)  # mx.array converts float64 to float32, as MLX does everywhere
+    raise TypeError(
+        f"[DataLoader] data{path} must be an mx.array or a numpy array, got {type(x).__name__}"
+    )
+
+
+class DataLoader:
+    """Iterate over mini-batches of ``data``, observations on the first axis.
+
+    ``DataLoader(data, *, batchsize=1, shuffle=False, partial=True, rng=None)``
+
+    ``data`` is one array (``mx.array`` or numpy, converted once with ``mx.array``), or a
+    tuple or dict of arrays with the same number of observations; a batch is then a tuple
+    (of the same type, e.g. a named tuple) or a dict of arrays. ``len(loader)`` is the
+    number of batches per epoch. ``shuffle=True`` draws a new order on every iteration (an
+    epoch) from ``rng``: a ``numpy.random.Generator``, an int seed, or ``None`` to seed one
+    from MLX's global random state (so ``mx.random.seed`` makes runs repeatable).
+    ``partial=False`` drops a last batch smaller than ``batchsize``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import DataLoader
+    >>> loader = DataLoader(mx.arange(5), batchsize=2)
+    >>> len(loader), [b.tolist() for b in loader]
+    (3, [[0, 1], [2, 3], [4]])
+    >>> [b.tolist() for b in DataLoader(mx.arange(5), batchsize=2, partial=False)]
+    [[0, 1], [2, 3]]
+    >>> sorted(sum((b.tolist() for b in DataLoader(mx.arange(5), shuffle=True, rng=0)), []))
+    [0, 1, 2, 3, 4]
+    >>> DataLoader({"x": mx.zeros((6, 2)), "y": mx.zeros(6)}, batchsize=4, shuffle=True)
+    DataLoader(dict of 2 arrays, 6 observations, batchsize=4, shuffle=True)
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        *,
+        batchsize: int = 1,
+        shuffle: bool = False,
+        partial: bool = True,
+        rng: np.random.Generator | int | None = None,
+    ):
+        if (
+            isinstance(batchsize, bool)
+            or not isinstance(batchsize, numbers.Integral)
+            or batchsize < 1
+        ):
+            raise ValueError(
+                f"[DataLoader] batchsize must be a positive integer, got {batchsize!r}"
+            )
+        arrays = self._arrays(data)
+        sizes = {name: a.shape[0] for name, a in arrays}
+        if len(set(sizes.values())) > 1:
+            listed = ", ".join(f"data{name} has {n}" for name, n in sizes.items())
+            raise ValueError(
+                f"[DataLoader] all arrays must have the same number of observations "
+                f"(first axis): {listed}"
+            )
+        nobs = next(iter(sizes.values()))
+        if nobs == 0:
+            raise ValueError("[DataLoader] data has no observations (its first axis is empty)")
+        if shuffle:
+            if rng is None:  # follow MLX's global seed, like Flux follows Julia's default RNG
+                rng = int(mx.random.randint(0, 2**31 - 1, ()).item())
+            if isinstance(rng, numbers.Integral):
+                rng = np.random.default_rng(int(rng))
+            if not isinstance(rng, np.random.Generator):
+                raise TypeError(
+                    f"[DataLoader] rng must be a numpy Generator, an int seed or None, "
+                    f"got {type(rng).__name__}"
+                )
+        self._data = data
+        self._arrays_list = [a for _, a in arrays]
+        self.batchsize = int(batchsize)
+        self.shuffle = bool(shuffle)
+        self.partial = bool(partial)
+        self.rng = rng if shuffle else None
+        self.nobs = nobs
+
+    @staticmethod
+    def _arrays(data: Any) -> list[tuple[str, mx.array]]:
+        if isinstance(data, tuple):
+            items = [(f"[{i}]", x) for i, x in enumerate(data)]
+        elif isinstance(data, dict):
+            items = [(f"[{k!r}]", x) for k, x in data.items()]
+        elif isinstance(data, (mx.array, np.ndarray)):
+            items = [("", data)]
+        else:
+            raise TypeError(
+                f"[DataLoader] data must be an array, or a tuple or dict of arrays, "
+                f"got {type(data).__name__}"
+            )
+        if not items:
+            raise ValueError(f"[DataLoader] data is an empty {type(data).__name__}")
+        arrays = [(name, _as_array(x, name)) for name, x in items]
+        for name, a in arrays:
+            if a.ndim == 0:
+                raise ValueError(
+                    f"[DataLoader] data{name} is a scalar; observations lie on the first axis"
+                )
+        return arrays
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.nobs, self.batchsize)
+        return full + (1 if rest and self.partial else 0)
+
+    def _pack(self, batch: list[mx.array]) -> Any:
+        data = self._data
+        if isinstance(data, dict):
+            return dict(zip(data.keys(), batch, strict=True))
+        if isinstance(data, tuple):
+            # a named tuple is rebuilt field by field, a plain tuple from an iterable
+            return type(data)(*batch) if hasattr(data, "_fields") else tuple(batch)
+        return batch[0]
+
+    def __iter__(self) -> Iterator[Any]:
+        order = mx.array(self.rng.permutation(self.nobs)) if self.shuffle else None
+        for i in range(len(self)):
+            start, stop = i * self.batchsize, min((i + 1) * self.batchsize, self.nobs)
+            if order is None:
+                yield self._pack([a[start:stop] for a in self._arrays_list])
+            else:
+                rows = order[start:stop]
+                yield self._pack([mx.take(a, rows, axis=0) for a in self._arrays_list])
+
+    def __repr__(self) -> str:
+        data = self._data
+        if isinstance(data, (tuple, dict)):
+            what = f"{type(data).__name__} of {len(data)} arrays"
+        else:
+            what = f"array of shape {tuple(self._arrays_list[0].shape)}"
+        options = f"batchsize={self.batchsize}"
+        options += ", shuffle=True" if self.shuffle else ""
+        options += ", partial=False" if not self.partial else ""
+        return f"DataLoader({what}, {self.nobs} observations, {options})"
+
+
+def _labels_list(labels: Any, where: str) -> list:
+    if isinstance(labels, (mx.array, np.ndarray)):
+        if labels.ndim != 1:
+            raise ValueError(
+                f"[{where}] labels must be one-dimensional, got shape {tuple(labels.shape)}"
+            )
+        return labels.tolist()
+    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__iter__"):
+        raise TypeError(f"[{where}] labels must be a sequence, got {type(labels).__name__}")
+    return list(labels)
+
+
+def _class_index(classes: Sequence[Hashable], where: str) -> dict:
+    if isinstance(classes, (mx.array, np.ndarray)):
+        classes = classes.tolist()
+    index = {}
+    for i, c in enumerate(classes):
+        if c in index:
+            raise ValueError(f"[{where}] classes must be distinct, {c!r} appears twice")
+        index[c] = i
+    if not index:
+        raise ValueError(f"[{where}] classes is empty")
+    return index
+
+
+def onehotbatch(labels: Any, classes: Sequence[Hashable], default: Any = _NO_DEFAULT) -> mx.array:
+    """One-hot encode ``labels`` against ``classes``: a float32 array ``(n, len(classes))``.
+
+    Row ``i`` has a one in the column of ``labels[i]``'s position in ``classes`` (the class axis
+    is last, MLX's layout). A label not in ``classes`` is a ``ValueError``, unless ``default``
+    (itself one of the classes) is given: such labels are then encoded as ``default``.
+
+    >>> from fluxlike import onehotbatch
+    >>> onehotbatch(["b", "z"], ["a", "b", "c"], default="c")
+    array([[0, 1, 0],
+           [0, 0, 1]], dtype=float32)
+    >>> onehotbatch([3], [0, 1, 2])
+    Traceback (most recent call last):
+    ...
+    ValueError: [onehotbatch] label 3 is not one of the classes [0, 1, 2]; ...
+    """
+    index = _class_index(classes, "onehotbatch")
+    fallback = None
+    if default is not _NO_DEFAULT:
+        if default not in index:
+            raise ValueError(f"[onehotbatch] default {default!r} is not one of the classes")
+        fallback = index[default]
+    columns = []
+    for label in _labels_list(labels, "onehotbatch"):
+        column = index.get(label, fallback)
+        if column is None:
+            shown = list(index)
+            shown = shown if len(shown) <= 20 else shown[:20] + ["..."]
+            raise ValueError(
+                f"[onehotbatch] label {label!r} is not one of the classes {shown}; "
+                f"pass default=<class> to encode unknown labels"
+            )
+        columns.append(column)
+    eye = np.zeros((len(columns), len(index)), dtype=np.float32)
+    eye[np.arange(len(columns)), columns] = 1
+    return mx.array(eye)
+
+
+def onehot(label: Hashable, classes: Sequence[Hashable], default: Any = _NO_DEFAULT) -> mx.array:
+    """One-hot encode one label: a float32 vector of length ``len(classes)``.
+
+    >>> from fluxlike import onehot
+    >>> onehot("b", ["a", "b", "c"])
+    array([0, 1, 0], dtype=float32)
+    """
+    return onehotbatch([label], classes, default)[0]
+
+
+def onecold(y: Any, classes: Sequence[Hashable] | None = None) -> Any:
+    """The inverse of :func:`onehotbatch`: the position of the maximum along the last axis.
+
+    Without ``classes`` the result is an ``mx.array`` of int32 indices (shape ``y.shape[:-1]``,
+    a scalar array for a single vector); with ``classes`` the indices are replaced by the
+    class labels: one label for a vector, a list (nested for more axes) for a batch.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import onecold
+    >>> onecold(mx.array([[0.1, 0.9, 0.0], [0.7, 0.2, 0.1]]))
+    array([1, 0], dtype=int32)
+    >>> onecold(mx.array([0.1, 0.9, 0.0]), ["a", "b", "c"])
+    'b'
+    """
+    if isinstance(y, np.ndarray):
+        y = mx.array(y)
+    if not isinstance(y, mx.array):
+        raise TypeError(f"[onecold] expected an mx.array, got {type(y).__name__}")
+    if y.ndim == 0:
+        raise ValueError("[onecold] expected at least one axis (the class axis), got a scalar")
+    indices = mx.argmax(y, axis=-1).astype(mx.int32)
+    if classes is None:
+        return indices
+    classes = list(classes.tolist() if isinstance(classes, (mx.array, np.ndarray)) else classes)
+    if len(classes) != y.shape[-1]:
+        raise ValueError(
+            f"[onecold] y has {y.shape[-1]} entries on its last axis but there are "
+            f"{len(classes)} classes"
+        )
+
+    def label(i: Any) -> Any:
+        return [label(j) for j in i] if isinstance(i, list) else classes[i]
+
+    return label(indices.tolist())

@@ -1,0 +1,76 @@
+"""The demo, examples/digits.py, trains a real model on real data (scikit-learn's digits)."""
+
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import fluxlike as fl
+
+pytest.importorskip("sklearn", reason="the digits demo needs scikit-learn (pip install -e .[test])")
+
+_path = Path(__file__).parent.parent / "examples" / "digits.py"
+_spec = importlib.util.spec_from_file_location("digits_demo", _path)
+digits = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(digits)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The demo with its default settings (10 epochs, float32), saving a checkpoint."""
+    path = tmp_path_factory.mktemp("digits") / "digits.safetensors"
+    accuracy = digits.main(["--save", str(path)])
+    return accuracy, path
+
+
+def test_data_split_is_fixed_and_disjoint():
+    (x_train, y_train), (x_test, y_test) = digits.load_data()
+    assert x_train.shape == (1437, 8, 8, 1) and x_test.shape == (360, 8, 8, 1)
+    assert x_train.dtype == mx.float32 and 0 <= x_train.min().item() < x_train.max().item() <= 1
+    assert sorted(set(y_test.tolist())) == list(range(10))
+    (again, _), _ = digits.load_data()
+    assert mx.array_equal(again, x_train)
+    # together the two parts are exactly the 1797 images: a partition, no image twice
+    from sklearn.datasets import load_digits
+
+    every = sorted(map(tuple, (load_digits().images.reshape(-1, 64) / 16.0).tolist()))
+    parts = mx.concatenate([x_train, x_test]).reshape(-1, 64).tolist()
+    assert sorted(map(tuple, parts)) == every
+
+
+def test_default_run_reaches_97_percent(default_run, capsys):
+    accuracy, _ = default_run
+    assert accuracy >= 0.97
+
+
+def test_short_run_reaches_95_percent(capsys):
+    accuracy = digits.main(["--epochs", "3", "--seed", "1"])
+    out = capsys.readouterr().out
+    assert accuracy >= 0.95
+    assert out.count("epoch ") == 3 and f"final test accuracy: {100 * accuracy:.2f}%" in out
+
+
+def test_checkpoint_restores_the_trained_model(default_run):
+    accuracy, path = default_run
+    model = digits.build_model()
+    (_, _), (x_test, y_test) = digits.load_data()
+    assert digits.accuracy(model, x_test, y_test, None) < 0.5  # untrained
+    opt_state = fl.setup(fl.Adam(1e-3), model)
+    fl.loadcheckpoint(path, model, opt_state)
+    assert digits.accuracy(model, x_test, y_test, None) == accuracy
+    assert opt_state.state["optimizer"]["step"].item() == 10 * 45  # 45 batches per epoch
+
+
+def test_half_precision_run(capsys):
+    accuracy = digits.main(["--epochs", "3", "--seed", "1", "--precision", "bfloat16"])
+    assert accuracy >= 0.95
+
+
+@pytest.mark.parametrize(
+    "argv", [["--epochs", "0"], ["--batchsize", "0"], ["--precision", "float64"]]
+)
+def test_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit):
+        digits.main(argv)
+    assert "error" in capsys.readouterr().err
