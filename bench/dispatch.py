@@ -1,18 +1,18 @@
 """What the autocast dispatch barrier costs per layer call.
 
-Per-call cost (thread CPU time) of building the graph of one ``Dense(256, 256)`` call (graph
-construction only: no ``mx.eval``; the result is dropped) before the process's first
-``autocast`` use, after it outside any scope, and inside an ``autocast(mx.bfloat16)`` scope,
-as ratios to a hand-written function doing the same MLX operation (``mx.addmm(b, x, w.T)``).
+Per-call cost of one ``Dense(256, 256)`` call before the process's first ``autocast`` use,
+after it outside any scope, and inside an ``autocast(mx.bfloat16)`` scope, as ratios to a
+hand-written function doing the same MLX operation (``mx.addmm(b, x, w.T)``), in two ways:
 
-All variants of a phase are measured in alternation (rotating which goes first); each round's
-sample is divided by the same round's hand-written sample and the median ratio is reported,
-so drift on a shared machine cancels out. The "before" phase must run before anything in the
-process uses autocast, so the script measures it first and then crosses the barrier itself.
+- graph construction only (no ``mx.eval``; the result is dropped): the Python cost of the call,
+  where any overhead of the layer shows undiluted;
+- a whole call, graph construction plus ``mx.eval`` of the result: what a user pays.
 
-A second table explains the gap between the layer and the hand-written function: the same
-``Dense`` body reading its parameters as ``self["weight"]`` instead of ``self.weight``, and
-``mlx.nn.Linear`` (which reads ``self["weight"]``), in the same three states.
+``mlx.nn.Linear`` is measured beside it for reference. Graph construction is timed in thread CPU time, whole calls on the wall clock. All variants
+of a phase are measured in alternation (rotating which goes first); each round's sample is
+divided by the same round's hand-written sample and the median ratio is reported, so drift on
+a shared machine cancels out. The "before" phase must run before anything in the process uses
+autocast, so the script measures it first and then crosses the barrier itself.
 
     .venv/bin/python bench/dispatch.py [--rounds 61] [--calls 200]
 """
@@ -37,23 +37,19 @@ BATCHES = (1, 16, 128)
 DIMS = 256
 
 
-class ItemDense(fl.Dense):
-    """``Dense`` with one ``self["weight"]`` read instead of three ``self.weight`` reads."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        weight = self["weight"]
-        check_features(x, weight.shape[1], "Dense")
-        x = ops.match_input(x, weight, "Dense")
-        return self.act(ops.linear(x, weight, self.get("bias")))
-
-
-def per_call_us(fn: Callable[[mx.array], mx.array], x: mx.array, calls: int) -> float:
-    # Thread CPU time: graph construction is single-threaded Python, and CPU time leaves out
-    # the time this thread spends descheduled on a busy shared machine.
-    start = time.thread_time_ns()
+def per_call_us(
+    fn: Callable[[mx.array], mx.array], x: mx.array, calls: int, evaluate: bool = False
+) -> float:
+    # Graph construction is single-threaded Python: thread CPU time leaves out the time this
+    # thread spends descheduled on a busy shared machine. Evaluation runs on MLX's own
+    # threads, so a whole call is timed on the wall clock.
+    clock = time.perf_counter_ns if evaluate else time.thread_time_ns
+    start = clock()
     for _ in range(calls):
-        fn(x)
-    return (time.thread_time_ns() - start) / calls / 1e3
+        y = fn(x)
+        if evaluate:
+            mx.eval(y)
+    return (clock() - start) / calls / 1e3
 
 
 def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
@@ -66,11 +62,10 @@ def interleaved(variants: dict[str, Callable[[], float]], rounds: int) -> dict[s
     return samples
 
 
-def phase(batch: int, rounds: int, calls: int, scoped: bool) -> dict[str, float]:
+def phase(batch: int, rounds: int, calls: int, scoped: bool, evaluate: bool) -> dict[str, float]:
     """Median ratio to the hand-written function of each variant, and the hand-written
     function's own median time (key ``"hand us"``)."""
-    layers = {"Dense": fl.Dense(DIMS, DIMS), "ItemDense": ItemDense(DIMS, DIMS),
-              "nn.Linear": nn.Linear(DIMS, DIMS)}
+    layers = {"Dense": fl.Dense(DIMS, DIMS), "nn.Linear": nn.Linear(DIMS, DIMS)}
     w, b = layers["Dense"].weight, layers["Dense"].bias
     x = mx.random.normal((batch, DIMS))
     mx.eval(x, w, b, [layer.parameters() for layer in layers.values()])
@@ -79,12 +74,12 @@ def phase(batch: int, rounds: int, calls: int, scoped: bool) -> dict[str, float]
         return mx.addmm(b, x, w.T)
 
     def outside(fn: Callable) -> Callable[[], float]:
-        return lambda: per_call_us(fn, x, calls)
+        return lambda: per_call_us(fn, x, calls, evaluate)
 
     def inside(fn: Callable) -> Callable[[], float]:
         def sample() -> float:
             with fl.autocast(mx.bfloat16, device="cpu"):
-                return per_call_us(fn, x, calls)
+                return per_call_us(fn, x, calls, evaluate)
 
         return sample
 
@@ -100,18 +95,6 @@ def phase(batch: int, rounds: int, calls: int, scoped: bool) -> dict[str, float]
     ratios = {name: statistics.median(s / h for s, h in zip(values, hand_us, strict=True))
               for name, values in samples.items()}
     return {**ratios, "hand us": statistics.median(hand_us)}
-
-
-def attribute_costs(rounds: int, calls: int) -> tuple[float, float]:
-    """Cost of reading a parameter as ``module.weight`` and as ``module["weight"]``."""
-    layer = fl.Dense(DIMS, DIMS)
-    samples = interleaved({
-        "attr": lambda: per_call_us(lambda m: m.weight, layer, calls),
-        "item": lambda: per_call_us(lambda m: m["weight"], layer, calls),
-        "none": lambda: per_call_us(lambda m: m, layer, calls),
-    }, rounds)
-    costs = {name: statistics.median(s) for name, s in samples.items()}
-    return costs["attr"] - costs["none"], costs["item"] - costs["none"]
 
 
 def table(head: tuple[str, ...], rows: list[list[str]]) -> None:
@@ -131,33 +114,36 @@ def main() -> None:
 
     gc.disable()
     try:
-        before = {n: phase(n, args.rounds, args.calls, scoped=False) for n in BATCHES}
+        modes = (False, True)
+        before = {(n, e): phase(n, args.rounds, args.calls, False, e)
+                  for e in modes for n in BATCHES}
         assert not is_dispatching()
         with fl.autocast(device="cpu"):  # the first use: crosses the barrier
             pass
-        after = {n: phase(n, args.rounds, args.calls, scoped=True) for n in BATCHES}
-        attr, item = attribute_costs(args.rounds, args.calls * 5)
+        after = {(n, e): phase(n, args.rounds, args.calls, True, e)
+                 for e in modes for n in BATCHES}
     finally:
         gc.enable()
 
-    def ratios(name: str, n: int) -> list[str]:
-        return [f"{before[n][name]:.2f}x", f"{after[n][name]:.2f}x",
-                f"{after[n][name + ' in scope']:.2f}x"]
+    def ratios(name: str, key: tuple[int, bool]) -> list[str]:
+        return [f"{before[key][name]:.2f}x", f"{after[key][name]:.2f}x",
+                f"{after[key][name + ' in scope']:.2f}x"]
 
-    print(f"Dense({DIMS} => {DIMS}) per call: graph construction only (no mx.eval), thread CPU "
-          f"time, median over {args.rounds} interleaved rounds of {args.calls} calls of the "
-          f"ratio to the hand-written mx.addmm(b, x, w.T) of the same round.\n")
-    table(("batch", "hand-written (before / after)", "Dense before 1st use",
-           "after, outside a scope", "inside autocast(bf16)"),
-          [[str(n), f"{before[n]['hand us']:.2f} / {after[n]['hand us']:.2f} us",
-            *ratios("Dense", n)] for n in BATCHES])
-    print("\nWhere the gap to the hand-written function comes from (same states):\n")
-    table(("batch", "Dense reading self[...]: before", "after", "in scope",
-           "mlx.nn.Linear: before", "after", "in scope"),
-          [[str(n), *ratios("ItemDense", n), *ratios("nn.Linear", n)] for n in BATCHES])
-    print(f"\nReading a parameter as `layer.weight` costs {attr:.2f} us (mlx.nn.Module.__getattr__ "
-          f"runs after a failed normal lookup); `layer[\"weight\"]` costs {item:.2f} us. "
-          f"Dense.__call__ reads self.weight three times and self.bias once.")
+    print(f"Dense({DIMS} => {DIMS}) per call, median over {args.rounds} "
+          f"interleaved rounds of {args.calls} calls of the ratio to the hand-written "
+          f"mx.addmm(b, x, w.T) of the same round. BLAS: {fl.blas_info()['library']}\n"
+          if hasattr(fl, "blas_info") else "\n")
+    for evaluate, title in ((False, "graph construction only (no mx.eval)"),
+                            (True, "whole call: graph construction + mx.eval")):
+        print(f"{title}:\n")
+        table(("batch", "hand-written (before / after)", "Dense: before 1st use",
+               "after, outside a scope", "inside autocast(bf16)", "nn.Linear: before",
+               "after", "inside"),
+              [[str(n), f"{before[n, evaluate]['hand us']:.2f} / "
+                        f"{after[n, evaluate]['hand us']:.2f} us",
+                *ratios("Dense", (n, evaluate)), *ratios("nn.Linear", (n, evaluate))]
+               for n in BATCHES])
+        print()
     print(f"peak memory: {mx.get_peak_memory() / 2**20:.1f} MiB")
 
 

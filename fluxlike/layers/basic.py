@@ -136,9 +136,14 @@ class Dense(Layer):
         self.bias = mx.zeros((out_dims,)) if bias else None
 
     def __call__(self, x: mx.array) -> mx.array:
-        check_features(x, self.weight.shape[1], "Dense")
-        x = ops.match_input(x, self.weight, "Dense")
-        return self.act(ops.linear(x, self.weight, self.bias))
+        weight = self["weight"]  # item access: `self.weight` goes through a slow __getattr__
+        x = ops.match_input(x, weight, "Dense")
+        try:
+            y = ops.linear(x, weight, self.get("bias"))
+        except ValueError:  # MLX checks shapes eagerly; name the layer and the sizes
+            check_features(x, weight.shape[1], "Dense")
+            raise
+        return self.act(y)
 
     def signature(self) -> str:
         out_dims, in_dims = self.weight.shape

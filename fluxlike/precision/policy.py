@@ -157,21 +157,30 @@ def _install(cls: type, policy: str) -> None:
 
 def _to(dtype: mx.Dtype, sources: tuple) -> Callable[[Any], Any]:
     def cast(x: Any) -> Any:
-        if isinstance(x, mx.array) and x.dtype in sources and x.dtype != dtype:
-            return x.astype(dtype)
+        if isinstance(x, mx.array):
+            current = x.dtype
+            if current != dtype and current in sources:
+                return x.astype(dtype)
         return x
 
     return cast
 
 
+def _cast_all(cast: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[list, dict]:
+    """``cast`` applied to every array in ``args`` and ``kwargs`` (arrays directly: the common
+    case, and a ``tree_map`` costs microseconds)."""
+    args = [cast(a) if isinstance(a, mx.array) else tree_map(cast, a) for a in args]
+    return args, (tree_map(cast, kwargs) if kwargs else kwargs)
+
+
 def _down(plain, layer: nn.Module, dtype: mx.Dtype, args: tuple, kwargs: dict):
-    cast = _to(dtype, CASTABLE)
-    return plain(half_view(layer, dtype), *tree_map(cast, args), **tree_map(cast, kwargs))
+    args, kwargs = _cast_all(_to(dtype, CASTABLE), args, kwargs)
+    return plain(half_view(layer, dtype), *args, **kwargs)
 
 
 def _fp32(plain, layer: nn.Module, dtype: mx.Dtype, args: tuple, kwargs: dict):
-    up = _to(mx.float32, HALF)
-    return plain(layer, *tree_map(up, args), **tree_map(up, kwargs))
+    args, kwargs = _cast_all(_to(mx.float32, HALF), args, kwargs)
+    return plain(layer, *args, **kwargs)
 
 
 def half_view(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
