@@ -8,11 +8,12 @@ hand-written function doing the same MLX operation (``mx.addmm(b, x, w.T)``), in
   where any overhead of the layer shows undiluted;
 - a whole call, graph construction plus ``mx.eval`` of the result: what a user pays.
 
-``mlx.nn.Linear`` is measured beside it for reference. Graph construction is timed in thread CPU time, whole calls on the wall clock. All variants
-of a phase are measured in alternation (rotating which goes first); each round's sample is
-divided by the same round's hand-written sample and the median ratio is reported, so drift on
-a shared machine cancels out. The "before" phase must run before anything in the process uses
-autocast, so the script measures it first and then crosses the barrier itself.
+``mlx.nn.Linear`` is measured beside it for reference. Graph construction is timed in thread
+CPU time, whole calls on the wall clock. All variants of a phase are measured in alternation
+(rotating which goes first); each round's sample is divided by the same round's hand-written
+sample and the median ratio is reported, so drift on a shared machine cancels out. The "before"
+phase must run before anything in the process uses autocast, so the script measures it first
+and then crosses the barrier itself.
 
     .venv/bin/python bench/dispatch.py [--rounds 61] [--calls 200]
 """
@@ -29,8 +30,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import fluxlike as fl
-from fluxlike.layers.basic import check_features
-from fluxlike.precision import ops
 from fluxlike.precision.policy import is_dispatching
 
 BATCHES = (1, 16, 128)

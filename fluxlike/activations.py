@@ -15,7 +15,7 @@ array([0.5, 0.5], dtype=float32)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -8,9 +8,9 @@ inactive elsewhere. ``trainmode``/``testmode`` fix a model's mode until it is re
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
 
 import mlx.nn as nn
 

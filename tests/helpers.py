@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,7 +57,7 @@ def check_gradients(
         rng = np.random.default_rng(seed)
         grads = mx.grad(loss, argnums=list(range(len(args))))(*args)
         grads = (grads,) if len(args) == 1 else grads  # one argnum gives a bare array
-        for k, (x, g) in enumerate(zip(args, grads)):
+        for k, (x, g) in enumerate(zip(args, grads, strict=False)):
             assert x.dtype == mx.float64, f"argument {k} must be float64, got {x.dtype}"
             picks = rng.choice(x.size, size=min(samples, x.size), replace=False)
 
@@ -88,16 +88,16 @@ def check_layer_gradients(
         probe = [None]
 
         def loss(*arrays):
-            layer.update(tree_unflatten(list(zip(names, arrays[:n_params]))))
+            layer.update(tree_unflatten(list(zip(names, arrays[:n_params], strict=False))))
             xs = list(inputs)
-            for i, a in zip(floating_inputs, arrays[n_params:]):
+            for i, a in zip(floating_inputs, arrays[n_params:], strict=False):
                 xs[i] = a
             out = layer(*xs)
             leaves = [v for _, v in tree_flatten(out) if isinstance(v, mx.array)]
             if probe[0] is None:
                 r = np.random.default_rng(seed)
                 probe[0] = [mx.array(r.normal(size=o.shape), dtype=o.dtype) for o in leaves]
-            return sum(mx.sum(o * r) for o, r in zip(leaves, probe[0]))
+            return sum(mx.sum(o * r) for o, r in zip(leaves, probe[0], strict=False))
 
         params = [v for _, v in flat]
         originals = list(params)
@@ -105,4 +105,4 @@ def check_layer_gradients(
             check_gradients(loss, *params, *[inputs[i] for i in floating_inputs],
                             rtol=rtol, atol=atol, seed=seed)
         finally:
-            layer.update(tree_unflatten(list(zip(names, originals))))
+            layer.update(tree_unflatten(list(zip(names, originals, strict=False))))

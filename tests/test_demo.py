@@ -62,6 +62,16 @@ def test_checkpoint_restores_the_trained_model(default_run):
     assert opt_state.state["optimizer"]["step"].item() == 10 * 45  # 45 batches per epoch
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_autocast_run_within_one_point_of_float32(default_run, precision, capsys):
+    """Issue acceptance: the demo under autocast reaches within one percentage point of its
+    float32 accuracy (same seed, same data order)."""
+    float32_accuracy, _ = default_run
+    accuracy = digits.main(["--precision", precision])
+    assert abs(accuracy - float32_accuracy) <= 0.01
+    assert f"test images, {precision}" in capsys.readouterr().out
+
+
 def test_half_precision_run(capsys):
     accuracy = digits.main(["--epochs", "3", "--seed", "1", "--precision", "bfloat16"])
     assert accuracy >= 0.95

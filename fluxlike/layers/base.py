@@ -15,7 +15,8 @@ a container prints its children one per line and a total::
 from __future__ import annotations
 
 import textwrap
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
