@@ -213,14 +213,13 @@ def _kind(dtype: mx.Dtype) -> str:
 def _matched(target: Any, entries: dict[str, Any], where: str, prefix: str, owner: str) -> Any:
     """``target``'s tree of arrays with every leaf replaced by ``entries[name]``, converted
     to the target leaf's dtype; a ``ValueError`` at the first mismatch. Changes nothing."""
-    names = [name for name, _ in tree_flatten(target)]
-    for name in names:
+    leaves = dict(tree_flatten(target))
+    for name in leaves:
         if name not in entries:
             raise ValueError(
                 f"[{where}] missing '{prefix}{name}': the {owner} has it, the checkpoint does not"
             )
-    known = set(names)
-    extra = [name for name in entries if name not in known]
+    extra = [name for name in entries if name not in leaves]
     if extra:
         raise ValueError(
             f"[{where}] unexpected '{prefix}{extra[0]}': the checkpoint has it, "
@@ -249,5 +248,5 @@ def _matched(target: Any, entries: dict[str, Any], where: str, prefix: str, owne
         return new if new.dtype == old.dtype else new.astype(old.dtype)
 
     # Convert everything first (raising on a mismatch) and only then build the tree.
-    converted = {name: convert(name, old) for name, old in tree_flatten(target)}
+    converted = {name: convert(name, old) for name, old in leaves.items()}
     return tree_map_with_path(lambda name, _: converted[name], target)

@@ -91,22 +91,12 @@ class DataLoader:
         nobs = next(iter(sizes.values()))
         if nobs == 0:
             raise ValueError("[DataLoader] data has no observations (its first axis is empty)")
-        if shuffle:
-            if rng is None:  # follow MLX's global seed, like Flux follows Julia's default RNG
-                rng = int(mx.random.randint(0, 2**31 - 1, ()).item())
-            if isinstance(rng, numbers.Integral):
-                rng = np.random.default_rng(int(rng))
-            if not isinstance(rng, np.random.Generator):
-                raise TypeError(
-                    f"[DataLoader] rng must be a numpy Generator, an int seed or None, "
-                    f"got {type(rng).__name__}"
-                )
+        self.rng = _generator(rng) if shuffle else None
         self._data = data
         self._arrays_list = [a for _, a in arrays]
         self.batchsize = int(batchsize)
         self.shuffle = bool(shuffle)
         self.partial = bool(partial)
-        self.rng = rng if shuffle else None
         self.nobs = nobs
 
     @staticmethod
@@ -165,6 +155,21 @@ class DataLoader:
         options += ", shuffle=True" if self.shuffle else ""
         options += ", partial=False" if not self.partial else ""
         return f"DataLoader({what}, {self.nobs} observations, {options})"
+
+
+def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
+    """The shuffling generator: ``rng`` itself, one seeded with the int ``rng``, or for ``None``
+    one seeded from MLX's global random state (as Flux follows Julia's default RNG)."""
+    if rng is None:
+        rng = int(mx.random.randint(0, 2**31 - 1, ()).item())
+    if isinstance(rng, numbers.Integral):
+        return np.random.default_rng(int(rng))
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(
+            f"[DataLoader] rng must be a numpy Generator, an int seed or None, "
+            f"got {type(rng).__name__}"
+        )
+    return rng
 
 
 def _labels_list(labels: Any, where: str) -> list:

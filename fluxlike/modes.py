@@ -44,6 +44,15 @@ def _set_mode(model: nn.Module, active: bool | None, where: str) -> nn.Module:
     return model
 
 
+def _mode(mode: bool | str, where: str) -> bool | None:
+    """``mode`` as given (``True``/``False``), or ``None`` for ``"auto"``."""
+    if isinstance(mode, str) and mode == "auto":
+        return None
+    if not isinstance(mode, bool):
+        raise ValueError(f"{where}: mode must be True, False or 'auto', got {mode!r}")
+    return mode
+
+
 def trainmode(model: nn.Module, mode: bool | str = True) -> nn.Module:
     """Put every layer of ``model`` in training mode (``mode=True``), test mode
     (``False``) or back to automatic (``"auto"``). Returns ``model``, changed in place.
@@ -52,11 +61,7 @@ def trainmode(model: nn.Module, mode: bool | str = True) -> nn.Module:
     >>> trainmode(Dropout(0.5)).active
     True
     """
-    if mode == "auto":
-        return _set_mode(model, None, "trainmode")
-    if not isinstance(mode, bool):
-        raise ValueError(f"trainmode: mode must be True, False or 'auto', got {mode!r}")
-    return _set_mode(model, mode, "trainmode")
+    return _set_mode(model, _mode(mode, "trainmode"), "trainmode")
 
 
 def testmode(model: nn.Module, mode: bool | str = True) -> nn.Module:
@@ -67,8 +72,5 @@ def testmode(model: nn.Module, mode: bool | str = True) -> nn.Module:
     >>> testmode(Dropout(0.5)).active
     False
     """
-    if mode == "auto":
-        return _set_mode(model, None, "testmode")
-    if not isinstance(mode, bool):
-        raise ValueError(f"testmode: mode must be True, False or 'auto', got {mode!r}")
-    return _set_mode(model, not mode, "testmode")
+    test = _mode(mode, "testmode")
+    return _set_mode(model, None if test is None else not test, "testmode")

@@ -110,27 +110,33 @@ class MultiHeadAttention(Layer):
     ) -> mx.array | tuple[mx.array, mx.array]:
         k = q if k is None else k
         v = k if v is None else v
-        self._check_inputs(q, k, v)
+        # By item: the children as attributes go through nn.Module.__getattr__, which is slow.
+        projections = self["q_proj"], self["k_proj"], self["v_proj"]
+        self._check_inputs((q, k, v), projections)
         mask = self._check_mask(mask, (q.shape[0], self.nheads, q.shape[1], k.shape[1]))
-        q, k, v = (self._heads(p(x)) for p, x in ((self.q_proj, q), (self.k_proj, k),
-                                                  (self.v_proj, v)))
-        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
-            mask = mask.astype(q.dtype)  # sdpa wants an additive mask of the scores' dtype
-        scale = 1 / math.sqrt(q.shape[-1])
-        dropping = self.dropout > 0 and is_active(self)
-        # sdpa's float64 softmax is only float32-accurate on the CPU; _explicit's is exact.
-        if dropping or return_weights or q.dtype == mx.float64:
-            out, weights = self._explicit(q, k, v, scale, mask, dropping)
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        q, k, v = (self._heads(p(x)) for p, x in zip(projections, (q, k, v), strict=True))
+        out, weights = self._attend(q, k, v, mask, return_weights)
         batch, _, length, _ = out.shape
-        out = self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        out = self["out_proj"](out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
         return (out, weights) if return_weights else out
 
     def _heads(self, x: mx.array) -> mx.array:
         """``(batch, L, dims)`` split into ``(batch, nheads, L, dims // nheads)``."""
         batch, length, _ = x.shape
         return x.reshape(batch, length, self.nheads, -1).transpose(0, 2, 1, 3)
+
+    def _attend(
+        self, q: mx.array, k: mx.array, v: mx.array, mask: Mask, return_weights: bool
+    ) -> tuple[mx.array, mx.array | None]:
+        """The attention of the heads, and its weights (``None`` where sdpa computed it)."""
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            mask = mask.astype(q.dtype)  # sdpa wants an additive mask of the scores' dtype
+        scale = 1 / math.sqrt(q.shape[-1])
+        dropping = self.dropout > 0 and is_active(self)
+        # sdpa's float64 softmax is only float32-accurate on the CPU; _explicit's is exact.
+        if dropping or return_weights or q.dtype == mx.float64:
+            return self._explicit(q, k, v, scale, mask, dropping)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
 
     def _explicit(
         self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask, dropping: bool
@@ -154,16 +160,17 @@ class MultiHeadAttention(Layer):
         weights = weights.astype(v.dtype)
         return ops.matmul(weights, v), weights
 
-    def _check_inputs(self, q: Any, k: Any, v: Any) -> None:
+    @staticmethod
+    def _check_inputs(qkv: tuple[Any, Any, Any], projections: tuple[Dense, Dense, Dense]) -> None:
         name = "MultiHeadAttention"
-        for what, x, proj in (("query", q, self.q_proj), ("key", k, self.k_proj),
-                              ("value", v, self.v_proj)):
-            features = proj.weight.shape[1]
+        for what, x, proj in zip(("query", "key", "value"), qkv, projections, strict=True):
+            features = proj["weight"].shape[1]
             if not isinstance(x, mx.array):
                 raise TypeError(f"[{name}] expected an mx.array {what}, got {type(x).__name__}")
             if x.ndim != 3 or x.shape[-1] != features:
                 raise ValueError(f"[{name}] expected {what} of shape (batch, length, "
                                  f"{features}), got shape {tuple(x.shape)}")
+        q, k, v = qkv
         if not q.shape[0] == k.shape[0] == v.shape[0]:
             raise ValueError(f"[{name}] query, key and value must have one batch size, got "
                              f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -33,7 +33,60 @@ def check_features(x: Any, expected: int, layer: str, axis: int = -1) -> None:
         )
 
 
-class Chain(Layer):
+class _Container(Layer):
+    """What :class:`Chain` and :class:`Parallel` share: layers given by position (a list) or by
+    name (a dict), ``len``, indexing by position or name, and slicing."""
+
+    # Entries of the module itself: a layer of that name would hide them from mlx.nn.Module.
+    _reserved: tuple[str, ...] = ("layers",)
+
+    def _set_layers(self, layers: tuple[Callable, ...], named: dict[str, Callable]) -> None:
+        owner = type(self).__name__
+        if layers and named:
+            raise ValueError(f"[{owner}] give layers either by position or by name, not both")
+        taken = sorted(set(self._reserved) & set(named))
+        if taken:
+            raise ValueError(f"[{owner}] {taken} cannot name a layer (reserved)")
+        for key, layer in [*enumerate(layers), *named.items()]:
+            if not callable(layer):
+                raise TypeError(f"[{owner}] layer {key!r} must be callable, got {layer!r}")
+        self.layers = dict(named) if named else list(layers)
+
+    def _layers(self) -> Iterable[Callable]:
+        """The layers in order (read by item: ``self.layers`` goes through a slow __getattr__)."""
+        layers = dict.__getitem__(self, "layers")
+        return layers.values() if isinstance(layers, dict) else layers
+
+    def _items(self) -> list[tuple[str | None, Callable]]:
+        if isinstance(self.layers, dict):
+            return list(self.layers.items())
+        return [(None, layer) for layer in self.layers]
+
+    def _sliced(self, *layers: Callable, **named: Callable) -> _Container:
+        """A container of the same kind holding ``layers`` (for ``c[1:]``)."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, index: int | slice | str) -> Any:
+        if isinstance(index, str):  # mlx.nn.Module reads its own entries with string keys
+            layers = dict.get(self, "layers")
+            if isinstance(layers, dict) and index in layers:
+                return layers[index]
+            if index in self.keys():
+                return dict.__getitem__(self, index)
+            raise KeyError(f"[{type(self).__name__}] no layer named {index!r}")
+        items = self._items()
+        if isinstance(index, slice):
+            chosen = items[index]
+            if isinstance(self.layers, dict):
+                return self._sliced(**dict(chosen))
+            return self._sliced(*(layer for _, layer in chosen))
+        return items[index][1]
+
+
+class Chain(_Container):
     """Call layers in sequence: ``Chain(f, g, h)(x) == h(g(f(x)))``.
 
     Layers may be given by position or by name (``Chain(enc=Dense(2, 3), dec=Dense(3, 2))``)
@@ -54,46 +107,18 @@ class Chain(Layer):
 
     def __init__(self, *layers: Callable, **named: Callable):
         super().__init__()
-        if layers and named:
-            raise ValueError("[Chain] give layers either by position or by name, not both")
-        if "layers" in named:
-            raise ValueError("[Chain] 'layers' is reserved and cannot name a layer")
-        for key, layer in list(enumerate(layers)) + list(named.items()):
-            if not callable(layer):
-                raise TypeError(f"[Chain] layer {key!r} must be callable, got {layer!r}")
-        self.layers = dict(named) if named else list(layers)
-
-    def _items(self) -> list[tuple[str | None, Callable]]:
-        if isinstance(self.layers, dict):
-            return list(self.layers.items())
-        return [(None, layer) for layer in self.layers]
+        self._set_layers(layers, named)
 
     def __call__(self, x: Any) -> Any:
-        for _, layer in self._items():
+        for layer in self._layers():
             x = layer(x)
         return x
 
-    def __len__(self) -> int:
-        return len(self.layers)
-
     def __iter__(self):
-        return iter(layer for _, layer in self._items())
+        return iter(self._layers())
 
-    def __getitem__(self, index: int | slice | str) -> Any:
-        if isinstance(index, str):  # mlx.nn.Module reads its own entries with string keys
-            layers = dict.get(self, "layers")
-            if isinstance(layers, dict) and index in layers:
-                return layers[index]
-            if index in self.keys():
-                return dict.__getitem__(self, index)
-            raise KeyError(f"[Chain] no layer named {index!r}")
-        items = self._items()
-        if isinstance(index, slice):
-            chosen = items[index]
-            if isinstance(self.layers, dict):
-                return Chain(**dict(chosen))
-            return Chain(*(layer for _, layer in chosen))
-        return items[index][1]
+    def _sliced(self, *layers: Callable, **named: Callable) -> Chain:
+        return Chain(*layers, **named)
 
     def shown_children(self) -> list[tuple[str | None, Any]]:
         return self._items()
@@ -238,32 +263,40 @@ class Bilinear(Layer):
         self.bias = mx.zeros((out,)) if bias else None
 
     def __call__(self, x1: mx.array | tuple[mx.array, mx.array], x2: mx.array | None = None):
-        if isinstance(x1, tuple) and x2 is None:
-            if len(x1) != 2:
-                raise ValueError(f"[Bilinear] expected a pair of inputs, got {len(x1)}")
-            x1, x2 = x1
-        x2 = x1 if x2 is None else x2
-        out, in1, in2 = self.weight.shape
-        check_features(x1, in1, "Bilinear")
-        check_features(x2, in2, "Bilinear")
-        if x1.shape[:-1] != x2.shape[:-1]:
-            raise ValueError(
-                f"[Bilinear] the two inputs must share their batch axes, got shapes "
-                f"{tuple(x1.shape)} and {tuple(x2.shape)}"
-            )
+        weight, bias = self["weight"], self.get("bias")  # item access: see Dense.__call__
+        x1, x2 = _pair(x1, x2, weight.shape[1:])
+        out, in1, in2 = weight.shape
         batch = x1.shape[:-1]
         n = math.prod(batch)
-        x1 = ops.match_input(x1, self.weight, "Bilinear").reshape(n, in1, 1)
-        x2 = ops.match_input(x2, self.weight, "Bilinear").reshape(n, in2)
+        x1 = ops.match_input(x1, weight, "Bilinear").reshape(n, in1, 1)
+        x2 = ops.match_input(x2, weight, "Bilinear").reshape(n, in2)
         # (x2 contracted with W) then with x1: two GEMMs, no (n, out, in1, in2) temporary
-        wx2 = ops.linear(x2, self.weight.reshape(out * in1, in2)).reshape(n, out, in1)
+        wx2 = ops.linear(x2, weight.reshape(out * in1, in2)).reshape(n, out, in1)
         y = ops.matmul(wx2, x1).reshape(*batch, out)
-        return self.act(y if self.bias is None else y + self.bias)
+        return self.act(y if bias is None else y + bias)
 
     def signature(self) -> str:
         out, in1, in2 = self.weight.shape
         options = {} if self.bias is not None else {"bias": False}
         return signature_of([f"({in1}, {in2}) => {out}"], "Bilinear", self.act, **options)
+
+
+def _pair(x1: Any, x2: Any, sizes: tuple[int, int]) -> tuple[mx.array, mx.array]:
+    """Bilinear's two inputs from ``(x1, x2)``, ``((x1, x2), None)`` or ``(x, None)``, checked
+    against the feature ``sizes`` and for shared batch axes."""
+    if isinstance(x1, tuple) and x2 is None:
+        if len(x1) != 2:
+            raise ValueError(f"[Bilinear] expected a pair of inputs, got {len(x1)}")
+        x1, x2 = x1
+    x2 = x1 if x2 is None else x2
+    check_features(x1, sizes[0], "Bilinear")
+    check_features(x2, sizes[1], "Bilinear")
+    if x1.shape[:-1] != x2.shape[:-1]:
+        raise ValueError(
+            f"[Bilinear] the two inputs must share their batch axes, got shapes "
+            f"{tuple(x1.shape)} and {tuple(x2.shape)}"
+        )
+    return x1, x2
 
 
 class Scale(Layer):
@@ -313,16 +346,17 @@ class Scale(Layer):
     def __call__(self, x: mx.array) -> mx.array:
         if not isinstance(x, mx.array):
             raise TypeError(f"[Scale] expected an mx.array input, got {type(x).__name__}")
-        size = tuple(self.weight.shape)
+        weight, bias = self["weight"], self.get("bias")  # item access: see Dense.__call__
+        size = tuple(weight.shape)
         trailing = tuple(x.shape[-len(size) :]) if x.ndim >= len(size) else None
         if trailing is None or any(s not in (1, t) for s, t in zip(size, trailing, strict=True)):
             raise ValueError(
                 f"[Scale] expected input whose trailing axes match {size}, "
                 f"got shape {tuple(x.shape)}"
             )
-        dtype = x.dtype if mx.issubdtype(x.dtype, mx.floating) else self.weight.dtype
-        y = self.weight.astype(dtype) * x.astype(dtype)
-        return self.act(y if self.bias is None else y + self.bias.astype(dtype))
+        dtype = x.dtype if mx.issubdtype(x.dtype, mx.floating) else weight.dtype
+        y = weight.astype(dtype) * x.astype(dtype)
+        return self.act(y if bias is None else y + bias.astype(dtype))
 
     def signature(self) -> str:
         size = self.weight.shape
@@ -365,7 +399,7 @@ class SkipConnection(Layer):
         return [(None, self.layers), (None, self.connection)]
 
 
-class Parallel(Layer):
+class Parallel(_Container):
     """Apply several layers side by side and combine: ``connection(f(x), g(x), ...)``.
 
     ``Parallel(connection, *layers)`` or ``Parallel(connection, name=layer, ...)``:
@@ -392,32 +426,21 @@ class Parallel(Layer):
     [(5, 3), (5, 1)]
     """
 
+    _reserved = ("layers", "connection")
+
     def __init__(self, connection: Callable | None, *layers: Callable, **named: Callable):
         super().__init__()
         if connection is not None and not callable(connection):
             raise TypeError(f"[Parallel] connection must be callable or None, got {connection!r}")
-        if layers and named:
-            raise ValueError("[Parallel] give layers either by position or by name, not both")
         if not layers and not named:
             raise ValueError("[Parallel] needs at least one layer")
-        reserved = {"layers", "connection"} & set(named)
-        if reserved:
-            raise ValueError(f"[Parallel] {sorted(reserved)} cannot name a layer (reserved)")
-        for key, layer in list(enumerate(layers)) + list(named.items()):
-            if not callable(layer):
-                raise TypeError(f"[Parallel] layer {key!r} must be callable, got {layer!r}")
         self.connection = connection
-        self.layers = dict(named) if named else list(layers)
-
-    def _items(self) -> list[tuple[str | None, Callable]]:
-        if isinstance(self.layers, dict):
-            return list(self.layers.items())
-        return [(None, layer) for layer in self.layers]
+        self._set_layers(layers, named)
 
     def __call__(self, *xs: Any) -> Any:
         if len(xs) == 1 and isinstance(xs[0], tuple):  # a tuple is always spread, as in Flux
             xs = xs[0]
-        layers = [layer for _, layer in self._items()]
+        layers = list(self._layers())
         if not xs:
             raise ValueError("[Parallel] expected at least one input, got none")
         if len(xs) == 1:
@@ -433,24 +456,8 @@ class Parallel(Layer):
             )
         return outputs if self.connection is None else self.connection(*outputs)
 
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, index: int | slice | str) -> Any:
-        if isinstance(index, str):  # mlx.nn.Module reads its own entries with string keys
-            layers = dict.get(self, "layers")
-            if isinstance(layers, dict) and index in layers:
-                return layers[index]
-            if index in self.keys():
-                return dict.__getitem__(self, index)
-            raise KeyError(f"[Parallel] no layer named {index!r}")
-        items = self._items()
-        if isinstance(index, slice):
-            chosen = items[index]
-            if isinstance(self.layers, dict):
-                return Parallel(self.connection, **dict(chosen))
-            return Parallel(self.connection, *(layer for _, layer in chosen))
-        return items[index][1]
+    def _sliced(self, *layers: Callable, **named: Callable) -> Parallel:
+        return Parallel(self.connection, *layers, **named)
 
     def shown_children(self) -> list[tuple[str | None, Any]]:
         return [(None, self.connection)] + self._items()
@@ -501,18 +508,19 @@ class Embedding(Layer):
                 f"[Embedding] expected an mx.array of integer indices, got {got}; "
                 f"convert class labels with x.astype(mx.int32)"
             )
-        vocab = self.weight.shape[0]
+        weight = self["weight"]
+        vocab = weight.shape[0]
         bounds = index_range(x)
         if bounds is None:  # traced (or empty): nothing to read back, mask instead
             valid = (x >= 0) & (x < vocab)
-            rows = self.weight[mx.where(valid, x, 0)]
+            rows = weight[mx.where(valid, x, 0)]
             return mx.where(valid[..., None], rows, mx.array(float("nan"), rows.dtype))
         if bounds[0] < 0 or bounds[1] >= vocab:
             raise ValueError(
                 f"[Embedding] indices must lie in [0, {vocab}), "
                 f"got values from {bounds[0]} to {bounds[1]}"
             )
-        return self.weight[x]
+        return weight[x]
 
     def signature(self) -> str:
         vocab, dims = self.weight.shape

@@ -169,7 +169,11 @@ def _grouped(kernel: Callable, x: mx.array, weight: mx.array, *options: Any) -> 
 
 
 class _ConvBase(Layer):
-    """What ``Conv`` and ``ConvTranspose`` share: checks, parameters and the repr."""
+    """What ``Conv`` and ``ConvTranspose`` share: checks, parameters and the repr.
+
+    The calls read parameters and tuple options by item (``self["stride"]``):
+    ``self.stride`` goes through ``nn.Module.__getattr__``, which is slow.
+    """
 
     def _setup(self, name: str, kernel: Any, in_channels: int, out_channels: int, act: Any,
                stride: Any, dilation: Any, groups: int) -> tuple[int, ...]:
@@ -187,23 +191,25 @@ class _ConvBase(Layer):
         self.dilation = per_dim(dilation, n, name, "dilation")
         self.act = resolve(act, name)
         self.groups = groups
+        self.in_channels = in_channels
         return kernel
 
-    def _make_parameters(self, kernel: tuple[int, ...], in_channels: int, out_channels: int,
-                         bias: bool, init: Callable) -> None:
-        self.weight = init((out_channels, *kernel, in_channels // self.groups))
+    def _make_parameters(self, kernel: tuple[int, ...], out_channels: int, bias: bool,
+                         init: Callable) -> None:
+        self.weight = init((out_channels, *kernel, self.in_channels // self.groups))
         self.bias = mx.zeros((out_channels,)) if bias else None
 
     @property
     def kernel(self) -> tuple[int, ...]:
         """The kernel's spatial size."""
-        return tuple(self.weight.shape[1:-1])
+        return tuple(self["weight"].shape[1:-1])
 
-    def _check(self, x: Any) -> None:
-        check_input(x, len(self.kernel), type(self).__name__, self.kind, self.in_channels)
+    def _check(self, x: Any, weight: mx.array) -> None:
+        check_input(x, weight.ndim - 2, type(self).__name__, self.kind, self.in_channels)
 
     def _finish(self, y: mx.array) -> mx.array:
-        return self.act(y if self.bias is None else y + self.bias)
+        bias = self.get("bias")
+        return self.act(y if bias is None else y + bias)
 
     def _signature(self, in_ch: int, out_ch: int, extra: dict[str, str] | None = None) -> str:
         name = type(self).__name__
@@ -261,17 +267,16 @@ class Conv(_ConvBase):
             self.padding = same_padding(kernel, self.dilation)
         else:
             self.padding = padding_pairs(padding, len(kernel), "Conv")
-        self.in_channels = in_channels
-        self._make_parameters(kernel, in_channels, out_channels, bias, init)
+        self._make_parameters(kernel, out_channels, bias, init)
 
     def __call__(self, x: mx.array) -> mx.array:
-        self._check(x)
-        extent = [d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilation, strict=True)]
-        check_fits(x, extent, self.padding, "Conv", "dilated kernel")
-        x = ops.match_input(x, self.weight, "Conv")
-        lo, hi = zip(*self.padding, strict=True)
-        y = _grouped(ops.conv, x, self.weight, self.stride, (lo, hi), self.dilation,
-                     self.groups)
+        weight, padding, dilation = self["weight"], self["padding"], self["dilation"]
+        self._check(x, weight)
+        extent = [d * (k - 1) + 1 for k, d in zip(weight.shape[1:-1], dilation, strict=True)]
+        check_fits(x, extent, padding, "Conv", "dilated kernel")
+        x = ops.match_input(x, weight, "Conv")
+        lo, hi = zip(*padding, strict=True)
+        y = _grouped(ops.conv, x, weight, self["stride"], (lo, hi), dilation, self.groups)
         return self._finish(y)
 
     def signature(self) -> str:
@@ -340,31 +345,31 @@ class ConvTranspose(_ConvBase):
         else:
             self.padding = padding_pairs(padding, n, name)
         self.output_padding = output_padding
-        self.in_channels = in_channels
-        self._make_parameters(kernel, in_channels, out_channels, bias, init)
+        self._make_parameters(kernel, out_channels, bias, init)
 
     def output_size(self, size: Sequence[int]) -> tuple[int, ...]:
         """The output's spatial size for an input of spatial size ``size``."""
-        dims = zip(size, self.stride, self.dilation, self.kernel, self.padding,
-                   self.output_padding, strict=True)
+        dims = zip(size, self["stride"], self["dilation"], self.kernel, self["padding"],
+                   self["output_padding"], strict=True)
         return tuple((n - 1) * s + d * (k - 1) + 1 - lo - hi + op
                      for n, s, d, k, (lo, hi), op in dims)
 
     def __call__(self, x: mx.array) -> mx.array:
-        self._check(x)
+        weight, padding = self["weight"], self["padding"]
+        self._check(x, weight)
         size = self.output_size(x.shape[1:-1])
         if min(size) < 1:
             raise ValueError(
-                f"[ConvTranspose] padding {self.padding} crops the output for input shape "
+                f"[ConvTranspose] padding {padding} crops the output for input shape "
                 f"{tuple(x.shape)} to nothing (spatial size {size}); use less padding"
             )
-        x = ops.match_input(x, self.weight, "ConvTranspose")
+        x = ops.match_input(x, weight, "ConvTranspose")
         # MLX pads symmetrically: pad by the smaller side, then crop the rest.
-        sym = tuple(min(lo, hi) for lo, hi in self.padding)
-        y = _grouped(ops.conv_transpose, x, self.weight, self.stride, sym, self.dilation,
-                     self.output_padding, self.groups)
-        if any(lo != hi for lo, hi in self.padding):
-            starts = [lo - p for (lo, _), p in zip(self.padding, sym, strict=True)]
+        sym = tuple(min(lo, hi) for lo, hi in padding)
+        y = _grouped(ops.conv_transpose, x, weight, self["stride"], sym, self["dilation"],
+                     self["output_padding"], self.groups)
+        if any(lo != hi for lo, hi in padding):
+            starts = [lo - p for (lo, _), p in zip(padding, sym, strict=True)]
             y = y[(slice(None), *(slice(a, a + n) for a, n in zip(starts, size, strict=True)))]
         return self._finish(y)
 

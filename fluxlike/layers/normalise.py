@@ -28,7 +28,9 @@ from .basic import check_size
 Dims = int | tuple[int, ...]
 
 
-def _check_number(value: Any, layer: str, name: str, ok: Callable[[float], bool], want: str):
+def _check_number(
+    value: Any, layer: str, name: str, ok: Callable[[float], bool], want: str
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
         raise ValueError(f"[{layer}] {name} must be {want}, got {value!r}")
     return float(value)
@@ -101,7 +103,11 @@ def _options(**pairs: tuple[Any, Any]) -> dict[str, Any]:
 
 
 class _Norm(Layer):
-    """Shared parts: the affine parameters, the activation, casting back."""
+    """Shared parts: the affine parameters, the activation, casting back.
+
+    Parameters are read by item (``self.get("weight")``): as attributes they go through
+    ``nn.Module.__getattr__``, which is slow.
+    """
 
     def _init_affine(self, shape: tuple[int, ...], affine: bool, bias: bool = True) -> None:
         self.weight = mx.ones(shape) if affine else None
@@ -109,10 +115,11 @@ class _Norm(Layer):
 
     def _finish(self, y: mx.array, dtype: mx.Dtype, out_dtype: mx.Dtype) -> mx.array:
         """Affine (if any), activation, then back to the input dtype."""
-        if self.weight is not None:
-            y = y * _as(self.weight, dtype)
-        if self.bias is not None:
-            y = y + _as(self.bias, dtype)
+        weight, bias = self.get("weight"), self.get("bias")
+        if weight is not None:
+            y = y * _as(weight, dtype)
+        if bias is not None:
+            y = y + _as(bias, dtype)
         return _as(getattr(self, "act", identity)(y), out_dtype)
 
 
@@ -121,7 +128,16 @@ class _RunningNorm(_Norm):
 
     _STATS = ["running_mean", "running_var"]
 
-    def _init_stats(self, channels: int, track_stats: bool) -> None:
+    def __init__(self, channels: int, act: Callable | str, *, momentum: float, eps: float,
+                 affine: bool, track_stats: bool, active: bool | None):
+        super().__init__()
+        name = type(self).__name__
+        self.channels = check_size(channels, name, "channels")
+        self.act = resolve(act, name)
+        self.momentum = _check_momentum(momentum, name)
+        self.eps = _check_eps(eps, name)
+        self.active = _check_active(active, name)
+        self._init_affine((channels,), affine)
         self.running_mean = mx.zeros((channels,)) if track_stats else None
         self.running_var = mx.ones((channels,)) if track_stats else None
         if track_stats:
@@ -138,32 +154,35 @@ class _RunningNorm(_Norm):
     def _normalise(self, x: mx.array, axes: tuple[int, ...], name: str) -> mx.array:
         """Normalise over ``axes`` with the input's statistics or the running ones; the running
         statistics are updated (with new arrays, after everything else succeeded) when active."""
-        dtype = _compute_dtype(x, self.weight, self.running_mean)
+        running_mean, running_var = self.get("running_mean"), self.get("running_var")
+        dtype = _compute_dtype(x, self.get("weight"), running_mean)
         y = _as(x, dtype)
         active = is_active(self)
         update = None
-        if active or self.running_mean is None:
+        if active or running_mean is None:
             n = _count(x, axes, name)
             mean = mx.mean(y, axis=axes, keepdims=True)
             var = mx.var(y, axis=axes, keepdims=True)
-            if active and self.running_mean is not None:
-                update = self._new_stats(mean, var * (n / (n - 1)), dtype)
+            if active and running_mean is not None:
+                unbiased = var * (n / (n - 1))
+                update = self._new_stats((running_mean, running_var), (mean, unbiased), dtype)
         else:
-            mean, var = _as(self.running_mean, dtype), _as(self.running_var, dtype)
+            mean, var = _as(running_mean, dtype), _as(running_var, dtype)
         out = self._finish((y - mean) * mx.rsqrt(var + self.eps), dtype, x.dtype)
         if update is not None:
             self.running_mean, self.running_var = update
         return out
 
-    def _new_stats(self, mean: mx.array, var: mx.array, dtype: mx.Dtype):
+    def _new_stats(self, running: tuple[mx.array, mx.array], batch: tuple[mx.array, mx.array],
+                   dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """PyTorch's rule ``(1 - m) * running + m * batch``, per channel, in the stats' dtype.
         The batch statistics are constants here: no gradient flows into running statistics."""
         m = self.momentum
         fresh = []
-        for running, batch in ((self.running_mean, mean), (self.running_var, var)):
-            batch = mx.stop_gradient(batch).reshape(-1, batch.shape[-1]).mean(axis=0)
-            fresh.append(_as((1 - m) * _as(running, dtype) + m * batch, running.dtype))
-        return tuple(fresh)
+        for old, new in zip(running, batch, strict=True):
+            new = mx.stop_gradient(new).reshape(-1, new.shape[-1]).mean(axis=0)
+            fresh.append(_as((1 - m) * _as(old, dtype) + m * new, old.dtype))
+        return fresh[0], fresh[1]
 
 
 @autocast_policy("fp32")
@@ -210,14 +229,8 @@ class BatchNorm(_RunningNorm):
         track_stats: bool = True,
         active: bool | None = None,
     ):
-        super().__init__()
-        self.channels = check_size(channels, "BatchNorm", "channels")
-        self.act = resolve(act, "BatchNorm")
-        self.momentum = _check_momentum(momentum, "BatchNorm")
-        self.eps = _check_eps(eps, "BatchNorm")
-        self.active = _check_active(active, "BatchNorm")
-        self._init_affine((channels,), affine)
-        self._init_stats(channels, track_stats)
+        super().__init__(channels, act, momentum=momentum, eps=eps, affine=affine,
+                         track_stats=track_stats, active=active)
 
     def __call__(self, x: mx.array) -> mx.array:
         _check_input(x, "BatchNorm", (self.channels,), 2, "(N, ..., C)")
@@ -264,14 +277,8 @@ class InstanceNorm(_RunningNorm):
         track_stats: bool = False,
         active: bool | None = None,
     ):
-        super().__init__()
-        self.channels = check_size(channels, "InstanceNorm", "channels")
-        self.act = resolve(act, "InstanceNorm")
-        self.eps = _check_eps(eps, "InstanceNorm")
-        self.momentum = _check_momentum(momentum, "InstanceNorm")
-        self.active = _check_active(active, "InstanceNorm")
-        self._init_affine((channels,), affine)
-        self._init_stats(channels, track_stats)
+        super().__init__(channels, act, momentum=momentum, eps=eps, affine=affine,
+                         track_stats=track_stats, active=active)
 
     def __call__(self, x: mx.array) -> mx.array:
         _check_input(x, "InstanceNorm", (self.channels,), 3, "(N, spatial..., C)")
@@ -326,7 +333,7 @@ class GroupNorm(_Norm):
 
     def __call__(self, x: mx.array) -> mx.array:
         _check_input(x, "GroupNorm", (self.channels,), 2, "(N, ..., C)")
-        dtype = _compute_dtype(x, self.weight)
+        dtype = _compute_dtype(x, self.get("weight"))
         y = _as(x, dtype).reshape(x.shape[0], -1, self.groups, self.channels // self.groups)
         _count(y, (1, 3), "GroupNorm")
         mean = mx.mean(y, axis=(1, 3), keepdims=True)
@@ -353,13 +360,18 @@ class _LastAxesNorm(_Norm):
         self._init_affine(self.dims, affine, bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        _check_input(x, type(self).__name__, self.dims, len(self.dims), f"ending in {self.dims}")
-        dtype = _compute_dtype(x, self.weight)
-        flat = _as(x, dtype).reshape(*x.shape[: x.ndim - len(self.dims)], -1)
+        dims = self["dims"]
+        _check_input(x, type(self).__name__, dims, len(dims), f"ending in {dims}")
+        weight, bias = self.get("weight"), self.get("bias")
+        dtype = _compute_dtype(x, weight)
+        y = _as(x, dtype)
+        if len(dims) > 1:  # flatten the normalised axes into one
+            y = y.reshape(*x.shape[: x.ndim - len(dims)], -1)
+            weight, bias = (None if p is None else p.reshape(-1) for p in (weight, bias))
         if dtype == mx.float64:  # the mx.fast kernels compute in float32 internally
-            return self._finish(self._exact(flat).reshape(x.shape), dtype, x.dtype)
-        w, b = (None if p is None else _as(p, dtype).reshape(-1) for p in (self.weight, self.bias))
-        return _as(self._fast(flat, w, b).reshape(x.shape), x.dtype)
+            return self._finish(self._exact(y).reshape(x.shape), dtype, x.dtype)
+        y = self._fast(y, _as(weight, dtype), _as(bias, dtype))
+        return _as(y.reshape(x.shape), x.dtype)
 
     def signature(self) -> str:
         dims = str(self.dims[0]) if len(self.dims) == 1 else str(self.dims)
@@ -454,9 +466,10 @@ class Dropout(Layer):
                  active: bool | None = None):
         super().__init__()
         self.p = _check_number(p, "Dropout", "p", lambda v: 0 <= v < 1, "a probability in [0, 1)")
-        ok = dims is None or isinstance(dims, int) or (
-            isinstance(dims, tuple) and all(isinstance(d, int) for d in dims))
-        if not ok or isinstance(dims, bool):
+        axes = (dims,) if isinstance(dims, int) else dims
+        ok = dims is None or (isinstance(axes, tuple) and all(
+            isinstance(d, int) and not isinstance(d, bool) for d in axes))
+        if not ok:
             raise ValueError(f"[Dropout] dims must be None, an axis or a tuple of axes, "
                              f"got {dims!r}")
         self.dims = dims

@@ -52,17 +52,12 @@ def sliding_windows(x: mx.array, window: Sequence[int], stride: Sequence[int]) -
     return mx.as_strided(x, shape, view_strides)
 
 
-def _fill(dtype: mx.Dtype) -> float | int:
-    """The padding value that a max never picks."""
-    if mx.issubdtype(dtype, mx.floating):
-        return -math.inf
-    return mx.iinfo(dtype).min if dtype != mx.bool_ else False
-
-
 class _WindowPool(Layer):
-    """What ``MaxPool`` and ``MeanPool`` share: arguments, checks, windows and the repr."""
+    """What ``MaxPool`` and ``MeanPool`` share: arguments, checks, windows and the repr.
+    Subclasses give ``pad_value(dtype)`` and the call."""
 
-    def __init__(self, window: tuple[int, ...], stride: Any, padding: Any):
+    def __init__(self, window: tuple[int, ...], *, stride: int | tuple[int, ...] | None = None,
+                 padding: int | str | tuple = 0):
         super().__init__()
         name = type(self).__name__
         window = kernel_tuple(window, name, "window")
@@ -81,16 +76,19 @@ class _WindowPool(Layer):
             )
 
     def _windows(self, x: Any) -> mx.array:
+        """The windows of ``x`` (padded), ``(N, *out, *window, C)``."""
         name = type(self).__name__
-        check_input(x, len(self.window), name, "pool")
-        check_fits(x, self.window, self.padding, name, "window")
-        if any(lo or hi for lo, hi in self.padding):
-            pads = [(0, 0), *self.padding, (0, 0)]
-            x = mx.pad(x, pads, constant_values=self.pad_value(x.dtype))
-        return sliding_windows(x, self.window, self.stride)
+        # By item: self.window would go through nn.Module.__getattr__, which is slow.
+        window, padding = self["window"], self["padding"]
+        check_input(x, len(window), name, "pool")
+        check_fits(x, window, padding, name, "window")
+        if any(lo or hi for lo, hi in padding):
+            x = mx.pad(x, [(0, 0), *padding, (0, 0)], constant_values=self.pad_value(x.dtype))
+        return sliding_windows(x, window, self["stride"])
 
     def _axes(self) -> tuple[int, ...]:
-        return tuple(range(-len(self.window) - 1, -1))
+        """The window axes of :meth:`_windows`' result."""
+        return tuple(range(-len(self["window"]) - 1, -1))
 
     def signature(self) -> str:
         options = [] if self.stride == self.window else [f"stride={short(self.stride)}"]
@@ -116,14 +114,12 @@ class MaxPool(_WindowPool):
     array([3, 3, 3], dtype=float32)
     """
 
-    def __init__(self, window: tuple[int, ...], *, stride: int | tuple[int, ...] | None = None,
-                 padding: int | str | tuple = 0):
-        super().__init__(window, stride, padding)
-
     @staticmethod
     def pad_value(dtype: mx.Dtype) -> float | int:
         """Padding is ``-inf`` (the dtype's minimum for integers), so a max ignores it."""
-        return _fill(dtype)
+        if mx.issubdtype(dtype, mx.floating):
+            return -math.inf
+        return mx.iinfo(dtype).min if dtype != mx.bool_ else False
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.max(self._windows(x), axis=self._axes())
@@ -145,10 +141,6 @@ class MeanPool(_WindowPool):
     array([1, 2], dtype=float32)
     """
 
-    def __init__(self, window: tuple[int, ...], *, stride: int | tuple[int, ...] | None = None,
-                 padding: int | str | tuple = 0):
-        super().__init__(window, stride, padding)
-
     @staticmethod
     def pad_value(dtype: mx.Dtype) -> float:
         """Padding is zero."""
@@ -159,6 +151,8 @@ class MeanPool(_WindowPool):
 
 
 class _GlobalPool(Layer):
+    """A reduction (the subclass's ``reduce``) over every spatial axis, keeping them."""
+
     reduce: Callable[..., mx.array]
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -223,9 +217,10 @@ class AdaptiveMeanPool(Layer):
         self.out_size = kernel_tuple(out_size, "AdaptiveMeanPool", "out_size")
 
     def __call__(self, x: mx.array) -> mx.array:
-        check_input(x, len(self.out_size), "AdaptiveMeanPool", "pool")
+        out_size = self["out_size"]  # by item: nn.Module.__getattr__ is slow
+        check_input(x, len(out_size), "AdaptiveMeanPool", "pool")
         # A box mean is a mean along each axis in turn (the weights factorise).
-        for axis, (n, m) in enumerate(zip(x.shape[1:-1], self.out_size, strict=True), start=1):
+        for axis, (n, m) in enumerate(zip(x.shape[1:-1], out_size, strict=True), start=1):
             if n == m:
                 continue
             if n % m == 0:

@@ -33,7 +33,11 @@ def _sigmoid(x: mx.array) -> mx.array:
 
 
 class _Cell(Layer):
-    """What the three cells share: fused parameters, validation, the one-step call."""
+    """What the three cells share: fused parameters, validation, the one-step call.
+
+    Parameters are read by item (``self["weight_hh"]``), not as attributes: the layers call
+    ``step`` once per time step, and ``nn.Module.__getattr__`` is slow.
+    """
 
     gates = 1
 
@@ -50,15 +54,19 @@ class _Cell(Layer):
 
     @property
     def in_dims(self) -> int:
-        return self.weight_ih.shape[1]
+        return self["weight_ih"].shape[1]
 
     @property
     def out_dims(self) -> int:
-        return self.weight_hh.shape[1]
+        return self["weight_hh"].shape[1]
 
     def project(self, x: mx.array) -> mx.array:
         """The input part of every gate, ``x @ weight_ih.T + bias_ih``, for any leading axes."""
-        return ops.linear(x, self.weight_ih, self.bias_ih)
+        return ops.linear(x, self["weight_ih"], self.get("bias_ih"))
+
+    def recur(self, h: mx.array) -> mx.array:
+        """The hidden-state part of every gate, ``h @ weight_hh.T + bias_hh``."""
+        return ops.linear(h, self["weight_hh"], self.get("bias_hh"))
 
     def step(self, xp: mx.array, state: Any) -> Any:
         """The new state from the projected input ``xp`` of one time step and the old state."""
@@ -76,22 +84,22 @@ class _Cell(Layer):
         """A checked ``state`` in the compute dtype, or zeros of ``(*batch, out_dims)``."""
         if state is None:
             return mx.zeros((*batch, self.out_dims), dtype=dtype)
-        return ops.match_input(state, self.weight_hh, layer)
+        return ops.match_input(state, self["weight_hh"], layer)
 
     def __call__(self, x: mx.array, state: State | None = None) -> State:
-        name = type(self).__name__
-        check_features(x, self.in_dims, name)
+        name, in_dims = type(self).__name__, self.in_dims
+        check_features(x, in_dims, name)
         if x.ndim > 2:
             raise ValueError(
-                f"[{name}] expected one time step of shape (batch, {self.in_dims}) or "
-                f"({self.in_dims},), got shape {tuple(x.shape)}; use {name[:-4]} for sequences"
+                f"[{name}] expected one time step of shape (batch, {in_dims}) or "
+                f"({in_dims},), got shape {tuple(x.shape)}; use {name[:-4]} for sequences"
             )
         self.check_state(state, (*x.shape[:-1], self.out_dims), name)
-        x = ops.match_input(x, self.weight_ih, name)
+        x = ops.match_input(x, self["weight_ih"], name)
         return self.step(self.project(x), self.prepare_state(state, x.shape[:-1], x.dtype, name))
 
     def _options(self) -> dict[str, Any]:
-        return {} if self.bias_ih is not None else {"bias": False}
+        return {} if self.get("bias_ih") is not None else {"bias": False}
 
     def signature(self) -> str:
         return signature_of([f"{self.in_dims} => {self.out_dims}"], type(self).__name__,
@@ -144,7 +152,7 @@ class RNNCell(_Cell):
         self.act = act
 
     def step(self, xp: mx.array, h: mx.array) -> mx.array:
-        return self.act(xp + ops.linear(h, self.weight_hh, self.bias_hh))
+        return self.act(xp + self.recur(h))
 
     def signature(self) -> str:
         # Unlike Dense, the default is tanh, so identity is shown too.
@@ -184,7 +192,7 @@ class LSTMCell(_Cell):
 
     def step(self, xp: mx.array, state: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
         h, c = state
-        i, f, g, o = mx.split(xp + ops.linear(h, self.weight_hh, self.bias_hh), 4, axis=-1)
+        i, f, g, o = mx.split(xp + self.recur(h), 4, axis=-1)
         c = _sigmoid(f) * c + _sigmoid(i) * mx.tanh(g)
         return _sigmoid(o) * mx.tanh(c), c
 
@@ -207,7 +215,8 @@ class LSTMCell(_Cell):
             zeros = mx.zeros((*batch, self.out_dims), dtype=dtype)
             return zeros, zeros
         h, c = state
-        return ops.match_input(h, self.weight_hh, layer), ops.match_input(c, self.weight_hh, layer)
+        weight = self["weight_hh"]
+        return ops.match_input(h, weight, layer), ops.match_input(c, weight, layer)
 
 
 @autocast_policy("down")
@@ -240,7 +249,7 @@ class GRUCell(_Cell):
 
     def step(self, xp: mx.array, h: mx.array) -> mx.array:
         xr, xz, xn = mx.split(xp, 3, axis=-1)
-        hr, hz, hn = mx.split(ops.linear(h, self.weight_hh, self.bias_hh), 3, axis=-1)
+        hr, hz, hn = mx.split(self.recur(h), 3, axis=-1)
         r = _sigmoid(xr + hr)
         z = _sigmoid(xz + hz)
         n = mx.tanh(xn + r * hn)
@@ -267,29 +276,33 @@ class _Recurrent(Layer):
         self.return_state = return_state
 
     def __call__(self, x: mx.array, state: State | None = None) -> Any:
-        name = type(self).__name__
-        cell = self.cell
-        check_features(x, cell.in_dims, name)
-        if x.ndim not in (2, 3):
-            raise ValueError(
-                f"[{name}] expected input of shape (batch, time, {cell.in_dims}) or "
-                f"(time, {cell.in_dims}), got shape {tuple(x.shape)}"
-            )
-        steps = x.shape[-2]
-        if steps == 0:
-            raise ValueError(f"[{name}] expected at least one time step, got shape "
-                             f"{tuple(x.shape)}")
-        cell.check_state(state, (*x.shape[:-2], cell.out_dims), name)
+        name, cell = type(self).__name__, self["cell"]
+        self._check(x, state, cell, name)
         cell = _in_compute_dtype(cell)
-        x = ops.match_input(x, cell.weight_ih, name)
+        x = ops.match_input(x, cell["weight_ih"], name)
         state = cell.prepare_state(state, x.shape[:-2], x.dtype, name)
         xp = cell.project(x)  # the input part of every step in one matmul
         outputs = []
-        for t in range(steps):
+        for t in range(x.shape[-2]):
             state = cell.step(xp[..., t, :], state)
             outputs.append(cell.output(state))
         out = mx.stack(outputs, axis=-2)
         return (out, state) if self.return_state else out
+
+    @staticmethod
+    def _check(x: Any, state: Any, cell: _Cell, name: str) -> None:
+        """Raise unless ``x`` is a non-empty sequence of the cell's inputs and ``state`` fits."""
+        in_dims = cell.in_dims
+        check_features(x, in_dims, name)
+        if x.ndim not in (2, 3):
+            raise ValueError(
+                f"[{name}] expected input of shape (batch, time, {in_dims}) or "
+                f"(time, {in_dims}), got shape {tuple(x.shape)}"
+            )
+        if x.shape[-2] == 0:
+            raise ValueError(f"[{name}] expected at least one time step, got shape "
+                             f"{tuple(x.shape)}")
+        cell.check_state(state, (*x.shape[:-2], cell.out_dims), name)
 
     def signature(self) -> str:
         cell = self.cell.signature()

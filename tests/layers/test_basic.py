@@ -103,6 +103,8 @@ class TestChain:
             Chain(3)
         with pytest.raises(KeyError, match="no layer named 'x'"):
             Chain(a=Dense(2, 2))["x"]
+        with pytest.raises(ValueError, match=r"\[Chain\] \['layers'\] cannot name a layer"):
+            Chain(layers=Dense(2, 2))
 
     def test_repr_expands_containers(self):
         text = repr(Chain(Dense(5, 3, relu), Chain(a=Dense(3, 2))))

@@ -564,6 +564,8 @@ class TestDropout:
     def test_bad_dims_and_input(self):
         with pytest.raises(ValueError, match=r"\[Dropout\] dims must be None, an axis"):
             Dropout(0.5, dims=[0])
+        with pytest.raises(ValueError, match=r"\[Dropout\] dims must be None, an axis"):
+            Dropout(0.5, dims=(0, True))
         with pytest.raises(ValueError, match=r"\[Dropout\] dims=3 out of range .*\(2, 2\)"):
             Dropout(0.5, dims=3)(mx.ones((2, 2)))
         with pytest.raises(TypeError, match=r"\[Dropout\] expected a floating-point input"):
