@@ -106,3 +106,22 @@ def check_layer_gradients(
                             rtol=rtol, atol=atol, seed=seed)
         finally:
             layer.update(tree_unflatten(list(zip(names, originals, strict=False))))
+
+
+def normal(*shape: int, seed: int = 0, loc: float = 0.0, scale: float = 1.0) -> mx.array:
+    """A float32 array of normal noise from numpy (independent of MLX's generator)."""
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.normal(loc, scale, size=shape).astype(np.float32))
+
+
+def snapshot(layer: nn.Module) -> dict[str, np.ndarray]:
+    """Copies of every array of a layer (trainable or not), by dotted name."""
+    return {k: np64(v) for k, v in tree_flatten(layer.parameters())}
+
+
+def assert_unchanged(layer: nn.Module, before: dict[str, np.ndarray]) -> None:
+    """Assert that ``layer`` holds exactly the arrays ``snapshot`` recorded in ``before``."""
+    after = snapshot(layer)
+    assert after.keys() == before.keys()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)

@@ -4,7 +4,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import check_layer_gradients, np64
+from helpers import check_layer_gradients, np64, snapshot
 from mlx.utils import tree_flatten
 
 import fluxlike
@@ -17,10 +17,6 @@ def randomise_biases(mha: MultiHeadAttention) -> MultiHeadAttention:
         if proj.bias is not None:
             proj.bias = 0.3 * mx.random.normal(proj.bias.shape)
     return mha
-
-
-def snapshot(layer: nn.Module) -> dict:
-    return {k: np64(v) for k, v in tree_flatten(layer.parameters())}
 
 
 def np_softmax(s):

@@ -3,7 +3,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import np64
+from helpers import assert_unchanged, normal, np64, snapshot
 from mlx.utils import tree_flatten
 
 from fluxlike import Chain, Conv, ConvTranspose, autocast, relu
@@ -56,26 +56,10 @@ def conv_transpose_reference(x, w, b, stride, pads, dilation, output_padding, gr
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def normal(*shape, seed=0):
-    """A float32 array of normal noise from numpy (independent of MLX's generator)."""
-    return mx.array(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
-
-
 def with_random_bias(layer, seed=1):
     if layer.bias is not None:
         layer.bias = normal(*layer.bias.shape, seed=seed)
     return layer
-
-
-def snapshot(layer):
-    return {k: np64(v) for k, v in tree_flatten(layer.parameters())}
-
-
-def assert_unchanged(layer, before):
-    after = snapshot(layer)
-    assert after.keys() == before.keys()
-    for k in before:
-        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
 
 
 def reference_of(layer):

@@ -2,7 +2,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import check_layer_gradients, np64
+from helpers import assert_unchanged, check_layer_gradients, normal, np64, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
@@ -27,12 +27,6 @@ from fluxlike.precision.policy import policy_of
 EPS = 1e-5
 
 
-def normal(*shape, seed=0, loc=0.0, scale=1.0):
-    """A float32 array of normal noise from numpy (independent of MLX's generator)."""
-    rng = np.random.default_rng(seed)
-    return mx.array(rng.normal(loc, scale, size=shape).astype(np.float32))
-
-
 def randomise_affine(layer, seed=1):
     """Give weight/bias non-trivial values so the affine part is really tested."""
     rng = np.random.default_rng(seed)
@@ -41,17 +35,6 @@ def randomise_affine(layer, seed=1):
         if p is not None:
             setattr(layer, name, mx.array(rng.normal(size=p.shape).astype(np.float32)))
     return layer
-
-
-def snapshot(layer):
-    return {k: np64(v) for k, v in tree_flatten(layer.parameters())}
-
-
-def assert_unchanged(layer, before):
-    after = snapshot(layer)
-    assert after.keys() == before.keys()
-    for k in before:
-        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
 
 
 # --- numpy references ---------------------------------------------------------------------

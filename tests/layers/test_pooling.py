@@ -3,7 +3,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import check_gradients, np64
+from helpers import check_gradients, normal, np64
 
 from fluxlike import (
     AdaptiveMeanPool,
@@ -49,10 +49,6 @@ def distinct(*shape, seed=0):
     rng = np.random.default_rng(seed)
     values = rng.permutation(math.prod(shape)) * 0.1 - 3.0
     return mx.array(values.reshape(shape).astype(np.float32))
-
-
-def normal(*shape, seed=0):
-    return mx.array(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
 
 
 def reference_of(pool):

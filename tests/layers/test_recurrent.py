@@ -2,7 +2,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import check_layer_gradients, np64
+from helpers import assert_unchanged, check_layer_gradients, np64, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten, tree_map
@@ -18,17 +18,6 @@ def randomise(layer: nn.Module, scale: float = 0.5) -> nn.Module:
     """Random values for every parameter, biases included (they start at zero)."""
     layer.update(tree_map(lambda p: scale * mx.random.normal(p.shape), layer.parameters()))
     return layer
-
-
-def snapshot(layer: nn.Module) -> dict:
-    return {k: np64(v) for k, v in tree_flatten(layer.parameters())}
-
-
-def assert_unchanged(layer: nn.Module, before: dict) -> None:
-    after = snapshot(layer)
-    assert after.keys() == before.keys()
-    for k in before:
-        np.testing.assert_array_equal(after[k], before[k])
 
 
 # --- independent numpy references: PyTorch's equations, one step at a time --------------
