@@ -1,3 +1,4 @@
+import fluxlike  # noqa: F401, I001  (first: it loads an optimised BLAS before mlx.core)
 import sys
 from pathlib import Path
 

@@ -6,19 +6,47 @@ hold everywhere and the CPU can route half precision to fast float32 kernels.
 Dtype rules (:func:`match_input`): a floating input takes its layer's weight dtype (so a
 ``f16mix`` model accepts float32 data), except that float64 data given to a float32 layer is
 converted with a one-time warning; integer and boolean inputs are a ``TypeError``.
+
+Half precision on the CPU: MLX's CPU float16/bfloat16 GEMM and convolution gradients are
+scalar loops, 5-50x slower than float32 on an optimised BLAS. When the default device is the
+CPU and the operands are float16 or bfloat16 (all of one dtype), each kernel here keeps the
+numerics of half precision - operands already rounded to the half dtype, float32
+accumulation, the result rounded to the half dtype - but runs the arithmetic in float32
+kernels: upcast, float32 GEMM/convolution, cast the result down. It is one
+``mx.custom_function`` whose backward pass recomputes the float32 upcasts from the saved
+half-precision inputs, so only half-precision activations are kept for the backward pass,
+and whose cotangents come back in the operands' dtypes. It supports ``mx.grad``/``mx.vjp`` and
+``mx.compile`` (not second-order gradients). On a GPU, MLX's native half kernels run.
+
+Memory: what the graph retains is about half of float32's (0.55x for an activation-heavy
+MLP). MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to
+about a hundred ops ahead of execution, so a measured peak also counts the float32
+temporaries queued meanwhile (0.7x eager, ~1x compiled for that MLP); ``mx.set_memory_limit``
+makes the scheduler wait and caps that.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 
 import mlx.core as mx
 
+from .state import HALF
+
 _warned_float64: set[str] = set()
+
+Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def match_input(x: mx.array, weight: mx.array, layer: str) -> mx.array:
-    """``x`` converted to ``weight``'s dtype, following the module's dtype rules."""
+    """``x`` converted to ``weight``'s dtype, following the module's dtype rules.
+
+    >>> import mlx.core as mx
+    >>> match_input(mx.ones((2, 3)), mx.ones((4, 3), dtype=mx.bfloat16), "Dense").dtype
+    mlx.core.bfloat16
+    """
     if not isinstance(x, mx.array):
         raise TypeError(f"[{layer}] expected an mx.array input, got {type(x).__name__}")
     if x.dtype == weight.dtype:
@@ -38,15 +66,48 @@ def match_input(x: mx.array, weight: mx.array, layer: str) -> mx.array:
     return x.astype(weight.dtype)
 
 
+def emulates(*operands: mx.array | None) -> bool:
+    """Whether a kernel on these operands runs as half precision in float32 kernels: the
+    default device is the CPU and the operands are all float16 or all bfloat16.
+
+    >>> import mlx.core as mx
+    >>> emulates(mx.ones(2, dtype=mx.bfloat16), mx.ones(2, dtype=mx.bfloat16))
+    True
+    >>> emulates(mx.ones(2), mx.ones(2))
+    False
+    """
+    dtype = operands[0].dtype
+    if dtype not in HALF or any(a is not None and a.dtype != dtype for a in operands):
+        return False
+    return mx.default_device().type == mx.cpu
+
+
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """``x @ weight.T + bias`` with ``weight`` of shape ``(out, in)``."""
+    """``x @ weight.T + bias`` with ``weight`` of shape ``(out, in)``.
+
+    >>> import mlx.core as mx
+    >>> y = linear(mx.ones((2, 3), mx.bfloat16), mx.ones((4, 3), mx.bfloat16))
+    >>> y.shape, y.dtype
+    ((2, 4), mlx.core.bfloat16)
+    """
     if bias is None:
+        if emulates(x, weight):
+            return _in_float32("linear")(x, weight)
         return x @ weight.T
+    if emulates(x, weight, bias):
+        return _in_float32("affine")(x, weight, bias)
     return mx.addmm(bias, x, weight.T)
 
 
 def matmul(a: mx.array, b: mx.array) -> mx.array:
-    """``a @ b`` for operands of one dtype."""
+    """``a @ b`` for operands of one dtype.
+
+    >>> import mlx.core as mx
+    >>> matmul(mx.ones((2, 3), mx.float16), mx.ones((3, 5), mx.float16)).dtype
+    mlx.core.float16
+    """
+    if emulates(a, b):
+        return _in_float32("matmul")(a, b)
     return a @ b
 
 
@@ -54,15 +115,24 @@ def conv(
     x: mx.array,
     weight: mx.array,
     stride: tuple[int, ...],
-    padding: tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]],
+    padding: Padding,
     dilation: tuple[int, ...],
     groups: int,
 ) -> mx.array:
     """N-d convolution, channels last: ``x`` is ``(N, *spatial, C_in)``, ``weight`` is
-    ``(C_out, *kernel, C_in // groups)``."""
-    return mx.conv_general(
-        x, weight, stride=stride, padding=padding, kernel_dilation=dilation, groups=groups
-    )
+    ``(C_out, *kernel, C_in // groups)``; ``padding`` is per dimension, or a ``(low, high)``
+    pair of per-dimension tuples.
+
+    >>> import mlx.core as mx
+    >>> x, w = mx.ones((1, 5, 5, 2), mx.bfloat16), mx.ones((3, 3, 3, 2), mx.bfloat16)
+    >>> y = conv(x, w, (1, 1), (1, 1), (1, 1), 1)
+    >>> y.shape, y.dtype
+    ((1, 5, 5, 3), mlx.core.bfloat16)
+    """
+    options = ("conv", _frozen(stride), _frozen(padding), _frozen(dilation), groups)
+    if emulates(x, weight):
+        return _in_float32(*options)(x, weight)
+    return _kernel(*options)(x, weight)
 
 
 def conv_transpose(
@@ -74,15 +144,72 @@ def conv_transpose(
     output_padding: tuple[int, ...],
     groups: int,
 ) -> mx.array:
-    """N-d transposed convolution, channels last; ``weight`` is ``(C_out, *kernel, C_in // groups)``."""
-    fn = {1: mx.conv_transpose1d, 2: mx.conv_transpose2d, 3: mx.conv_transpose3d}[x.ndim - 2]
-    unpack = (lambda t: t[0]) if x.ndim == 3 else (lambda t: t)
-    return fn(
-        x,
-        weight,
-        stride=unpack(stride),
-        padding=unpack(padding),
-        dilation=unpack(dilation),
-        output_padding=unpack(output_padding),
-        groups=groups,
+    """N-d transposed convolution, channels last; ``weight`` is ``(C_out, *kernel, C_in //
+    groups)``.
+
+    >>> import mlx.core as mx
+    >>> x, w = mx.ones((1, 4, 2), mx.float16), mx.ones((3, 3, 2), mx.float16)
+    >>> y = conv_transpose(x, w, (2,), (0,), (1,), (0,), 1)
+    >>> y.shape, y.dtype
+    ((1, 9, 3), mlx.core.float16)
+    """
+    options = ("conv_transpose", _frozen(stride), _frozen(padding), _frozen(dilation),
+               _frozen(output_padding), groups)
+    if emulates(x, weight):
+        return _in_float32(*options)(x, weight)
+    return _kernel(*options)(x, weight)
+
+
+def _frozen(value):
+    """``value`` with lists turned into tuples, so that it can key a cache."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+@functools.cache
+def _kernel(name: str, *options) -> Callable[..., mx.array]:
+    """The plain kernel ``name`` with its static options bound: a function of arrays."""
+    if name == "linear":
+        return lambda x, w: x @ w.T
+    if name == "affine":
+        return lambda x, w, b: mx.addmm(b, x, w.T)
+    if name == "matmul":
+        return lambda a, b: a @ b
+    if name == "conv":
+        stride, padding, dilation, groups = options
+        return lambda x, w: mx.conv_general(
+            x, w, stride=stride, padding=padding, kernel_dilation=dilation, groups=groups
+        )
+    stride, padding, dilation, output_padding, groups = options
+    fn = {1: mx.conv_transpose1d, 2: mx.conv_transpose2d, 3: mx.conv_transpose3d}[len(stride)]
+    one = (lambda t: t[0]) if len(stride) == 1 else (lambda t: t)
+    return lambda x, w: fn(
+        x, w, stride=one(stride), padding=one(padding), dilation=one(dilation),
+        output_padding=one(output_padding), groups=groups,
     )
+
+
+@functools.cache
+def _in_float32(name: str, *options) -> Callable[..., mx.array]:
+    """Kernel ``name`` on half-precision operands, computed by its float32 kernel."""
+    kernel = _kernel(name, *options)
+
+    @mx.custom_function
+    def forward(*operands: mx.array) -> mx.array:
+        return kernel(*(a.astype(mx.float32) for a in operands)).astype(operands[0].dtype)
+
+    @forward.vjp
+    def backward(operands: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+        # Recompute the upcasts from the saved half operands. Tying them to the cotangent
+        # keeps MLX from scheduling them (and holding them) before the backward pass gets here.
+        upcast = [a.astype(mx.float32) for a in mx.depends(list(operands), [cotangent])]
+        _, grads = mx.vjp(kernel, upcast, [cotangent.astype(mx.float32)])
+        grads = [g.astype(a.dtype) for g, a in zip(grads, operands, strict=True)]
+        # The first operand's gradient flows on down the network; making it wait for the
+        # others' (weights') has those computed now, while their float32 inputs are live,
+        # instead of at the end with every layer's cotangent held until then.
+        grads[0] = mx.depends(grads[0], grads[1:])
+        return tuple(grads)
+
+    return forward

@@ -1,0 +1,228 @@
+"""Half precision on the CPU through float32 kernels (fluxlike/precision/ops.py).
+
+Each kernel is checked against MLX's own (slow) half-precision kernel on small shapes: the
+dtype out, values within half-precision tolerance, gradients and their dtypes. The emulated
+result must also be exactly the float32 kernel's result on the half-rounded operands,
+rounded once to the half dtype (the numerics the module promises).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from helpers import np64
+
+from fluxlike import Chain, Dense, autocast, relu
+from fluxlike.precision import ops
+
+HALVES = [mx.float16, mx.bfloat16]
+TOL = {mx.float16: 4e-3, mx.bfloat16: 3e-2}  # max error relative to the largest magnitude
+
+# (name, x shape, weight shape, stride, padding, dilation, groups)
+CONVS = [
+    ("1d", (2, 9, 4), (6, 3, 4), (1,), (1,), (1,), 1),
+    ("1d stride dilation", (2, 11, 4), (6, 3, 4), (2,), (2,), (2,), 1),
+    ("1d groups", (2, 9, 4), (6, 3, 2), (1,), (0,), (1,), 2),
+    ("1d asymmetric padding", (2, 9, 4), (6, 3, 4), (1,), ((0,), (2,)), (1,), 1),
+    ("2d", (2, 7, 6, 3), (5, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ("2d stride padding dilation", (2, 9, 8, 3), (4, 3, 2, 3), (2, 1), (1, 2), (1, 2), 1),
+    ("2d groups", (2, 6, 6, 4), (6, 3, 3, 2), (1, 1), (1, 1), (1, 1), 2),
+    ("3d", (1, 5, 6, 4, 2), (3, 3, 2, 3, 2), (1, 2, 1), (1, 0, 1), (1, 1, 1), 1),
+    ("3d dilation", (1, 7, 6, 6, 2), (3, 2, 2, 2, 2), (1, 1, 2), (0, 1, 1), (2, 1, 2), 1),
+]
+
+# (name, x shape, weight shape, stride, padding, dilation, output_padding, groups)
+CONV_TRANSPOSES = [
+    ("1d", (2, 5, 4), (3, 3, 4), (1,), (0,), (1,), (0,), 1),
+    ("1d stride output_padding", (2, 5, 4), (3, 3, 4), (2,), (1,), (1,), (1,), 1),
+    ("1d groups dilation", (2, 5, 4), (6, 3, 2), (1,), (1,), (2,), (0,), 2),
+    ("2d stride padding", (2, 4, 5, 3), (2, 3, 3, 3), (2, 2), (1, 0), (1, 1), (0, 1), 1),
+    ("2d groups", (1, 4, 4, 4), (4, 2, 2, 2), (1, 1), (0, 0), (1, 1), (0, 0), 2),
+    ("3d", (1, 3, 4, 3, 2), (2, 2, 3, 2, 2), (2, 1, 1), (0, 1, 0), (1, 1, 1), (1, 0, 0), 1),
+]
+
+
+def native_conv(x, w, stride, padding, dilation, groups):
+    return mx.conv_general(
+        x, w, stride=stride, padding=padding, kernel_dilation=dilation, groups=groups
+    )
+
+
+def native_conv_transpose(x, w, stride, padding, dilation, output_padding, groups):
+    fn = {3: mx.conv_transpose1d, 4: mx.conv_transpose2d, 5: mx.conv_transpose3d}[x.ndim]
+    one = (lambda t: t[0]) if x.ndim == 3 else (lambda t: t)
+    return fn(x, w, stride=one(stride), padding=one(padding), dilation=one(dilation),
+              output_padding=one(output_padding), groups=groups)
+
+
+def close(actual: mx.array, expected: mx.array, dtype: mx.Dtype) -> None:
+    """Equal within half-precision rounding, relative to the largest magnitude."""
+    a, e = np64(actual), np64(expected)
+    scale = max(np.abs(e).max(), 1e-3)
+    assert np.abs(a - e).max() <= TOL[dtype] * scale, np.abs(a - e).max() / scale
+
+
+def halves(*shapes: tuple[int, ...], dtype: mx.Dtype) -> list[mx.array]:
+    return [mx.random.normal(s).astype(dtype) for s in shapes]
+
+
+def check_kernel(emulated, native, operands: list[mx.array], dtype: mx.Dtype) -> None:
+    """Forward and gradients of ``emulated`` against ``native`` (MLX's half kernel) and
+    against the float32 kernel on the rounded operands."""
+    out = emulated(*operands)
+    assert out.dtype == dtype
+    float32_out = native(*(a.astype(mx.float32) for a in operands))
+    assert mx.array_equal(out, float32_out.astype(dtype)).item()  # one rounding, at the end
+    close(out, native(*operands), dtype)
+
+    weights = mx.random.normal(out.shape)  # a loss that weighs every output differently
+    argnums = tuple(range(len(operands)))
+
+    def loss(fn):
+        return lambda *a: (fn(*a).astype(mx.float32) * weights).sum()
+
+    grads = mx.grad(loss(emulated), argnums=argnums)(*operands)
+    expected = mx.grad(loss(native), argnums=argnums)(*operands)
+    for g, e, a in zip(grads, expected, operands, strict=True):
+        assert g.dtype == a.dtype == dtype
+        close(g, e, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+class TestKernels:
+    def test_linear_with_bias(self, dtype):
+        ops_ = halves((3, 4, 6), (5, 6), (5,), dtype=dtype)
+        check_kernel(ops.linear, lambda x, w, b: mx.addmm(b, x, w.T), ops_, dtype)
+
+    def test_linear_without_bias(self, dtype):
+        check_kernel(ops.linear, lambda x, w: x @ w.T, halves((7, 6), (5, 6), dtype=dtype),
+                     dtype)
+
+    def test_matmul_batched_broadcast(self, dtype):
+        check_kernel(ops.matmul, lambda a, b: a @ b,
+                     halves((2, 3, 4, 5), (3, 5, 6), dtype=dtype), dtype)
+
+    @pytest.mark.parametrize("case", CONVS, ids=[c[0] for c in CONVS])
+    def test_conv(self, dtype, case):
+        _, xs, ws, *options = case
+
+        def emulated(x, w):
+            return ops.conv(x, w, *options)
+
+        def native(x, w):
+            return native_conv(x, w, *options)
+
+        check_kernel(emulated, native, halves(xs, ws, dtype=dtype), dtype)
+
+    @pytest.mark.parametrize("case", CONV_TRANSPOSES, ids=[c[0] for c in CONV_TRANSPOSES])
+    def test_conv_transpose(self, dtype, case):
+        _, xs, ws, *options = case
+
+        def emulated(x, w):
+            return ops.conv_transpose(x, w, *options)
+
+        def native(x, w):
+            return native_conv_transpose(x, w, *options)
+
+        check_kernel(emulated, native, halves(xs, ws, dtype=dtype), dtype)
+
+    def test_compile_matches_eager(self, dtype):
+        x, w, b = halves((4, 6), (5, 6), (5,), dtype=dtype)
+
+        def step(x, w, b):
+            return mx.value_and_grad(
+                lambda x, w, b: ops.linear(x, w, b).astype(mx.float32).square().sum(),
+                argnums=(0, 1, 2),
+            )(x, w, b)
+
+        eager, compiled = step(x, w, b), mx.compile(step)(x, w, b)
+        for e, c in zip([eager[0], *eager[1]], [compiled[0], *compiled[1]], strict=True):
+            assert e.dtype == c.dtype
+            np.testing.assert_allclose(np64(c), np64(e), rtol=1e-6, atol=1e-6)
+
+
+class TestDispatch:
+    def test_half_operands_on_the_cpu_are_emulated(self):
+        a = mx.ones((2, 2), mx.bfloat16)
+        assert ops.emulates(a, a) and ops.emulates(a, a, None)
+        with mx.stream(mx.cpu):
+            assert ops.emulates(a.astype(mx.float16), a.astype(mx.float16))
+
+    @pytest.mark.parametrize("dtypes", [
+        (mx.float32, mx.float32), (mx.float64, mx.float64), (mx.bfloat16, mx.float32),
+        (mx.float16, mx.bfloat16),
+    ])
+    def test_other_dtypes_are_left_to_mlx(self, dtypes):
+        a, b = (mx.ones((2, 2), dtype=d) for d in dtypes)
+        assert not ops.emulates(a, b)
+
+    def test_float32_results_unchanged(self):
+        x, w, b = mx.random.normal((3, 4)), mx.random.normal((2, 4)), mx.random.normal((2,))
+        assert mx.array_equal(ops.linear(x, w, b), mx.addmm(b, x, w.T)).item()
+
+    def test_gradients_reach_float32_master_weights_in_float32(self):
+        layer = Dense(4, 3)
+        x = mx.random.normal((5, 4))
+
+        def loss(model, x):
+            with autocast(mx.bfloat16):
+                return model(x).astype(mx.float32).sum()
+
+        grads = nn.value_and_grad(layer, loss)(layer, x)[1]
+        assert grads["weight"].dtype == grads["bias"].dtype == mx.float32
+
+
+def peak_of_training_step(model: nn.Module, x: mx.array, dtype: mx.Dtype | None) -> int:
+    """Peak memory of one forward and backward pass (fresh graph), in bytes.
+
+    MLX's CPU encoder allocates each op's output when it schedules the op, up to about a
+    hundred ops ahead of the worker, so the default peak mixes what the graph keeps alive
+    with how far scheduling ran ahead (a matter of timing). A tiny memory limit makes the
+    encoder wait for the worker after each op: the peak is then what the graph retains.
+    """
+    def loss(m, x):
+        if dtype is None:
+            return m(x).astype(mx.float32).sum()
+        with autocast(dtype):
+            return m(x).astype(mx.float32).sum()
+
+    step = nn.value_and_grad(model, loss)
+    old = mx.set_memory_limit(1)
+    try:
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(step(model, x))
+        return mx.get_peak_memory() - base
+    finally:
+        mx.set_memory_limit(old)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    """An activation-dominated MLP (8 x Dense(512, 512, relu), batch 8192), its input and
+    the float32 peak memory of a training step."""
+    mx.random.seed(0)
+    model = Chain(*[Dense(512, 512, relu) for _ in range(8)])
+    x = mx.random.normal((8192, 512))
+    mx.eval(model.parameters(), x)
+    return model, x, peak_of_training_step(model, x, None)
+
+
+class TestSavedActivations:
+    """The backward pass keeps half-precision activations, not their float32 upcasts."""
+
+    @pytest.mark.parametrize("dtype", HALVES)
+    def test_half_peak_is_under_0_7_of_float32(self, mlp, dtype):
+        model, x, float32_peak = mlp
+        assert peak_of_training_step(model, x, dtype) <= 0.7 * float32_peak
+
+    def test_plain_upcasts_would_keep_float32_copies(self, mlp, monkeypatch):
+        """The control: float32 upcasts without the custom backward pass are kept."""
+        model, x, float32_peak = mlp
+
+        def plain(x, w, b=None):
+            y = x.astype(mx.float32) @ w.astype(mx.float32).T + b.astype(mx.float32)
+            return y.astype(x.dtype)
+
+        monkeypatch.setattr(ops, "linear", plain)
+        assert peak_of_training_step(model, x, mx.bfloat16) > 0.8 * float32_peak
