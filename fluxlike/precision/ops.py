@@ -92,11 +92,33 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     """
     if bias is None:
         if emulates(x, weight):
-            return _in_float32("linear")(x, weight)
+            return _emulated_linear(x, weight)
         return x @ weight.T
     if emulates(x, weight, bias):
-        return _in_float32("affine")(x, weight, bias)
+        return _emulated_linear(x, weight, bias)
     return mx.addmm(bias, x, weight.T)
+
+
+# Largest float32 temporary (bytes) one piece of an emulated linear layer may make.
+CHUNK_BYTES = 4 * 2**20
+
+
+def _emulated_linear(x: mx.array, weight: mx.array, *bias: mx.array) -> mx.array:
+    """``linear`` on half operands in float32 kernels, over row blocks of ``x`` when its
+    float32 temporaries would be large.
+
+    MLX's CPU scheduler allocates each op's output when it queues the op, up to about a
+    hundred ops ahead, so large float32 temporaries add up to a peak well above what the
+    step retains; in blocks of at most ``CHUNK_BYTES`` they stay small.
+    """
+    name = "affine" if bias else "linear"
+    features = x.shape[-1]
+    rows = x.size // features if features else 0
+    step = max(64, CHUNK_BYTES // (4 * max(weight.shape)))
+    if x.ndim < 1 or rows <= step:
+        return _in_float32(name)(x, weight, *bias)
+    flat = x.reshape(rows, features)
+    return _in_float32_rows(name, step)(flat, weight, *bias).reshape(*x.shape[:-1], -1)
 
 
 def matmul(a: mx.array, b: mx.array) -> mx.array:
@@ -211,5 +233,48 @@ def _in_float32(name: str, *options) -> Callable[..., mx.array]:
         # instead of at the end with every layer's cotangent held until then.
         grads[0] = mx.depends(grads[0], grads[1:])
         return tuple(grads)
+
+    return forward
+
+
+@functools.cache
+def _in_float32_rows(name: str, step: int) -> Callable[..., mx.array]:
+    """Like :func:`_in_float32` for a row-wise kernel (``linear``/``affine``) of a 2-D first
+    operand, computed ``step`` rows at a time; the blocks are chained with ``mx.depends`` so
+    that they run (and free their float32 temporaries) one after another."""
+    kernel = _kernel(name)
+
+    def blocks(n: int) -> range:
+        return range(0, n, step)
+
+    @mx.custom_function
+    def forward(x: mx.array, *params: mx.array) -> mx.array:
+        params32 = [p.astype(mx.float32) for p in params]
+        outputs: list[mx.array] = []
+        for start in blocks(x.shape[0]):
+            rows = x[start : start + step]
+            if outputs:
+                rows = mx.depends(rows, outputs[-1])
+            outputs.append(kernel(rows.astype(mx.float32), *params32).astype(x.dtype))
+        return mx.concatenate(outputs, axis=0)
+
+    @forward.vjp
+    def backward(operands: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+        x, *params = operands
+        params32 = [p.astype(mx.float32) for p in mx.depends(list(params), [cotangent])]
+        sums: list[mx.array] | None = None  # parameter gradients, accumulated in float32
+        dxs: list[mx.array] = []
+        previous = cotangent
+        for start in blocks(x.shape[0]):
+            rows, cot = mx.depends([x[start : start + step], cotangent[start : start + step]],
+                                   [previous])
+            _, (dx, *dparams) = mx.vjp(
+                kernel, [rows.astype(mx.float32), *params32], [cot.astype(mx.float32)]
+            )
+            sums = dparams if sums is None else [a + b for a, b in zip(sums, dparams, strict=True)]
+            previous = dx.astype(x.dtype)
+            dxs.append(previous)
+        dx = mx.depends(mx.concatenate(dxs, axis=0), sums)
+        return (dx, *(g.astype(p.dtype) for g, p in zip(sums, params, strict=True)))
 
     return forward

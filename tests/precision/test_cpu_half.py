@@ -172,13 +172,16 @@ class TestDispatch:
         assert grads["weight"].dtype == grads["bias"].dtype == mx.float32
 
 
-def peak_of_training_step(model: nn.Module, x: mx.array, dtype: mx.Dtype | None) -> int:
+def peak_of_training_step(
+    model: nn.Module, x: mx.array, dtype: mx.Dtype | None, limit: int | None = 1
+) -> int:
     """Peak memory of one forward and backward pass (fresh graph), in bytes.
 
     MLX's CPU encoder allocates each op's output when it schedules the op, up to about a
     hundred ops ahead of the worker, so the default peak mixes what the graph keeps alive
-    with how far scheduling ran ahead (a matter of timing). A tiny memory limit makes the
-    encoder wait for the worker after each op: the peak is then what the graph retains.
+    with how far scheduling ran ahead. A tiny memory ``limit`` (the default here) makes the
+    encoder wait for the worker after each op: the peak is then what the graph retains;
+    ``limit=None`` measures under MLX's default scheduling.
     """
     def loss(m, x):
         if dtype is None:
@@ -187,14 +190,16 @@ def peak_of_training_step(model: nn.Module, x: mx.array, dtype: mx.Dtype | None)
             return m(x).astype(mx.float32).sum()
 
     step = nn.value_and_grad(model, loss)
-    old = mx.set_memory_limit(1)
+    old = mx.set_memory_limit(limit) if limit is not None else None
     try:
+        mx.clear_cache()
         mx.reset_peak_memory()
         base = mx.get_active_memory()
         mx.eval(step(model, x))
         return mx.get_peak_memory() - base
     finally:
-        mx.set_memory_limit(old)
+        if old is not None:
+            mx.set_memory_limit(old)
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +221,14 @@ class TestSavedActivations:
         model, x, float32_peak = mlp
         assert peak_of_training_step(model, x, dtype) <= 0.7 * float32_peak
 
+    @pytest.mark.parametrize("dtype", HALVES)
+    def test_half_peak_is_under_0_7_of_float32_with_default_scheduling(self, mlp, dtype):
+        """The figure a user sees: the float32 temporaries come in row blocks, so running
+        ahead does not pile them up."""
+        model, x, _ = mlp
+        float32_peak = peak_of_training_step(model, x, None, limit=None)
+        assert peak_of_training_step(model, x, dtype, limit=None) <= 0.7 * float32_peak
+
     def test_plain_upcasts_would_keep_float32_copies(self, mlp, monkeypatch):
         """The control: float32 upcasts without the custom backward pass are kept."""
         model, x, float32_peak = mlp
@@ -226,3 +239,34 @@ class TestSavedActivations:
 
         monkeypatch.setattr(ops, "linear", plain)
         assert peak_of_training_step(model, x, mx.bfloat16) > 0.8 * float32_peak
+
+
+class TestRowBlocks:
+    """Large emulated linear layers run in row blocks: same numbers, same gradients."""
+
+    @pytest.mark.parametrize("bias", [True, False])
+    @pytest.mark.parametrize("shape", [(200, 16), (3, 70, 16)])
+    def test_blocks_match_one_piece(self, monkeypatch, bias, shape):
+        x = mx.random.normal(shape).astype(mx.bfloat16)
+        w = mx.random.normal((24, 16)).astype(mx.bfloat16)
+        b = [mx.random.normal((24,)).astype(mx.bfloat16)] if bias else []
+
+        def run():
+            def loss(x, w, *b):
+                return (ops.linear(x, w, *b).astype(mx.float32) ** 2).sum()
+
+            y = ops.linear(x, w, *b)
+            grads = mx.grad(loss, argnums=list(range(2 + len(b))))(x, w, *b)
+            mx.eval(y, grads)
+            return y, grads
+
+        monkeypatch.setattr(ops, "CHUNK_BYTES", 2**40)  # one piece
+        whole, whole_grads = run()
+        monkeypatch.setattr(ops, "CHUNK_BYTES", 4 * 24)  # 64-row blocks (the minimum)
+        ops._in_float32_rows.cache_clear()
+        blocks, block_grads = run()
+        assert blocks.dtype == mx.bfloat16 and blocks.shape == (*shape[:-1], 24)
+        assert mx.array_equal(blocks, whole)
+        for g, h, a in zip(block_grads, whole_grads, [x, w, *b], strict=True):
+            assert g.dtype == a.dtype and g.shape == a.shape
+            close(g, h, mx.bfloat16)
