@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ..activations import identity, resolve
 from ..modes import is_active
+from ..precision.convert import keep_float32
 from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
 from .basic import check_size
@@ -185,6 +186,7 @@ class _RunningNorm(_Norm):
         return fresh[0], fresh[1]
 
 
+@keep_float32
 @autocast_policy("fp32")
 class BatchNorm(_RunningNorm):
     """Batch normalisation over every axis but the last (the channels), as in Flux.
@@ -244,6 +246,7 @@ class BatchNorm(_RunningNorm):
         return signature_of([str(self.channels)], "BatchNorm", self.act, **options)
 
 
+@keep_float32
 @autocast_policy("fp32")
 class InstanceNorm(_RunningNorm):
     """Instance normalisation: each sample and channel normalised over the spatial axes.
@@ -292,6 +295,7 @@ class InstanceNorm(_RunningNorm):
         return signature_of([str(self.channels)], "InstanceNorm", self.act, **options)
 
 
+@keep_float32
 @autocast_policy("fp32")
 class GroupNorm(_Norm):
     """Group normalisation: the channels split into ``groups`` runs of consecutive channels,

@@ -30,7 +30,6 @@ T = TypeVar("T")
 C = TypeVar("C", bound=type)
 
 _keep: dict[type, bool] = {}
-_fluxlike_norms_registered = False
 
 
 def keep_float32(cls: C, keep: bool = True) -> C:
@@ -70,27 +69,11 @@ def keeps_float32(layer: Any) -> bool:
     >>> keeps_float32(BatchNorm), keeps_float32(nn.GroupNorm(4, 8)), keeps_float32(Dense)
     (True, True, False)
     """
-    _register_fluxlike_norms()
     cls = layer if isinstance(layer, type) else type(layer)
     for base in cls.__mro__:
         if base in _keep:
             return _keep[base]
     return False
-
-
-def _register_fluxlike_norms() -> None:
-    """Register fluxlike's own norms on first use (imported here: the layers import the
-    precision package, not the other way round)."""
-    global _fluxlike_norms_registered
-    if _fluxlike_norms_registered:
-        return
-    _fluxlike_norms_registered = True
-    from ..layers import normalise
-
-    for name in ("BatchNorm", "InstanceNorm", "GroupNorm"):
-        cls = getattr(normalise, name, None)
-        if cls is not None and cls not in _keep:
-            keep_float32(cls)
 
 
 for _cls in (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm):
