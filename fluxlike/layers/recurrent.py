@@ -17,8 +17,7 @@ import mlx.core as mx
 from ..activations import resolve, tanh
 from ..init import glorot_uniform
 from ..precision import ops
-from ..precision.policy import autocast_policy, half_view
-from ..precision.state import current_dtype
+from ..precision.policy import autocast_policy, compute_view
 from .base import Layer, act_name, signature_of
 from .basic import check_features, check_size
 
@@ -256,14 +255,6 @@ class GRUCell(_Cell):
         return n + z * (h - n)
 
 
-def _in_compute_dtype(cell: _Cell) -> _Cell:
-    """``cell`` as its own down policy would run it. The layers call the cell's parts directly
-    (not through its policy wrapper), so under a scope they need this view, whose parameters
-    are in the compute dtype; the master weights are not touched."""
-    dtype = current_dtype()
-    return cell if dtype is None else half_view(cell, dtype)
-
-
 class _Recurrent(Layer):
     """A cell run over the time axis of ``(batch, time, features)`` or ``(time, features)``."""
 
@@ -278,7 +269,8 @@ class _Recurrent(Layer):
     def __call__(self, x: mx.array, state: State | None = None) -> Any:
         name, cell = type(self).__name__, self["cell"]
         self._check(x, state, cell, name)
-        cell = _in_compute_dtype(cell)
+        # The steps call the cell's parts, not the cell: view it as its own policy would.
+        cell = compute_view(cell)
         x = ops.match_input(x, cell["weight_ih"], name)
         state = cell.prepare_state(state, x.shape[:-2], x.dtype, name)
         xp = cell.project(x)  # the input part of every step in one matmul

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from .state import CASTABLE, HALF, OFF, compute_dtypes, device_index
+from .state import CASTABLE, HALF, OFF, compute_dtypes, current_dtype, device_index
 
 POLICIES = ("down", "fp32", "none")
 
@@ -207,3 +207,22 @@ def half_view(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
             value = cast(value)
         dict.__setitem__(view, key, value)
     return view
+
+
+def compute_view(layer: nn.Module) -> nn.Module:
+    """``layer`` as its down policy would run it right now: a :func:`half_view` in the scope's
+    compute dtype inside an autocast scope, the layer itself outside. For a container that
+    calls a down-policy child's parts directly instead of through its ``__call__`` (a
+    recurrent layer stepping its cell).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, autocast
+    >>> layer = Dense(2, 3)
+    >>> compute_view(layer) is layer
+    True
+    >>> with autocast(mx.bfloat16, device="cpu"):
+    ...     compute_view(layer).weight.dtype
+    mlx.core.bfloat16
+    """
+    dtype = current_dtype()
+    return layer if dtype is None else half_view(layer, dtype)
