@@ -18,6 +18,10 @@ half-precision inputs, so only half-precision activations are kept for the backw
 and whose cotangents come back in the operands' dtypes. It supports ``mx.grad``/``mx.vjp`` and
 ``mx.compile`` (not second-order gradients). On a GPU, MLX's native half kernels run.
 
+Inference: the float32 upcasts of the weights are kept across calls (:mod:`.castcache`), so
+a model called again under autocast, outside differentiation, computes with them directly
+instead of upcasting every weight on every call.
+
 Memory: what the graph retains is about half of float32's (0.55x for an activation-heavy
 MLP). MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to
 about a hundred ops ahead of execution, so a measured peak also counts the float32
@@ -33,6 +37,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from . import castcache
 from .state import HALF
 
 _warned_float64: set[str] = set()
@@ -115,6 +120,9 @@ def _emulated_linear(x: mx.array, weight: mx.array, *bias: mx.array) -> mx.array
     step retains; in blocks of at most ``CHUNK_BYTES`` they stay small.
     """
     name = "affine" if bias else "linear"
+    params32 = castcache.reused((weight, *bias), mx.float32)
+    if params32 is not None:
+        return _kernel(name)(x.astype(mx.float32), *params32).astype(x.dtype)
     features = x.shape[-1]
     rows = x.size // features if features else 0
     step = max(64, CHUNK_BYTES // (4 * max(weight.shape)))
@@ -156,7 +164,7 @@ def conv(
     """
     options = ("conv", _frozen(stride), _frozen(padding), _frozen(dilation), groups)
     if emulates(x, weight):
-        return _in_float32(*options)(x, weight)
+        return _emulated(options, x, weight)
     return _kernel(*options)(x, weight)
 
 
@@ -181,8 +189,17 @@ def conv_transpose(
     options = ("conv_transpose", _frozen(stride), _frozen(padding), _frozen(dilation),
                _frozen(output_padding), groups)
     if emulates(x, weight):
-        return _in_float32(*options)(x, weight)
+        return _emulated(options, x, weight)
     return _kernel(*options)(x, weight)
+
+
+def _emulated(options: tuple, x: mx.array, weight: mx.array) -> mx.array:
+    """Kernel ``options`` on half operands in float32 kernels: with the weight's cached
+    upcast when an earlier call made it, else through the custom gradient."""
+    (weight32,) = castcache.reused((weight,), mx.float32) or (None,)
+    if weight32 is not None:
+        return _kernel(*options)(x.astype(mx.float32), weight32).astype(x.dtype)
+    return _in_float32(*options)(x, weight)
 
 
 def _frozen(value):

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from . import castcache
 from .state import CASTABLE, HALF, OFF, compute_dtypes, current_dtype, device_index
 
 POLICIES = ("down", "fp32", "none")
@@ -155,12 +156,14 @@ def _install(cls: type, policy: str) -> None:
     cls.__call__ = __call__
 
 
-def _to(dtype: mx.Dtype, sources: tuple) -> Callable[[Any], Any]:
+def _to(
+    dtype: mx.Dtype, sources: tuple, astype: Callable = mx.array.astype
+) -> Callable[[Any], Any]:
     def cast(x: Any) -> Any:
         if isinstance(x, mx.array):
             current = x.dtype
             if current != dtype and current in sources:
-                return x.astype(dtype)
+                return astype(x, dtype)
         return x
 
     return cast
@@ -189,6 +192,8 @@ def half_view(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
     Child modules are shared, not copied: a child with a policy of its own casts itself
     when it is called. Parameters held in lists or dicts are cast too. The casts are
     ordinary graph ops, so gradients flow back to the float32 master weights in float32.
+    Outside differentiation the view and its casts are kept across calls while the layer's
+    parameters are the same arrays (:mod:`.castcache`).
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense
@@ -197,9 +202,13 @@ def half_view(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
     >>> view.weight.dtype, layer.weight.dtype
     (mlx.core.float16, mlx.core.float32)
     """
+    return castcache.view(layer, dtype, lambda: _make_view(layer, dtype))
+
+
+def _make_view(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
     view = type(layer).__new__(type(layer))
     view.__dict__.update(layer.__dict__)
-    cast = _to(dtype, CASTABLE)
+    cast = _to(dtype, CASTABLE, castcache.cast)
     for key, value in layer.items():
         if isinstance(value, (list, tuple, dict)) and not isinstance(value, nn.Module):
             value = tree_map(cast, value, is_leaf=nn.Module.is_module)

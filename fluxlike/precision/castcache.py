@@ -1,0 +1,158 @@
+"""Casts of parameters kept across calls, so that repeated inference under autocast does not
+cast every weight again on every call.
+
+Under autocast a down-policy layer runs on a view of itself whose parameters are cast to the
+compute dtype (:func:`~fluxlike.precision.policy.half_view`), and on the CPU the half
+operands of its GEMM or convolution are cast back up to run in float32 kernels
+(:mod:`~fluxlike.precision.ops`). Those are two full passes over every weight per call: on
+a large MLP they cost more than a third of a float32 forward pass. Here each cast is made
+once and reused for as long as its source array is alive and not replaced.
+
+- Keys are array identities. An entry holds its source by weak reference and goes when the
+  source goes, so replacing a parameter (``Module.update``, an optimiser step,
+  ``load_weights``, plain assignment) retires its casts, and the cache never keeps an old
+  weight alive. What it holds while the weights live: the half copy (half the float32
+  size) and, on the CPU, the float32 upcast of it.
+- Nothing is cached while fluxlike differentiates (:func:`~fluxlike.gradient`,
+  :func:`~fluxlike.train`): parameters are new arrays on every step there, and the casts
+  must stay in the graph. Under ``mx.grad``/``mx.compile`` the parameters are tracers, new
+  arrays per trace, so they miss and their entries go with them.
+- MLX arrays are values, but ``w[i] = v`` and ``w += v`` rewrite an array in place, under
+  the same identity; the cache cannot see that. Assign a new array instead (``layer.weight
+  = layer.weight + v``, as ``Module.update`` and the optimisers do) or call
+  :func:`clear_cast_cache` after an in-place change.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from operator import is_
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..modes import _differentiating
+
+# id(source) -> (weak reference to source, {dtype: source.astype(dtype)})
+_casts: dict[int, tuple[weakref.ref, dict]] = {}
+# id(layer) -> (weak reference to layer, {dtype: (the layer's values, its view)})
+_views: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _forget(table: dict, key: int) -> Callable[[weakref.ref], None]:
+    def forget(ref: weakref.ref) -> None:
+        entry = table.get(key)
+        if entry is not None and entry[0] is ref:  # not a newer entry under a reused id
+            del table[key]
+
+    return forget
+
+
+def _entry(table: dict, source: object) -> dict:
+    key = id(source)
+    entry = table.get(key)
+    if entry is None or entry[0]() is not source:
+        entry = (weakref.ref(source, _forget(table, key)), {})
+        table[key] = entry
+    return entry[1]
+
+
+def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``source.astype(dtype)``, the same array object on every call while ``source`` lives.
+
+    >>> import mlx.core as mx
+    >>> w = mx.ones((2, 2))
+    >>> cast(w, mx.bfloat16) is cast(w, mx.bfloat16)
+    True
+    >>> cast(w, mx.bfloat16).dtype
+    mlx.core.bfloat16
+    """
+    if source.dtype == dtype:
+        return source
+    if _differentiating.get():
+        return source.astype(dtype)
+    casts = _entry(_casts, source)
+    result = casts.get(dtype)
+    if result is None:
+        result = casts[dtype] = source.astype(dtype)
+    return result
+
+
+def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | None:
+    """The casts of ``sources`` to ``dtype`` if every one was cached by an earlier call;
+    otherwise ``None``, having cached the missing ones for the next call.
+
+    A hit means each source is an array seen before, so none is a tracer made for the
+    transformation (``mx.grad``, ``mx.compile``) now running: the caller may then compute
+    with the casts as constants instead of through its custom gradient.
+
+    >>> import mlx.core as mx
+    >>> w = mx.ones((2, 2), mx.bfloat16)
+    >>> reused((w,), mx.float32) is None
+    True
+    >>> reused((w,), mx.float32)[0].dtype
+    mlx.core.float32
+    """
+    if _differentiating.get():
+        return None
+    found: list[mx.array] | None = []
+    for source in sources:
+        casts = _entry(_casts, source)
+        result = casts.get(dtype)
+        if result is None:
+            casts[dtype] = source.astype(dtype)
+            found = None
+        elif found is not None:
+            found.append(result)
+    return found
+
+
+def view(layer: nn.Module, dtype: mx.Dtype, make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()``, a view of ``layer`` in ``dtype``, kept and returned again while the
+    layer's parameters and children are the same objects (its other attributes are copied
+    onto the kept view on every call, so a mode switch reaches it). Layers holding lists or
+    dicts of parameters, whose contents could change unseen, get a new view every call.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense
+    >>> from fluxlike.precision.policy import half_view
+    >>> layer = Dense(2, 3)
+    >>> half_view(layer, mx.float16) is half_view(layer, mx.float16)
+    True
+    >>> layer.weight = mx.zeros((3, 2))
+    >>> half_view(layer, mx.float16).weight.tolist()
+    [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+    """
+    if _differentiating.get():
+        return make()
+    values = tuple(layer.values())
+    views = _entry(_views, layer)
+    kept = views.get(dtype)
+    if kept is not None and len(kept[0]) == len(values) and all(map(is_, kept[0], values)):
+        kept[1].__dict__.update(layer.__dict__)
+        return kept[1]
+    made = make()
+    if all(isinstance(v, (mx.array, nn.Module)) for v in values):
+        views[dtype] = (values, made)
+    return made
+
+
+def clear_cast_cache() -> None:
+    """Drop every cached cast (after changing a parameter in place, ``w[i] = v`` or
+    ``w += v``, which keeps the array's identity).
+
+    >>> import mlx.core as mx
+    >>> w = mx.ones(2)
+    >>> before = cast(w, mx.float16)
+    >>> clear_cast_cache()
+    >>> cast(w, mx.float16) is before
+    False
+    """
+    _casts.clear()
+    _views.clear()
+
+
+def cached() -> int:
+    """How many arrays and layers have cached casts and views (for tests and diagnostics)."""
+    return len(_casts) + len(_views)

@@ -1,0 +1,257 @@
+"""Casts kept across calls under autocast (fluxlike/precision/castcache.py).
+
+What a user relies on: a second call under autocast gives exactly the first call's result
+(the kept casts are the casts), a changed parameter is seen at once, gradients still reach
+the float32 master weights whichever way they are taken, and the cache keeps no weight alive.
+"""
+
+import gc
+import weakref
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from helpers import normal
+
+from fluxlike import (
+    Chain,
+    Conv,
+    Dense,
+    autocast,
+    autocast_policy,
+    bf16mix,
+    gradient,
+    relu,
+)
+from fluxlike.precision import castcache, ops
+from fluxlike.precision.policy import half_view
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    castcache.clear_cast_cache()
+    yield
+    castcache.clear_cast_cache()
+
+
+def mlp() -> Chain:
+    model = Chain(Dense(6, 8, relu), Dense(8, 3))
+    mx.eval(model.parameters())
+    return model
+
+
+def conv_net() -> Chain:
+    model = Chain(Conv((3, 3), 2, 4, relu, padding=1), Conv((3, 3), 4, 3))
+    mx.eval(model.parameters())
+    return model
+
+
+def under(dtype, model, x):
+    with autocast(dtype):
+        y = model(x)
+    mx.eval(y)
+    return y
+
+
+def cold(dtype, model, x):
+    """The result with no kept casts at all."""
+    castcache.clear_cast_cache()
+    return under(dtype, model, x)
+
+
+MODELS = [(mlp, (5, 6)), (conv_net, (2, 5, 5, 2))]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("make, shape", MODELS)
+class TestRepeatedInference:
+    def test_later_calls_equal_the_first_bitwise(self, dtype, make, shape):
+        model, x = make(), normal(*shape)
+        first = under(dtype, model, x)
+        assert castcache.cached() > 0
+        for _ in range(2):
+            again = under(dtype, model, x)
+            assert again.dtype == dtype
+            assert mx.array_equal(again, first).item()
+
+    def test_kept_path_equals_the_custom_gradient_path(self, dtype, make, shape):
+        # The first call runs through ops' custom function; later ones use the kept upcasts.
+        model, x = make(), normal(*shape)
+        under(dtype, model, x)
+        kept = under(dtype, model, x)
+        assert mx.array_equal(kept, cold(dtype, model, x)).item()
+
+    def test_bf16mix_model_keeps_only_upcasts_and_agrees(self, dtype, make, shape):
+        model, x = make(), normal(*shape)
+        mixed = bf16mix(model)
+        first = mixed(x)
+        assert mx.array_equal(mixed(x), first).item()
+        assert mx.array_equal(mixed(x), first).item()
+
+
+class TestChangedParameters:
+    def test_assigned_weight_is_seen(self):
+        model, x = mlp(), normal(5, 6)
+        under(mx.bfloat16, model, x)
+        under(mx.bfloat16, model, x)
+        model.layers[0].weight = model.layers[0].weight * 2
+        changed = under(mx.bfloat16, model, x)
+        assert mx.array_equal(changed, cold(mx.bfloat16, model, x)).item()
+
+    def test_module_update_is_seen(self):
+        model, x = mlp(), normal(5, 6)
+        before = under(mx.bfloat16, model, x)
+        under(mx.bfloat16, model, x)
+        model.update({"layers": [{"bias": mx.ones(8)}, {}]})
+        after = under(mx.bfloat16, model, x)
+        assert not mx.array_equal(after, before).item()
+        assert mx.array_equal(after, cold(mx.bfloat16, model, x)).item()
+
+    def test_in_place_change_needs_clear_cast_cache(self):
+        layer = Dense(4, 2, bias=False)
+        mx.eval(layer.parameters())
+        x = normal(3, 4)
+        under(mx.bfloat16, layer, x)
+        weight = layer.weight
+        weight *= 0  # rewrites the array under the same identity
+        assert layer.weight is weight
+        castcache.clear_cast_cache()
+        assert not np.any(np.array(under(mx.bfloat16, layer, x).astype(mx.float32)))
+
+    def test_mode_and_attributes_reach_a_kept_view(self):
+        @autocast_policy("down")
+        class Scaled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = mx.ones(3)
+                self.factor = 1.0
+
+            def __call__(self, x):
+                return x * self.weight * self.factor * (2.0 if self.training else 1.0)
+
+        layer, x = Scaled(), mx.ones(3)
+        assert under(mx.bfloat16, layer, x).tolist() == [2.0, 2.0, 2.0]
+        layer.factor = 3.0
+        layer.eval()
+        assert under(mx.bfloat16, layer, x).tolist() == [3.0, 3.0, 3.0]
+
+    def test_parameters_in_lists_are_cast_afresh(self):
+        @autocast_policy("down")
+        class Listed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weights = [mx.ones(2)]
+
+            def __call__(self, x):
+                return x * self.weights[0]
+
+        layer, x = Listed(), mx.ones(2)
+        assert under(mx.float16, layer, x).tolist() == [1.0, 1.0]
+        layer.weights[0] = mx.full((2,), 5.0)  # same list object, new contents
+        assert under(mx.float16, layer, x).tolist() == [5.0, 5.0]
+        assert half_view(layer, mx.float16) is not half_view(layer, mx.float16)
+
+
+def mse(model, x, y):
+    return mx.mean((model(x).astype(mx.float32) - y) ** 2)
+
+
+class TestGradientsAfterInference:
+    """A warm cache must not cut gradients off from the master weights."""
+
+    def reference(self, model, x, y):
+        castcache.clear_cast_cache()
+        grads = nn.value_and_grad(model, lambda x, y: mse(model, x, y))
+        with autocast(mx.bfloat16):
+            _, g = grads(x, y)
+        mx.eval(g)
+        return g
+
+    @pytest.mark.parametrize("make, shape", MODELS)
+    def test_mlx_value_and_grad(self, make, shape):
+        model, x = make(), normal(*shape)
+        y = mx.zeros(under(mx.bfloat16, model, x).shape)
+        expected = self.reference(model, x, y)
+        for _ in range(2):
+            under(mx.bfloat16, model, x)
+        grads = nn.value_and_grad(model, lambda x, y: mse(model, x, y))
+        with autocast(mx.bfloat16):
+            _, g = grads(x, y)
+        for (_, a), (_, b) in zip(
+            nn.utils.tree_flatten(g), nn.utils.tree_flatten(expected), strict=True
+        ):
+            assert a.dtype == mx.float32
+            assert np.abs(np.array(a)).sum() > 0
+            assert mx.allclose(a, b, rtol=1e-5, atol=1e-7).item()
+
+    def test_fluxlike_gradient_caches_nothing(self):
+        model, x = mlp(), normal(5, 6)
+        (g,) = gradient(lambda m: mse(m, x, mx.zeros((5, 3))), model, autocast=mx.bfloat16)
+        mx.eval(g)
+        assert castcache.cached() == 0
+        under(mx.bfloat16, model, x)
+        (again,) = gradient(lambda m: mse(m, x, mx.zeros((5, 3))), model, autocast=mx.bfloat16)
+        assert mx.array_equal(again["layers"][0]["weight"], g["layers"][0]["weight"]).item()
+
+    def test_gradient_with_respect_to_the_input(self):
+        model, x = mlp(), normal(5, 6)
+
+        def loss(x):
+            with autocast(mx.bfloat16):
+                return mx.sum(model(x).astype(mx.float32))
+
+        expected = mx.grad(loss)(x)
+        under(mx.bfloat16, model, x)
+        under(mx.bfloat16, model, x)
+        assert mx.allclose(mx.grad(loss)(x), expected, rtol=1e-5).item()
+
+    def test_compiled_closure_and_captured_state(self):
+        model, x = mlp(), normal(5, 6)
+        expected = under(mx.bfloat16, model, x)
+
+        def forward(x):
+            with autocast(mx.bfloat16):
+                return model(x)
+
+        assert mx.array_equal(mx.compile(forward)(x), expected).item()
+        captured = mx.compile(forward, inputs=model.state)
+        assert mx.array_equal(captured(x), expected).item()
+        model.layers[1].bias = model.layers[1].bias + 1
+        assert mx.allclose(
+            captured(x).astype(mx.float32), expected.astype(mx.float32) + 1, atol=0.05
+        ).item()
+
+
+class TestLifetime:
+    def test_entries_go_with_the_model(self):
+        model, x = conv_net(), normal(2, 5, 5, 2)
+        under(mx.bfloat16, model, x)
+        under(mx.bfloat16, model, x)
+        assert castcache.cached() > 0
+        del model
+        gc.collect()
+        assert castcache.cached() == 0
+
+    def test_a_replaced_weight_is_not_kept_alive(self):
+        layer, x = Dense(4, 2), normal(3, 4)
+        mx.eval(layer.parameters())
+        under(mx.bfloat16, layer, x)
+        under(mx.bfloat16, layer, x)
+        old = weakref.ref(layer.weight)
+        layer.weight = mx.zeros((2, 4))
+        under(mx.bfloat16, layer, x)
+        gc.collect()
+        assert old() is None
+
+    def test_matmul_operands_are_not_kept(self):
+        a, b = normal(3, 4).astype(mx.bfloat16), normal(4, 2).astype(mx.bfloat16)
+        ops.matmul(a, b)
+        ops.matmul(a, b)
+        assert castcache.cached() == 0
+
+
+def test_cast_returns_the_source_for_its_own_dtype():
+    w = mx.ones(2)
+    assert castcache.cast(w, mx.float32) is w
+    assert castcache.cached() == 0
