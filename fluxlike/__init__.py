@@ -40,6 +40,7 @@ from .precision.policy import autocast_policy, policy_of
 from .precision.scope import autocast
 from .precision import stock as _stock  # noqa: F401  (registers mlx.nn's layers)
 from .precision.compiled import compile
+from .precision.castcache import clear_cast_cache
 from .precision.convert import bf16, bf16mix, f16, f16mix, f32, f64, keep_float32
 from .data import DataLoader, onecold, onehot, onehotbatch
 from .checkpoint import loadcheckpoint, loadmodel, savemodel, state

@@ -156,6 +156,7 @@ def _install(cls: type, policy: str) -> None:
     cls.__call__ = __call__
 
 
+@functools.cache
 def _to(
     dtype: mx.Dtype, sources: tuple, astype: Callable = mx.array.astype
 ) -> Callable[[Any], Any]:
