@@ -112,7 +112,7 @@ def view(layer: nn.Module, dtype: mx.Dtype, make: Callable[[], nn.Module]) -> nn
     """``make()``, a view of ``layer`` in ``dtype``, kept and returned again while the
     layer's parameters and children are the same objects (its other attributes are copied
     onto the kept view on every call, so a mode switch reaches it). Layers holding lists or
-    dicts of parameters, whose contents could change unseen, get a new view every call.
+    dicts, whose contents could change unseen, get a new view every call.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense
@@ -133,9 +133,17 @@ def view(layer: nn.Module, dtype: mx.Dtype, make: Callable[[], nn.Module]) -> nn
         kept[1].__dict__.update(layer.__dict__)
         return kept[1]
     made = make()
-    if all(isinstance(v, (mx.array, nn.Module)) for v in values):
+    if all(map(_immutable, values)):
         views[dtype] = (values, made)
     return made
+
+
+def _immutable(value: object) -> bool:
+    """Whether a layer's item is seen whole by an identity test: an array, a module, or a
+    tuple of plain numbers (``mlx.nn.Conv2d`` keeps its stride and padding as items)."""
+    if isinstance(value, (mx.array, nn.Module)):
+        return True
+    return isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)
 
 
 def clear_cast_cache() -> None:

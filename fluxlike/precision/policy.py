@@ -129,6 +129,18 @@ def _watch_subclasses(cls: type) -> None:
     cls.__init_subclass__ = hook
 
 
+# A layer's own forward -> the same computation for use inside a scope (stock.py)
+_scoped_forwards: dict[Callable, Callable] = {}
+
+
+def scoped_forward(forward: Callable, replacement: Callable) -> None:
+    """Inside an autocast scope, run ``replacement`` wherever a layer's ``__call__`` is
+    ``forward``: the same computation, written with :mod:`.ops` kernels so that CPU half
+    precision takes the float32 kernels. For layers one cannot edit (``mlx.nn``'s); a
+    subclass defining its own ``__call__`` keeps it. Call before the first autocast use."""
+    _scoped_forwards[forward] = replacement
+
+
 def _install(cls: type, policy: str) -> None:
     call = cls.__call__
     plain = getattr(call, "__fluxlike_plain__", call)  # never wrap a wrapper
@@ -140,6 +152,7 @@ def _install(cls: type, policy: str) -> None:
     if getattr(own, "__fluxlike_policy__", None) == policy:
         return  # already routed: keep the one wrapper
     dispatch = _down if policy == "down" else _fp32
+    scoped = _scoped_forwards.get(plain, plain)
 
     @functools.wraps(plain)
     def __call__(self, *args, **kwargs):
@@ -149,7 +162,7 @@ def _install(cls: type, policy: str) -> None:
         dtype = state[device_index()]
         if dtype is None:
             return plain(self, *args, **kwargs)
-        return dispatch(plain, self, dtype, args, kwargs)
+        return dispatch(scoped, self, dtype, args, kwargs)
 
     __call__.__fluxlike_plain__ = plain
     __call__.__fluxlike_policy__ = policy

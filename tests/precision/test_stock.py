@@ -1,0 +1,129 @@
+"""MLX's stock layers under autocast (fluxlike/precision/stock.py).
+
+Inside a scope ``nn.Linear`` and the convolutions run through fluxlike's kernels, so that CPU
+half precision takes the float32 kernels: the result is the float32 computation on the
+rounded operands, rounded once, within half-precision tolerance of MLX's native kernels,
+and gradients reach the float32 weights. Outside a scope nothing changes.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from helpers import normal, np64
+
+from fluxlike import autocast
+from fluxlike.precision import castcache, ops
+from fluxlike.precision.policy import half_view
+
+TOL = {mx.float16: 4e-3, mx.bfloat16: 3e-2}
+
+# (layer, input shape)
+LAYERS = [
+    ("Linear", lambda: nn.Linear(6, 5), (3, 4, 6)),
+    ("Linear no bias", lambda: nn.Linear(6, 5, bias=False), (3, 6)),
+    ("Conv1d", lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2), (2, 11, 4)),
+    ("Conv1d groups", lambda: nn.Conv1d(4, 6, 3, groups=2, bias=False), (2, 9, 4)),
+    ("Conv2d", lambda: nn.Conv2d(3, 5, (3, 2), stride=(2, 1), padding=(1, 0)), (2, 7, 6, 3)),
+    ("Conv3d", lambda: nn.Conv3d(2, 3, 2, padding=1), (1, 4, 5, 3, 2)),
+    ("ConvTranspose1d", lambda: nn.ConvTranspose1d(4, 3, 3, stride=2, output_padding=1),
+     (2, 5, 4)),
+    ("ConvTranspose2d", lambda: nn.ConvTranspose2d(3, 2, 3, padding=1), (2, 4, 5, 3)),
+    ("ConvTranspose3d", lambda: nn.ConvTranspose3d(2, 2, 2, stride=2), (1, 3, 2, 3, 2)),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    castcache.clear_cast_cache()
+    yield
+    castcache.clear_cast_cache()
+
+
+def close(actual, expected, dtype):
+    a, e = np64(actual), np64(expected)
+    scale = max(np.abs(e).max(), 1e-3)
+    assert np.abs(a - e).max() <= TOL[dtype] * scale, np.abs(a - e).max() / scale
+
+
+def native(layer, x, dtype):
+    """The layer's own forward (MLX's half kernels) on a half view, no scope."""
+    return type(layer).__call__.__fluxlike_plain__(half_view(layer, dtype), x.astype(dtype))
+
+
+def loss_of(layer, weights):
+    return lambda x: (layer(x).astype(mx.float32) * weights).sum()
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("name, make, shape", LAYERS, ids=[c[0] for c in LAYERS])
+class TestRouted:
+    def test_forward_is_float32_kernels_rounded_once(self, dtype, name, make, shape):
+        layer, x = make(), normal(*shape)
+        mx.eval(layer.parameters())
+        with autocast(dtype, device="cpu"):
+            y = layer(x)
+        assert y.dtype == dtype
+        rounded = half_view(layer, dtype)
+        for key, value in rounded.items():  # the float32 layer on the rounded operands
+            if isinstance(value, mx.array):
+                dict.__setitem__(rounded, key, value.astype(mx.float32))
+        plain = type(layer).__call__.__fluxlike_plain__
+        kernel = plain(rounded, x.astype(dtype).astype(mx.float32))
+        if "bias" not in layer:
+            assert mx.array_equal(y, kernel.astype(dtype)).item()
+        close(y, native(layer, x, dtype), dtype)
+
+    def test_gradients_reach_the_float32_weights(self, dtype, name, make, shape):
+        layer, x = make(), normal(*shape)
+        mx.eval(layer.parameters())
+        weights = normal(*native(layer, x, dtype).shape, seed=1)
+
+        def loss(model, x):
+            return (model(x).astype(mx.float32) * weights).sum()
+
+        with autocast(dtype, device="cpu"):
+            _, grads = nn.value_and_grad(layer, loss)(layer, x)
+        view = half_view(layer, dtype)
+        _, expected = nn.value_and_grad(view, lambda m, x: loss(m, x))(
+            view, x.astype(dtype)
+        )
+        for key, g in grads.items():
+            assert g.dtype == mx.float32
+            close(g, expected[key], dtype)
+
+    def test_calls_go_through_ops(self, dtype, name, make, shape, monkeypatch):
+        layer, x = make(), normal(*shape)
+        kernel = "linear" if name.startswith("Linear") else (
+            "conv_transpose" if "Transpose" in name else "conv"
+        )
+        calls = []
+        original = getattr(ops, kernel)
+        monkeypatch.setattr(ops, kernel, lambda *a: calls.append(1) or original(*a))
+        layer(x)
+        assert calls == []  # outside a scope: the layer's own forward
+        with autocast(dtype, device="cpu"):
+            layer(x)
+        assert calls == [1]
+
+
+def test_outside_a_scope_nothing_changes():
+    layer, x = nn.Conv2d(3, 4, 3, padding=1), normal(2, 5, 5, 3)
+    with autocast(mx.bfloat16):
+        layer(x)
+    plain = type(layer).__call__.__fluxlike_plain__
+    assert mx.array_equal(layer(x), plain(layer, x)).item()
+
+
+def test_subclass_with_its_own_forward_keeps_it():
+    class Doubled(nn.Linear):
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
+    layer, x = Doubled(3, 2), normal(4, 3)
+    with autocast(mx.bfloat16):
+        y = layer(x)
+    assert y.dtype == mx.bfloat16
+    with autocast(mx.bfloat16):
+        single = nn.Linear.__call__(layer, x)
+    close(y, 2 * single, mx.bfloat16)
