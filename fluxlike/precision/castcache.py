@@ -96,16 +96,18 @@ def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | N
     """
     if _differentiating.get():
         return None
-    found: list[mx.array] | None = []
+    found = []
     for source in sources:
-        casts = _entry(_casts, source)
-        result = casts.get(dtype)
+        entry = _casts.get(id(source))
+        result = None if entry is None or entry[0]() is not source else entry[1].get(dtype)
         if result is None:
-            casts[dtype] = source.astype(dtype)
-            found = None
-        elif found is not None:
-            found.append(result)
-    return found
+            break
+        found.append(result)
+    else:
+        return found
+    for source in sources:  # a miss: cache what is missing, for the next call
+        cast(source, dtype)
+    return None
 
 
 def view(layer: nn.Module, dtype: mx.Dtype, make: Callable[[], nn.Module]) -> nn.Module:

@@ -41,6 +41,7 @@ from . import castcache
 from .state import HALF
 
 _warned_float64: set[str] = set()
+_HALF = frozenset(HALF)
 
 Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -85,9 +86,12 @@ def emulates(*operands: mx.array | None) -> bool:
     if first.itemsize != 2:  # cheap: float32 layers pass here on every call
         return False
     dtype = first.dtype
-    if dtype not in HALF or any(a is not None and a.dtype != dtype for a in operands):
+    if dtype not in _HALF:
         return False
-    return mx.default_device().type == mx.cpu
+    for a in operands:  # a plain loop: this runs on every call of a half-precision layer
+        if a is not None and a.dtype != dtype:
+            return False
+    return mx.default_device().type is mx.cpu  # an enum member: identity is enough
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:

@@ -24,7 +24,7 @@ CASTABLE = (mx.float32, mx.float16, mx.bfloat16)  # float64, integers and bool a
 def device_index(device: mx.Device | None = None) -> int:
     """0 for the CPU, 1 for the GPU: the slot of ``device`` (default: the default device)."""
     device = mx.default_device() if device is None else device
-    return 1 if device.type == mx.gpu else 0
+    return 1 if device.type is mx.gpu else 0  # an enum member: identity is enough
 
 
 def current_dtype() -> mx.Dtype | None:
