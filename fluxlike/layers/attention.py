@@ -19,6 +19,49 @@ from .basic import Dense, check_size
 Mask = mx.array | str | None
 
 
+def attend(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None,
+    dropout: float = 0.0, return_weights: bool = False,
+) -> tuple[mx.array, mx.array | None]:
+    """Scaled dot-product attention of heads ``(batch, heads, L, d)``, and its weights
+    (``None`` where MLX's fused ``scaled_dot_product_attention`` computed it without them).
+
+    ``mask``: ``None``, ``"causal"``, a boolean array (``True`` = attend) or an additive one.
+    The fused kernel runs unless weights or dropout are asked for, the operands are float64
+    (its softmax is only float32-accurate there) or they are half precision on the CPU, where
+    it would run MLX's scalar half GEMM: then the scores and the weighted sum go through
+    :func:`~fluxlike.precision.ops.matmul` (float32 kernels, the same roundings) and the
+    softmax runs in float32, as in the fused kernel.
+
+    >>> import mlx.core as mx
+    >>> q = mx.ones((1, 2, 3, 4), mx.bfloat16)
+    >>> out, weights = attend(q, q, q, 0.5, "causal", return_weights=True)
+    >>> out.shape, out.dtype, weights.shape
+    ((1, 2, 3, 4), mlx.core.bfloat16, (1, 2, 3, 3))
+    """
+    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+        mask = mask.astype(q.dtype)  # sdpa wants an additive mask of the scores' dtype
+    if not (dropout or return_weights or q.dtype == mx.float64 or ops.emulates(q, k, v)):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
+    scores = ops.matmul(q * scale, k.swapaxes(-1, -2))
+    # The softmax runs in float32 at least, as sdpa's does.
+    scores = scores.astype(mx.float32) if scores.dtype in HALF else scores
+    if isinstance(mask, str):
+        lq, lk = scores.shape[-2:]
+        mask = mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None]
+    if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+        # finfo.min rather than -inf: a fully masked row averages, as in sdpa.
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    elif mask is not None:
+        scores = scores + mask.astype(scores.dtype)
+    weights = _softmax(scores)
+    if dropout:
+        keep = mx.random.bernoulli(1 - dropout, weights.shape)
+        weights = mx.where(keep, weights / (1 - dropout), mx.zeros_like(weights))
+    weights = weights.astype(v.dtype)
+    return ops.matmul(weights, v), weights
+
+
 def _softmax(scores: mx.array) -> mx.array:
     """Softmax over the last axis. In float64 ``exp`` is ``power(e, .)``: MLX's CPU ``exp``
     is only float32-accurate in float64, its ``power`` is exact."""
@@ -129,36 +172,8 @@ class MultiHeadAttention(Layer):
         self, q: mx.array, k: mx.array, v: mx.array, mask: Mask, return_weights: bool
     ) -> tuple[mx.array, mx.array | None]:
         """The attention of the heads, and its weights (``None`` where sdpa computed it)."""
-        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
-            mask = mask.astype(q.dtype)  # sdpa wants an additive mask of the scores' dtype
-        scale = 1 / math.sqrt(q.shape[-1])
-        dropping = self.dropout > 0 and is_active(self)
-        # sdpa's float64 softmax is only float32-accurate on the CPU; _explicit's is exact.
-        if dropping or return_weights or q.dtype == mx.float64:
-            return self._explicit(q, k, v, scale, mask, dropping)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
-
-    def _explicit(
-        self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask, dropping: bool
-    ) -> tuple[mx.array, mx.array]:
-        """Attention with the weights at hand (for dropout and ``return_weights``)."""
-        scores = ops.matmul(q * scale, k.swapaxes(-1, -2))
-        # The softmax runs in float32 at least, as sdpa's does.
-        scores = scores.astype(mx.float32) if scores.dtype in HALF else scores
-        if isinstance(mask, str):
-            lq, lk = scores.shape[-2:]
-            mask = mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None]
-        if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
-            # finfo.min rather than -inf: a fully masked row averages, as in sdpa.
-            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-        elif mask is not None:
-            scores = scores + mask.astype(scores.dtype)
-        weights = _softmax(scores)
-        if dropping:
-            keep = mx.random.bernoulli(1 - self.dropout, weights.shape)
-            weights = mx.where(keep, weights / (1 - self.dropout), mx.zeros_like(weights))
-        weights = weights.astype(v.dtype)
-        return ops.matmul(weights, v), weights
+        dropout = self.dropout if self.dropout > 0 and is_active(self) else 0.0
+        return attend(q, k, v, 1 / math.sqrt(q.shape[-1]), mask, dropout, return_weights)
 
     @staticmethod
     def _check_inputs(qkv: tuple[Any, Any, Any], projections: tuple[Dense, Dense, Dense]) -> None:

@@ -1,17 +1,20 @@
 """Policies for MLX's stock layers, so an unmodified ``mlx.nn`` model runs under autocast.
 
-Inside a scope, ``nn.Linear`` and the convolutions run the forward below instead of their
-own: the same computation through :mod:`.ops`, so that half precision on the CPU takes the
-float32 kernels instead of MLX's scalar half-precision GEMM. ``nn.Bilinear``, the recurrent
-layers and ``nn.MultiHeadAttention``'s attention core still use MLX's native kernels (their
-``nn.Linear`` children are routed).
+Inside a scope, ``nn.Linear``, the convolutions and ``nn.MultiHeadAttention`` run the
+forwards below instead of their own: the same computations through :mod:`.ops`, so that half
+precision on the CPU takes the float32 kernels instead of MLX's scalar half-precision GEMM.
+``nn.Bilinear`` and the recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) still run
+MLX's native kernels there.
 """
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..layers.attention import attend
 from . import ops
 from .policy import autocast_policy, scoped_forward
 
@@ -59,7 +62,22 @@ def _conv_transpose(self: nn.Module, x: mx.array) -> mx.array:
     return _with_bias(self, y)
 
 
+def _multi_head_attention(
+    self: nn.MultiHeadAttention, queries: mx.array, keys: mx.array, values: mx.array,
+    mask: mx.array | str | None = None,
+) -> mx.array:
+    heads = self.num_heads
+    queries, keys, values = (
+        mx.unflatten(proj(x), -1, (heads, -1)).transpose(0, 2, 1, 3)
+        for proj, x in ((self.query_proj, queries), (self.key_proj, keys),
+                        (self.value_proj, values))
+    )
+    output, _ = attend(queries, keys, values, math.sqrt(1 / queries.shape[-1]), mask)
+    return self.out_proj(output.transpose(0, 2, 1, 3).flatten(-2, -1))
+
+
 scoped_forward(nn.Linear.__call__, _linear)
+scoped_forward(nn.MultiHeadAttention.__call__, _multi_head_attention)
 for _cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
     scoped_forward(_cls.__call__, _conv)
 for _cls in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):

@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 import fluxlike
 from fluxlike import Dense, MultiHeadAttention
 from fluxlike.modes import differentiating
+from fluxlike.precision import ops
 
 
 def randomise_biases(mha: MultiHeadAttention) -> MultiHeadAttention:
@@ -195,6 +196,34 @@ class TestMultiHeadAttention:
         assert out.dtype == weights.dtype == mx.bfloat16
         assert all(p.dtype == mx.float32 for _, p in tree_flatten(mha.parameters()))
         np.testing.assert_allclose(np64(out), np64(reference), atol=5e-2)
+
+    @pytest.mark.parametrize("mask", [None, "causal", "additive"])
+    def test_cpu_half_core_runs_float32_kernels_and_agrees_with_sdpa(self, mask, monkeypatch):
+        # On the CPU, sdpa on half operands is MLX's scalar half GEMM; the core takes
+        # ops.matmul (float32 kernels, same roundings) instead, within bf16 rounding of sdpa.
+        mha = MultiHeadAttention(8, 2)
+        x = mx.random.normal((2, 5, 8))
+        mask = mx.random.normal((5, 5)) if mask == "additive" else mask
+        sdpa = mx.fast.scaled_dot_product_attention
+        calls = []
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                            lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+        with fluxlike.autocast(mx.bfloat16, device="cpu"):
+            routed = mha(x, mask=mask)
+        assert calls == []
+
+        class NativeOps:  # ops, except that nothing counts as emulated: sdpa on bfloat16
+            def __getattr__(self, name):
+                return (lambda *a: False) if name == "emulates" else getattr(ops, name)
+
+        monkeypatch.setattr(fluxlike.layers.attention, "ops", NativeOps())
+        with fluxlike.autocast(mx.bfloat16, device="cpu"):
+            native = mha(x, mask=mask)
+        assert calls == [1]
+        assert routed.dtype == native.dtype == mx.bfloat16
+        np.testing.assert_allclose(np64(routed), np64(native), atol=3e-2)
+        mha(x, mask=mask)  # float32: sdpa, as before
+        assert calls == [1, 1]
 
     def test_autocast_gradients_are_float32(self):
         mha = MultiHeadAttention(8, 2)

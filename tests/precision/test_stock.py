@@ -127,3 +127,30 @@ def test_subclass_with_its_own_forward_keeps_it():
     with autocast(mx.bfloat16):
         single = nn.Linear.__call__(layer, x)
     close(y, 2 * single, mx.bfloat16)
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "additive"])
+def test_multi_head_attention_core_takes_float32_kernels(mask, monkeypatch):
+    layer, x = nn.MultiHeadAttention(8, 2), normal(2, 5, 8)
+    mx.eval(layer.parameters())
+    mask = normal(5, 5, seed=2) if mask == "additive" else mask
+    reference = layer(x, x, x, mask)  # float32, MLX's own forward
+    sdpa = mx.fast.scaled_dot_product_attention
+    calls = []
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    with autocast(mx.bfloat16, device="cpu"):
+        y = layer(x, x, x, mask)
+    assert calls == [] and y.dtype == mx.bfloat16
+    close(y, reference, mx.bfloat16)
+
+    def loss(model, x):
+        return model(x, x, x, mask).astype(mx.float32).sum()
+
+    with autocast(mx.bfloat16, device="cpu"):
+        _, grads = nn.value_and_grad(layer, loss)(layer, x)
+    _, expected = nn.value_and_grad(layer, loss)(layer, x)
+    for (_, g), (_, e) in zip(nn.utils.tree_flatten(grads), nn.utils.tree_flatten(expected),
+                              strict=True):
+        assert g.dtype == mx.float32
+        close(g, e, mx.bfloat16)
