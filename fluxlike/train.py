@@ -23,12 +23,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from .modes import differentiating
 from .optimise import Rule
+from .optstep import COMPILED, Compiled, assign, step
 from .precision import lossscale
-from .precision.lossscale import DynamicLossScale, LossScale, all_finite
+from .precision.lossscale import DynamicLossScale, LossScale
 from .precision.scope import autocast as autocast_scope
 
 AUTOCAST_DTYPES = (mx.float16, mx.bfloat16)
@@ -266,25 +267,13 @@ class OptState:
                 scale.load_state(scale_tree)  # validates before changing anything
             except ValueError as e:
                 raise ValueError(f"OptState.load_state: loss_scale: {e}") from None
-        _assign(self.optimizer.state, {k[len("optimizer."):]: v for k, v in given.items()
+        assign(self.optimizer.state, {k[len("optimizer."):]: v for k, v in given.items()
                                        if k.startswith("optimizer.")})
         self.loss_scale = scale
 
 
 def _name(dtype: mx.Dtype) -> str:
     return str(dtype).rpartition(".")[2]
-
-
-def _assign(live: Any, values: dict[str, mx.array], prefix: str = "") -> None:
-    """Replace the array leaves of the nested dicts/lists ``live`` in place (so that a tree
-    captured by ``mx.compile`` stays the same object), taking ``values[dotted path]``."""
-    items = live.items() if isinstance(live, dict) else enumerate(live)
-    for key, value in list(items):
-        path = f"{prefix}{key}"
-        if isinstance(value, mx.array):
-            live[key] = values[path]
-        elif isinstance(value, (dict, list)):
-            _assign(value, values, path + ".")
 
 
 def _resolve_scale(loss_scale: Any, where: str) -> LossScale | None:
@@ -330,7 +319,9 @@ def setup(
     return OptState(rule, optimizer, scale)
 
 
-def _check_grads(grads: Any, model: nn.Module) -> None:
+def _check_grads(grads: Any, model: nn.Module) -> tuple:
+    """Validate ``grads`` against ``model``; returns its signature (each leaf's path, shape
+    and dtype), which keys the compiled steps."""
     if not isinstance(grads, dict):
         hint = "; gradient() returns a tuple, pass its model entry (grads[0])" if isinstance(
             grads, tuple) else ""
@@ -339,6 +330,7 @@ def _check_grads(grads: Any, model: nn.Module) -> None:
             f"got {type(grads).__name__}{hint}"
         )
     params = dict(tree_flatten(model.trainable_parameters()))
+    signature = []
     for key, g in tree_flatten(grads):
         if key not in params:
             raise ValueError(f"update: the model has no trainable parameter {key!r}")
@@ -348,6 +340,8 @@ def _check_grads(grads: Any, model: nn.Module) -> None:
                 f"update: gradient {key!r} must be an array of shape "
                 f"{tuple(params[key].shape)}, got {found}"
             )
+        signature.append((key, g.shape, g.dtype))
+    return tuple(signature)
 
 
 def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
@@ -359,6 +353,25 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     scale is lowered, else the step is taken and the scale adjusted. These decisions are
     ``mx.where`` selections on arrays: ``update`` never waits for the device and can run
     inside ``mx.compile`` (capture ``opt_state.state`` and ``model.state``).
+
+    The step (the optimiser's ``apply_gradients`` and, with a loss scale, the unscaling,
+    finite check and scale adjustment) runs as one ``mx.compile``-d function per
+    ``opt_state``, with the optimiser and loss-scale state captured, so that MLX fuses each
+    parameter's arithmetic into one kernel (the first step on a machine builds those
+    kernels, about a second each; MLX keeps them on disk). It is traced again when the
+    gradients' structure, shapes or dtypes change, or when a Python setting of the
+    optimiser or loss scale (``betas``, ``eps``, a schedule function, ...) is reassigned.
+    Array state (learning rate, step count, moments, scale) is read afresh at every step,
+    so ``opt_state.optimizer.learning_rate = 1e-4`` takes effect at once. An optimiser
+    whose step cannot be traced (a schedule that reads an array's value), that changes its
+    own Python attributes while stepping, or whose ``state`` is not one live dict, is
+    updated eagerly.
+
+    On the CPU the first step also raises MLX's buffer-cache limit from its default
+    (32 MiB) to twice the bytes of the parameters, gradients and optimiser state (at most
+    1/8 of MLX's memory limit), so that each step reuses the buffers the previous one
+    freed instead of faulting in fresh pages. A limit set with ``mx.set_cache_limit`` is
+    left as it is.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, Descent, gradient, setup, update
@@ -373,23 +386,17 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         raise TypeError(f"update: expected an OptState from setup(), got {opt_state!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"update: model must be an mlx.nn.Module, got {type(model).__name__}")
-    _check_grads(grads, model)
+    signature = _check_grads(grads, model)
+    compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
+    reason = compiled.eager or compiled.step(opt_state, model, grads, signature)
+    if reason is None:
+        return
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     if scale is None:
         optimizer.update(model, grads)
-        return
-    grads = scale.unscale(grads)
-    finite = all_finite(grads)
-    params = model.trainable_parameters()
-    old_state = tree_map(lambda x: x, optimizer.state)  # new containers, same arrays
-
-    def keep(new: mx.array, old: mx.array) -> mx.array:
-        return mx.where(finite, new, old)
-
-    new_params = optimizer.apply_gradients(grads, params)
-    model.update(tree_map(keep, new_params, params))
-    _assign(optimizer.state, dict(tree_flatten(tree_map(keep, optimizer.state, old_state))))
-    scale.adjust(finite)
+    else:
+        model.update(step(optimizer, scale, grads, model.trainable_parameters()))
+    compiled.fall_back(reason)  # only once the eager step worked: else it was the input
 
 
 class _Progress:
@@ -494,7 +501,7 @@ def train(
         value = value.item()
         if not math.isfinite(value):
             model.update(before[0])
-            _assign(opt_state.optimizer.state, before[1])
+            assign(opt_state.optimizer.state, before[1])
             scale_state.update(before[2])
             if bar is not None:
                 bar.stream.write("\n")

@@ -1,0 +1,185 @@
+"""The compiled optimiser step behind :func:`fluxlike.update`.
+
+One ``mx.compile``-d function per :class:`~fluxlike.OptState` runs the optimiser's
+``apply_gradients`` (and, with a loss scale, the unscaling, finite check, ``mx.where`` keep
+and scale adjustment), with the optimiser and loss-scale state captured as the same live
+dicts, so that MLX fuses each parameter's arithmetic into one kernel instead of dispatching
+about ten ops per parameter. Traces are keyed by what they bake in: the gradients' paths,
+shapes and dtypes, and the Python settings of the optimiser and loss scale.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map
+
+from .precision.lossscale import LossScale, all_finite
+
+
+def assign(
+    live: Any, values: dict[str, mx.array], prefix: str = "", prune: bool = False
+) -> None:
+    """Replace the array leaves of the nested dicts/lists ``live`` in place (so that a tree
+    captured by ``mx.compile`` stays the same object), taking ``values[dotted path]``;
+    ``prune=True`` deletes dict entries that ``values`` does not have."""
+    items = live.items() if isinstance(live, dict) else enumerate(live)
+    for key, value in list(items):
+        path = f"{prefix}{key}"
+        if isinstance(value, mx.array):
+            if path in values or not prune:
+                live[key] = values[path]
+            elif isinstance(live, dict):
+                del live[key]
+        elif isinstance(value, (dict, list)):
+            assign(value, values, path + ".", prune)
+
+
+def step(optimizer: optim.Optimizer, scale: LossScale | None, grads: dict,
+         params: dict) -> dict:
+    """The optimiser step on arrays: the new parameters (shaped like ``grads``); the optimiser
+    and loss-scale state change in place. Traced by :class:`Compiled`, or run eagerly."""
+    if scale is None:
+        return optimizer.apply_gradients(grads, params)
+    grads = scale.unscale(grads)
+    finite = all_finite(grads)
+    old_state = tree_map(lambda x: x, optimizer.state)  # new containers, same arrays
+
+    def keep(new: mx.array, old: mx.array) -> mx.array:
+        return mx.where(finite, new, old)
+
+    new_params = tree_map(keep, optimizer.apply_gradients(grads, params), params)
+    assign(optimizer.state, dict(tree_flatten(tree_map(keep, optimizer.state, old_state))))
+    scale.adjust(finite)
+    return new_params
+
+
+class _Same:
+    """Compares equal only to a wrapper of the same object (which it keeps alive)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _settings(obj: Any, depth: int = 0) -> Any:
+    """A hashable snapshot of the Python values a trace of ``obj``'s step bakes in as constants
+    (betas, eps, weight decay, schedules, clipping transforms, loss-scale factor...): the
+    attributes of an optimiser or loss scale other than its array state, recursively;
+    anything else (functions, arrays, transforms) by identity."""
+    if obj is None or isinstance(obj, (bool, int, float, str, mx.Dtype)):
+        return obj
+    if depth > 6:
+        return _Same(obj)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), *(_settings(v, depth + 1) for v in obj))
+    if isinstance(obj, dict):
+        return (dict, *((k, _settings(v, depth + 1)) for k, v in obj.items()))
+    if isinstance(obj, (optim.Optimizer, LossScale)):
+        return (type(obj), *((k, _settings(v, depth + 1)) for k, v in vars(obj).items()
+                             if k not in ("_state", "_initialized")))
+    return _Same(obj)
+
+
+_CPU_CACHE_DEFAULT = 32 << 20  # MLX's CPU allocator keeps at most this much freed memory
+_cache_limit_set: list[int] = []  # the buffer-cache limit fluxlike last set, if any
+
+
+def _keep_step_buffers(nbytes: int) -> None:
+    """Raise MLX's CPU buffer-cache limit to ``nbytes`` (at most 1/8 of the memory limit) if
+    it is MLX's default or the value this function set; never lower it, never override a
+    limit the user chose. Without this a step whose arrays exceed the default 32 MiB hands
+    them back to the C allocator, which returns them to the OS, and the next step takes them
+    again as fresh pages (page faults: about 15% of a 17M-parameter MLP's step)."""
+    if mx.default_device() != mx.cpu:
+        return
+    current = mx.set_cache_limit(sys.maxsize)  # reads the limit (and restores it below)
+    mx.set_cache_limit(current)
+    if current != _CPU_CACHE_DEFAULT and current not in _cache_limit_set:
+        return
+    wanted = min(nbytes, mx.get_memory_limit() // 8)
+    if wanted > current:
+        mx.set_cache_limit(wanted)
+        _cache_limit_set[:] = [wanted]
+
+
+def _footprint(*trees: Any) -> int:
+    return sum(x.nbytes for tree in trees for _, x in tree_flatten(tree)
+               if isinstance(x, mx.array))
+
+
+class Compiled:
+    """The compiled steps of one :class:`OptState`, keyed by what their traces bake in, or
+    why it is updated eagerly."""
+
+    LIMIT = 8  # traces kept per OptState; the oldest is dropped (and traced again if needed)
+
+    def __init__(self) -> None:
+        self.steps: dict[tuple, tuple[Callable, list]] = {}
+        self.eager: str | None = None
+
+    def fall_back(self, reason: str) -> None:
+        self.steps.clear()
+        self.eager = reason
+
+    def step(self, opt_state: Any, model: nn.Module, grads: dict,
+             signature: tuple) -> str | None:
+        """Take the step through the compiled function for its key, tracing it first if
+        needed. Returns ``None`` when done, else why it must be taken eagerly instead (and
+        then nothing has changed)."""
+        optimizer, scale = opt_state.optimizer, opt_state.loss_scale
+        live = optimizer.state
+        params = tree_map(lambda _, p: p, grads, model)
+        scale_state = None if scale is None else scale.state
+        settings = (_settings(optimizer), _settings(scale))
+        key = (signature, optimizer, scale, id(live), id(scale_state), settings)
+        entry = self.steps.get(key)
+        if entry is not None:
+            model.update(entry[0](grads, params))
+            return None
+        # A step frees about the gradients, activations and (eagerly) the old state: keep
+        # twice the bytes of parameters, gradients and state for the next step to reuse.
+        _keep_step_buffers(2 * _footprint(grads, params, live))
+        if live is not optimizer.state:  # e.g. MultiOptimizer builds its state dict anew
+            return "optimizer.state is not one live dict"
+        if not getattr(optimizer, "_initialized", True):
+            optimizer.init(grads)  # as apply_gradients would, but outside the trace
+        captured = [live] if scale_state is None else [live, scale_state]
+        before = [dict(tree_flatten(tree)) for tree in captured]
+        fn = mx.compile(partial(step, optimizer, scale), inputs=captured, outputs=captured)
+        try:
+            new_params = fn(grads, params)
+        except BaseException as e:
+            # MLX leaves its tracers in the captured state when the traced function raises.
+            for tree, values in zip(captured, before, strict=True):
+                assign(tree, values, prune=True)
+            if not isinstance(e, Exception):
+                raise
+            return f"tracing failed with {type(e).__name__}: {e}"  # a host sync in a schedule...
+        model.update(new_params)
+        if settings != (_settings(optimizer), _settings(scale)):
+            # The step changed a Python attribute, which a replay would not: this step was
+            # right (its Python code ran), later ones must run it again.
+            self.fall_back("the step changes Python attributes of the optimizer")
+        else:
+            if len(self.steps) >= self.LIMIT:
+                del self.steps[next(iter(self.steps))]
+            self.steps[key] = (fn, captured)
+        return None
+
+
+COMPILED: weakref.WeakKeyDictionary[Any, Compiled] = weakref.WeakKeyDictionary()
