@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from ..modes import _differentiating
 from . import castcache
 from .state import HALF
 
@@ -105,10 +106,46 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     if bias is None:
         if emulates(x, weight):
             return _emulated_linear(x, weight)
-        return x @ weight.T
+        return _row_major_linear(x, weight) if _differentiating.get() else x @ weight.T
     if emulates(x, weight, bias):
         return _emulated_linear(x, weight, bias)
+    if _differentiating.get():
+        return _row_major_affine(x, weight, bias)
     return mx.addmm(bias, x, weight.T)
+
+
+# MLX differentiates ``x @ weight.T`` into a column-major (transposed) weight gradient, and
+# every optimiser op then walks it against the parameter's layout: Adam on a 2048 x 2048
+# MLP took 2.5-3.5x longer than on row-major gradients. While fluxlike differentiates, the
+# linear kernels therefore use a backward pass that forms ``dy.T @ x`` (row-major) directly.
+def _linear_grads(x: mx.array, weight: mx.array, dy: mx.array) -> tuple[mx.array, mx.array]:
+    features = x.shape[-1]
+    dy2 = dy.reshape(-1, dy.shape[-1]) if dy.ndim != 2 else dy
+    x2 = x.reshape(-1, features) if x.ndim != 2 else x
+    return dy @ weight, dy2.T @ x2
+
+
+@mx.custom_function
+def _row_major_linear(x: mx.array, weight: mx.array) -> mx.array:
+    return x @ weight.T
+
+
+@_row_major_linear.vjp
+def _row_major_linear_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+    return _linear_grads(*primals, cotangent)
+
+
+@mx.custom_function
+def _row_major_affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
+    return mx.addmm(bias, x, weight.T)
+
+
+@_row_major_affine.vjp
+def _row_major_affine_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+    x, weight, bias = primals
+    dx, dweight = _linear_grads(x, weight, cotangent)
+    dbias = cotangent.reshape(-1, cotangent.shape[-1]).sum(axis=0)
+    return dx, dweight, dbias.reshape(bias.shape)
 
 
 # Largest float32 temporary (bytes) one piece of an emulated linear layer may make.
