@@ -125,14 +125,28 @@ def _linear_grads(x: mx.array, weight: mx.array, dy: mx.array) -> tuple[mx.array
     return dy @ weight, dy2.T @ x2
 
 
+def _affine_grads(
+    x: mx.array, weight: mx.array, bias: mx.array, dy: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    dx, dweight = _linear_grads(x, weight, dy)
+    return dx, dweight, dy.reshape(-1, dy.shape[-1]).sum(axis=0).reshape(bias.shape)
+
+
+def _kernel_vjp(
+    name: str, kernel: Callable[..., mx.array], primals: list[mx.array], cotangent: mx.array
+) -> list[mx.array]:
+    """The gradients of ``kernel`` at ``primals``; for the linear kernels, with the weight
+    gradient row-major."""
+    if name == "linear":
+        return list(_linear_grads(*primals, cotangent))
+    if name == "affine":
+        return list(_affine_grads(*primals, cotangent))
+    return mx.vjp(kernel, primals, [cotangent])[1]
+
+
 @mx.custom_function
 def _row_major_linear(x: mx.array, weight: mx.array) -> mx.array:
     return x @ weight.T
-
-
-@_row_major_linear.vjp
-def _row_major_linear_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
-    return _linear_grads(*primals, cotangent)
 
 
 @mx.custom_function
@@ -140,12 +154,8 @@ def _row_major_affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array
     return mx.addmm(bias, x, weight.T)
 
 
-@_row_major_affine.vjp
-def _row_major_affine_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
-    x, weight, bias = primals
-    dx, dweight = _linear_grads(x, weight, cotangent)
-    dbias = cotangent.reshape(-1, cotangent.shape[-1]).sum(axis=0)
-    return dx, dweight, dbias.reshape(bias.shape)
+_row_major_linear.vjp(lambda primals, cotangent, _: _linear_grads(*primals, cotangent))
+_row_major_affine.vjp(lambda primals, cotangent, _: _affine_grads(*primals, cotangent))
 
 
 # Largest float32 temporary (bytes) one piece of an emulated linear layer may make.
@@ -287,7 +297,7 @@ def _in_float32(name: str, *options) -> Callable[..., mx.array]:
         # Recompute the upcasts from the saved half operands. Tying them to the cotangent
         # keeps MLX from scheduling them (and holding them) before the backward pass gets here.
         upcast = [a.astype(mx.float32) for a in mx.depends(list(operands), [cotangent])]
-        _, grads = mx.vjp(kernel, upcast, [cotangent.astype(mx.float32)])
+        grads = _kernel_vjp(name, kernel, upcast, cotangent.astype(mx.float32))
         grads = [g.astype(a.dtype) for g, a in zip(grads, operands, strict=True)]
         # The first operand's gradient flows on down the network; making it wait for the
         # others' (weights') has those computed now, while their float32 inputs are live,
@@ -329,8 +339,8 @@ def _in_float32_rows(name: str, step: int) -> Callable[..., mx.array]:
         for start in blocks(x.shape[0]):
             rows, cot = mx.depends([x[start : start + step], cotangent[start : start + step]],
                                    [previous])
-            _, (dx, *dparams) = mx.vjp(
-                kernel, [rows.astype(mx.float32), *params32], [cot.astype(mx.float32)]
+            dx, *dparams = _kernel_vjp(
+                name, kernel, [rows.astype(mx.float32), *params32], cot.astype(mx.float32)
             )
             sums = dparams if sums is None else [a + b for a, b in zip(sums, dparams, strict=True)]
             previous = dx.astype(x.dtype)

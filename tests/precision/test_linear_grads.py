@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers import normal
 
-from fluxlike import Dense, gradient
+from fluxlike import Dense, bf16mix, gradient
 from fluxlike.modes import differentiating
 from fluxlike.precision import ops
 
@@ -47,4 +47,19 @@ def test_same_gradients_as_mlx_with_a_row_major_weight_gradient(dtype, shape, bi
 def test_dense_gradient_is_row_major():
     layer, x = Dense(4, 3), normal(8, 4)
     (grads,) = gradient(lambda m: m(x).sum(), layer)
+    assert row_major(grads["weight"])
+
+
+@pytest.mark.parametrize("rows", [8, 3000])  # one block, and ops' row blocks
+@pytest.mark.parametrize("mix", [False, True])
+def test_cpu_half_weight_gradient_is_row_major(rows, mix, monkeypatch):
+    monkeypatch.setattr(ops, "CHUNK_BYTES", 4096)  # row blocks from small shapes
+    layer, x = Dense(16, 8), normal(rows, 16)
+    mx.eval(layer.parameters())
+    if mix:
+        (grads,) = gradient(lambda m: m(x).astype(mx.float32).sum(), bf16mix(layer))
+    else:
+        (grads,) = gradient(lambda m: m(x).astype(mx.float32).sum(), layer,
+                            autocast=mx.bfloat16)
+    assert grads["weight"].dtype == (mx.bfloat16 if mix else mx.float32)
     assert row_major(grads["weight"])
