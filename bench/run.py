@@ -69,7 +69,8 @@ DEFAULT_MODELS = {"inference": ["seed", "large", "cnn"], "training": ["seed", "l
 class Timer:
     """Interleaved timing: every variant gets its own number of calls per sample (so that a
     sample lasts about ``sample_s``) and its own number of samples (about ``budget_s`` in all,
-    at least ``min_samples``, or one for a variant slower than ``slow_s``)."""
+    at least ``min_samples``, or one for a variant slower than ``slow_s``); each sample is
+    preceded by one untimed call of its variant."""
 
     def __init__(self, quick: bool):
         self.quick = quick
@@ -105,6 +106,10 @@ class Timer:
                 if r >= count[name]:
                     continue
                 fn, k = variants[name], inner[name]
+                # One untimed call first: a sample measures the variant in its steady state
+                # (a training loop repeats one step), not its first call after another
+                # variant reshuffled the allocators' caches (MLX's buffer cache, malloc's).
+                fn()
                 start = time.perf_counter()
                 for _ in range(k):
                     fn()
