@@ -63,6 +63,15 @@ def _split_output(out: Any, where: str) -> tuple[mx.array, Any]:
     return loss, rest
 
 
+def _leaves(tree: Any) -> int:
+    """The number of arrays in a parameter tree (a cheaper ``len(tree_flatten(tree))``)."""
+    if isinstance(tree, dict):
+        return sum(map(_leaves, tree.values()))
+    if isinstance(tree, (list, tuple)):
+        return sum(map(_leaves, tree))
+    return 1 if isinstance(tree, mx.array) else 0
+
+
 def _value_and_grad(
     f: Callable,
     args: tuple,
@@ -86,10 +95,14 @@ def _value_and_grad(
     ]
     originals = [m.parameters() for m in modules]
     trainable = [m.trainable_parameters() for m in modules]
-    trainable_keys = [{k for k, _ in tree_flatten(p)} for p in trainable]
+    # Modules with frozen entries (running statistics...); the others skip the tree walks
+    # that keep those entries' values.
+    has_frozen = [_leaves(p) != _leaves(t) for p, t in zip(originals, trainable, strict=True)]
+    trainable_keys = [{k for k, _ in tree_flatten(t)} if has else set()
+                      for t, has in zip(trainable, has_frozen, strict=True)]
 
-    def frozen(m: nn.Module, keys: set[str]) -> list[tuple[str, mx.array]]:
-        return [(k, v) for k, v in tree_flatten(m.parameters()) if k not in keys]
+    def frozen(m: nn.Module, keys: set[str], has: bool) -> list[tuple[str, mx.array]]:
+        return [(k, v) for k, v in tree_flatten(m.parameters()) if k not in keys] if has else []
 
     def inner(primals: tuple[list, list]) -> tuple[mx.array, tuple]:
         params, xs = primals
@@ -107,7 +120,8 @@ def _value_and_grad(
         loss, rest = _split_output(out, where)
         # Running statistics (BatchNorm) are frozen parameters: return them as outputs so
         # they come out of the transform as ordinary arrays.
-        state = [frozen(m, keys) for m, keys in zip(modules, trainable_keys, strict=True)]
+        state = [frozen(*entry) for entry in zip(modules, trainable_keys, has_frozen,
+                                                 strict=True)]
         scaled = loss if scale is None else scale.scale(loss)
         return scaled, (loss, rest, state)
 
@@ -125,7 +139,7 @@ def _value_and_grad(
     for m, p, new in zip(modules, originals, state, strict=True):
         # Trainable entries back to the original arrays (no tracer stays in the model),
         # frozen entries to their values after the call.
-        m.update(tree_map_with_path(lambda k, v, new=dict(new): new.get(k, v), p))
+        m.update(tree_map_with_path(lambda k, v, new=dict(new): new.get(k, v), p) if new else p)
     by_module = {id(m): g for m, g in zip(modules, g_params, strict=True)}
     by_index = dict(zip(arrays, g_arrays, strict=True))
     grads = tuple(
