@@ -1,21 +1,17 @@
-"""The benchmark models, written once per framework from one set of numpy weights.
+"""The benchmark models in fluxlike, hand-written MLX and mlx.nn, from one set of numpy weights.
 
-Every framework computes the same function (same weights, same layout of the data), so the
-outputs can be compared and the timings are of the same work:
-
-- ``seed``: MLP 256 -> 256 -> 256 -> 10, ReLU, batch 128 (the PyTorch CPU-autocast
-  tutorial's model).
-- ``large``: MLP 4 x (2048 -> 2048, ReLU), batch 512.
-- ``cnn``: 28x28x1 images, Conv 3x3 1->16 (pad 1) -> ReLU -> MaxPool 2 -> Conv 3x3 16->32
-  (pad 1) -> ReLU -> MaxPool 2 -> flatten (7*7*32 = 1568) -> Dense 10, batch 64.
-- ``act``: MLP 8 x (512 -> 512, ReLU), batch 8192 (activation-dominated memory).
+The models, their weights and data are in ``bench/specs.py`` (re-exported here); the PyTorch
+models are built in ``bench/torch_worker.py``, in a process of their own. Every framework
+computes the same function (same weights, same layout of the data), so the outputs can be
+compared and the timings are of the same work.
 
 The loss is the mean cross entropy of the logits; fluxlike and hand-written MLX take one-hot
 targets (as Flux does; fluxlike's integer-label path reads the label range back to the host,
 one synchronisation per call), ``mlx.nn`` and PyTorch take integer labels.
 
 Layouts: MLX is channels last (NHWC), PyTorch channels first (NCHW); PyTorch's first Dense
-after ``flatten`` gets its weight columns permuted so that both compute the same function.
+after ``flatten`` gets its weight columns permuted (in ``torch_worker.py``) so that both
+compute the same function.
 """
 
 from __future__ import annotations
@@ -24,79 +20,13 @@ from __future__ import annotations
 import fluxlike  # first: fluxlike picks the BLAS before mlx.core is loaded
 # isort: on
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
+from specs import SPECS, Spec, data, onehot, weights  # noqa: F401  (re-exported)
 
 from fluxlike.losses import logitcrossentropy
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One benchmark model: ``layers`` is a list of ``("dense", in, out, relu)`` and
-    ``("conv", in, out)`` (3x3, pad 1, ReLU, then MaxPool 2) and ``("flatten",)``."""
-
-    name: str
-    description: str
-    batch: int
-    input_shape: tuple[int, ...]  # one sample, MLX layout
-    classes: int
-    layers: tuple[tuple, ...]
-
-
-def _mlp(name: str, description: str, batch: int, dims: list[int], last_relu: bool) -> Spec:
-    layers = tuple(
-        ("dense", i, o, last_relu or k < len(dims) - 2)
-        for k, (i, o) in enumerate(zip(dims[:-1], dims[1:], strict=True))
-    )
-    return Spec(name, description, batch, (dims[0],), dims[-1], layers)
-
-
-SPECS: dict[str, Spec] = {
-    "seed": _mlp("seed", "MLP 256-256-256-10, batch 128", 128, [256, 256, 256, 10], False),
-    "large": _mlp("large", "MLP 4x(2048->2048, ReLU), batch 512", 512, [2048] * 5, True),
-    "cnn": Spec(
-        "cnn", "CNN 28x28x1: conv16-pool-conv32-pool-dense10, batch 64", 64, (28, 28, 1), 10,
-        (("conv", 1, 16), ("conv", 16, 32), ("flatten",), ("dense", 7 * 7 * 32, 10, False)),
-    ),
-    "act": _mlp("act", "MLP 8x(512->512, ReLU), batch 8192", 8192, [512] * 9, True),
-}
-
-
-def weights(spec: Spec, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Glorot-uniform weights and small biases, float32, MLX layouts: Dense ``(out, in)``,
-    Conv ``(out, 3, 3, in)``."""
-    rng = np.random.default_rng(seed)
-    found = []
-    for layer in spec.layers:
-        if layer[0] == "flatten":
-            continue
-        _, i, o = layer[:3]
-        shape = (o, i) if layer[0] == "dense" else (o, 3, 3, i)
-        fan_in, fan_out = math.prod(shape[1:]), o * math.prod(shape[1:-1] or (1,))
-        limit = math.sqrt(6.0 / (fan_in + fan_out))
-        w = rng.uniform(-limit, limit, shape).astype(np.float32)
-        b = rng.uniform(-0.01, 0.01, (o,)).astype(np.float32)
-        found.append((w, b))
-    return found
-
-
-def data(spec: Spec, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """A batch ``(x, labels)``: standard normal float32 inputs and int32 class labels."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((spec.batch, *spec.input_shape)).astype(np.float32)
-    labels = rng.integers(0, spec.classes, spec.batch).astype(np.int32)
-    return x, labels
-
-
-def onehot(labels: np.ndarray, classes: int) -> np.ndarray:
-    """float32 one-hot rows of integer labels."""
-    return np.eye(classes, dtype=np.float32)[labels]
-
 
 # ---------------------------------------------------------------- fluxlike
 
@@ -196,47 +126,3 @@ def mlx_nn_model(spec: Spec, ws: list) -> nn.Sequential:
 def mlx_nn_loss(model: nn.Module, x: mx.array, labels: mx.array) -> mx.array:
     """Mean cross entropy against integer labels, with ``mlx.nn.losses``."""
     return nn.losses.cross_entropy(model(x), labels, reduction="mean")
-
-
-# ---------------------------------------------------------------- PyTorch
-
-
-def torch_model(spec: Spec, ws: list):  # -> torch.nn.Sequential
-    """The model as a ``torch.nn.Sequential`` (NCHW for the CNN)."""
-    import torch
-
-    layers: list = []
-    it = iter(ws)
-    spatial = spec.input_shape[:-1]
-    for layer in spec.layers:
-        if layer[0] == "flatten":
-            layers.append(torch.nn.Flatten())
-            continue
-        w, b = next(it)
-        if layer[0] == "dense":
-            made = torch.nn.Linear(layer[1], layer[2])
-            if len(spec.input_shape) == 3 and layers and isinstance(layers[-1], torch.nn.Flatten):
-                # MLX flattens (H, W, C), PyTorch (C, H, W): permute the weight's columns.
-                c = w.shape[1] // math.prod(spatial)
-                w = w.reshape(w.shape[0], *spatial, c).transpose(0, 3, 1, 2).reshape(w.shape)
-            made.weight.data = torch.from_numpy(np.ascontiguousarray(w))
-        else:
-            made = torch.nn.Conv2d(layer[1], layer[2], 3, padding=1)
-            made.weight.data = torch.from_numpy(np.ascontiguousarray(w.transpose(0, 3, 1, 2)))
-            spatial = tuple(s // 2 for s in spatial)
-        made.bias.data = torch.from_numpy(b.copy())
-        layers.append(made)
-        if layer[0] == "conv" or layer[3]:
-            layers.append(torch.nn.ReLU())
-        if layer[0] == "conv":
-            layers.append(torch.nn.MaxPool2d(2))
-    return torch.nn.Sequential(*layers)
-
-
-def torch_input(x: np.ndarray):  # -> torch.Tensor
-    """``x`` as a torch tensor in PyTorch's layout (NHWC -> NCHW for images)."""
-    import torch
-
-    if x.ndim == 4:
-        x = x.transpose(0, 3, 1, 2)
-    return torch.from_numpy(np.ascontiguousarray(x))

@@ -3,14 +3,19 @@
     .venv/bin/python bench/run.py [--quick] [--only inference|training|memory]
                                   [--models seed,large,cnn,act]
 
-Three tables, each measured in one process with the variants interleaved (round-robin over
-the variants for every repetition, in a new random order each round, medians kept),
-after a warm-up:
+Three tables, each with the variants interleaved (round-robin over the variants for every
+repetition, in a new random order each round, medians kept), after a warm-up:
 
 1. inference: one forward pass (``mx.eval`` of the output inside the timed region);
 2. training: one full step, forward + backward + Adam update (``mx.eval`` of the loss, the
    parameters and the optimiser state inside the timed region);
 3. memory: ``mx.get_peak_memory()`` of one training step (MLX variants only).
+
+PyTorch runs in a process of its own (``bench/torch_worker.py``, started once per run; this
+process never imports torch): MLX in the same process changes what PyTorch pays (BLAS symbols,
+page faults after MLX's buffer cache grew). The interleaving is kept across the two: at a
+PyTorch variant's turn in a round, the worker is asked for one sample (its untimed settle call,
+then the timed calls, measured inside the worker so that the pipe's latency is not counted).
 
 Times are ratios to PyTorch float32 (to fluxlike float32 when PyTorch is not installed); the
 baseline's absolute milliseconds are in the last column. PyTorch runs with its default
@@ -18,33 +23,21 @@ thread count (printed in the header), MLX with whatever it uses. Absolute number
 a shared machine; the ratios measured side by side are the figures to keep.
 """
 
-# ruff: noqa: E402  (the imports are ordered on purpose, see below)
 from __future__ import annotations
 
 # isort: off
-import sys
-
-# PyTorch (an optional extra) before fluxlike, and fluxlike before mlx.core. fluxlike opens
-# OpenBLAS with RTLD_GLOBAL so that MLX binds to it; a torch imported *after* that binds its
-# own BLAS calls to OpenBLAS too, whose threads then fight torch's OpenMP threads (a seed-MLP
-# training step 3-7x slower and erratic on 2 cores). In this order each uses its own BLAS.
-torch = F = None
-if "--no-torch" not in sys.argv:
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        pass
 import fluxlike  # before mlx.core: fluxlike picks MLX's BLAS
 # isort: on
 
 import argparse
 import gc
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -54,6 +47,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import models as M
 import numpy as np
+import torch_worker as TW
 
 from fluxlike import autocast, bf16mix, setup, update, withgradient
 
@@ -80,18 +74,16 @@ class Timer:
         self.max_samples = 2 if quick else 25
         self.slow_s = 1.0
 
-    def run(self, variants: dict[str, Callable[[], object]]) -> dict[str, float]:
-        """The median seconds per call of each variant."""
+    def run(self, variants: dict[str, Callable[[], object] | TW.Remote]) -> dict[str, float]:
+        """The median seconds per call of each variant (a ``Remote`` one is timed in the
+        PyTorch process, at its turn)."""
         inner, count = {}, {}
+        extra = 1 if self.quick else 2
         for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()  # first call: traces, compiles, allocates
-            first = time.perf_counter() - start
-            if first < self.slow_s:
-                for _ in range(1 if self.quick else 2):
-                    start = time.perf_counter()
-                    fn()
-                    first = time.perf_counter() - start
+            if isinstance(fn, TW.Remote):
+                first = fn.warm_up(extra, self.slow_s)
+            else:
+                first = TW.warm_up(fn, extra, self.slow_s)
             inner[name] = max(1, round(self.sample_s / first))
             low = 1 if first > self.slow_s else self.min_samples
             wanted = round(self.budget_s / (inner[name] * first))
@@ -106,23 +98,22 @@ class Timer:
                 if r >= count[name]:
                     continue
                 fn, k = variants[name], inner[name]
-                # One untimed call first: a sample measures the variant in its steady state
-                # (a training loop repeats one step), not its first call after another
-                # variant reshuffled the allocators' caches (MLX's buffer cache, malloc's).
-                fn()
-                start = time.perf_counter()
-                for _ in range(k):
-                    fn()
-                samples[name].append((time.perf_counter() - start) / k)
+                # One untimed call first, then k timed ones (TW.sample), in either process.
+                if isinstance(fn, TW.Remote):
+                    samples[name].append(fn.sample(k))
+                else:
+                    samples[name].append(TW.sample(fn, k))
         return {name: statistics.median(s) for name, s in samples.items()}
 
 
 # ------------------------------------------------------------------ variants
 
 
-def inference_variants(spec: M.Spec) -> tuple[dict[str, Callable], dict[str, Callable]]:
-    """``(timed, outputs)``: per variant a function running one forward pass to completion,
-    and one returning the output as a float32 numpy array (for the agreement check)."""
+def inference_variants(spec: M.Spec, worker: TW.TorchWorker | None
+                       ) -> tuple[dict[str, Callable | TW.Remote], dict[str, Callable]]:
+    """``(timed, outputs)``: per variant a function running one forward pass to completion
+    (a ``Remote`` for the PyTorch ones), and one returning the output as a float32 numpy
+    array (for the agreement check)."""
     ws = M.weights(spec)
     x_np, _ = M.data(spec)
     x = mx.array(x_np)
@@ -144,21 +135,11 @@ def inference_variants(spec: M.Spec) -> tuple[dict[str, Callable], dict[str, Cal
         "mlx.nn": lambda: mnn(x),
     }
     outputs = {name: (lambda f=f: np.array(f().astype(mx.float32))) for name, f in fns.items()}
-    timed = {name: (lambda f=f: mx.eval(f())) for name, f in fns.items()}
-    if torch is not None:
-        tm, tx = M.torch_model(spec, ws).eval(), M.torch_input(x_np)
-
-        def torch_f32():
-            with torch.no_grad():
-                return tm(tx)
-
-        def torch_bf16():
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                return tm(tx)
-
-        for name, f in (("torch f32", torch_f32), ("torch bf16", torch_bf16)):
-            timed[name] = f
-            outputs[name] = lambda f=f: f().float().numpy()
+    timed: dict[str, Callable | TW.Remote] = {
+        name: (lambda f=f: mx.eval(f())) for name, f in fns.items()}
+    if worker is not None:
+        for name, remote in worker.build("inference", spec.name).items():
+            timed[name], outputs[name] = remote, remote.output
     return timed, outputs
 
 
@@ -240,23 +221,6 @@ def training_variants(spec: M.Spec, memory: bool = False) -> dict[str, Callable]
     makers["mlx hand"] = mlx_hand
     makers["mlx.nn"] = lambda: mlx_nn(False)
     makers["mlx.nn compiled"] = lambda: mlx_nn(True)
-    if torch is not None:
-        def torch_step(dtype):
-            tm = M.torch_model(spec, ws).train()
-            tx, tl = M.torch_input(x_np), torch.from_numpy(labels_np.astype(np.int64))
-            opt = torch.optim.Adam(tm.parameters(), lr=1e-3)
-
-            def step():
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
-                    loss = F.cross_entropy(tm(tx), tl)
-                loss.backward()
-                opt.step()
-
-            return step
-
-        makers["torch f32"] = lambda: torch_step(None)
-        makers["torch bf16"] = lambda: torch_step(torch.bfloat16)
     return makers
 
 
@@ -306,30 +270,37 @@ def check_outputs(name: str, outputs: dict[str, Callable]) -> None:
     print(f"  {name}: outputs agree with fl f32 (max error / max |output|): " + ", ".join(worst))
 
 
-def section_inference(models: list[str], timer: Timer) -> dict:
+def section_inference(models: list[str], timer: Timer, worker: TW.TorchWorker | None) -> dict:
     print("\n# Inference: one forward pass, batch as in the model's name")
     results = {}
     for name in models:
         spec = M.SPECS[name]
-        timed, outputs = inference_variants(spec)
+        timed, outputs = inference_variants(spec, worker)
         check_outputs(name, outputs)
         results[spec.name] = timer.run(timed)
         del timed, outputs
         gc.collect()
+    if worker is not None:
+        worker.clear()
     rows, columns, note = ratio_rows(results)
     print_table("Inference (per forward pass)", rows, columns, note)
     return results
 
 
-def section_training(models: list[str], timer: Timer) -> dict:
+def section_training(models: list[str], timer: Timer, worker: TW.TorchWorker | None) -> dict:
     print("\n# Training: one step = forward + backward + Adam update")
     results = {}
     for name in models:
         spec = M.SPECS[name]
-        steps = {variant: make() for variant, make in training_variants(spec).items()}
+        steps: dict[str, Callable | TW.Remote] = {
+            variant: make() for variant, make in training_variants(spec).items()}
+        if worker is not None:
+            steps.update(worker.build("training", spec.name))
         results[spec.name] = timer.run(steps)
         del steps
         gc.collect()
+    if worker is not None:
+        worker.clear()
     rows, columns, note = ratio_rows(results)
     print_table("Training step (forward + backward + Adam)", rows, columns, note)
     return results
@@ -390,15 +361,15 @@ def blas_lines() -> list[str]:
 
 class OtherLoad:
     """How many cores other processes kept busy while a section ran (from ``/proc/stat``
-    less this process's own CPU time): a PyTorch step with two OpenMP threads slows down
-    tenfold when another process holds one of two cores, so the figure says how far to
-    trust a table."""
+    less this process's and the PyTorch worker's CPU time): a PyTorch step with two OpenMP
+    threads slows down tenfold when another process holds one of two cores, so the figure
+    says how far to trust a table."""
 
-    def __init__(self):
+    def __init__(self, worker: TW.TorchWorker | None):
+        self.worker = worker
         self.start = self._read()
 
-    @staticmethod
-    def _read() -> tuple[float, float, float] | None:
+    def _read(self) -> tuple[float, float, float] | None:
         try:
             with open("/proc/stat") as stat:
                 fields = [int(v) for v in stat.readline().split()[1:]]
@@ -407,7 +378,8 @@ class OtherLoad:
         tick = os.sysconf("SC_CLK_TCK")
         busy = (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
         own = os.times()
-        return busy, own.user + own.system, time.perf_counter()
+        ours = own.user + own.system + (self.worker.cpu_seconds() if self.worker else 0.0)
+        return busy, ours, time.perf_counter()
 
     def report(self) -> str:
         end = self._read()
@@ -433,22 +405,38 @@ def fluxlike_version() -> str:
         return "(not installed)"
 
 
-def header(args: argparse.Namespace) -> None:
+def start_torch(args: argparse.Namespace, sections: list[str]
+                ) -> tuple[TW.TorchWorker | None, str]:
+    """The PyTorch worker process (``None`` when it is not wanted or cannot run) and the
+    header's line about it."""
+    skipped = "PyTorch columns skipped, ratios are to fluxlike f32"
+    if args.no_torch:
+        return None, f"torch: --no-torch: {skipped}"
+    if not {"inference", "training"} & set(sections):
+        return None, "torch: not used by the memory section"
+    if importlib.util.find_spec("torch") is None:  # looks, does not import
+        return None, (f"torch: not installed: {skipped} "
+                      "(install: .venv/bin/pip install torch==2.13.0)")
+    try:
+        worker = TW.TorchWorker(args.torch_threads)
+    except TW.Unavailable as e:
+        return None, f"torch: the PyTorch process could not start ({e}): {skipped}"
+    chosen = "set by --torch-threads" if args.torch_threads else "its default"
+    loaded = ", ".join(worker.loaded) or "no MLX, no fluxlike"
+    threads = f"{worker.threads} thread{'s' if worker.threads != 1 else ''}"
+    return worker, (f"torch {worker.version}: in a process of its own (pid {worker.pid}, "
+                    f"{threads}, {chosen}; {loaded} loaded there), timed there on request; "
+                    "this process does not import torch")
+
+
+def header(torch_line: str) -> None:
     print("# fluxlike CPU benchmark")
     print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs; "
           f"python {platform.python_version()}; load average {load_average()}")
     print(f"mlx {mx.__version__} (device {mx.default_device()}); "
           f"fluxlike {fluxlike_version()}")
-    if torch is None:
-        print("torch: not installed (or --no-torch): PyTorch columns skipped, ratios are to "
-              "fluxlike f32 (install: .venv/bin/pip install torch==2.13.0)")
-    else:
-        if args.torch_threads:
-            torch.set_num_threads(args.torch_threads)
-        chosen = "set by --torch-threads" if args.torch_threads else "its default"
-        print(f"torch {torch.__version__}: {torch.get_num_threads()} threads ({chosen}); "
-              f"imported before fluxlike, so it keeps its own BLAS")
+    print(torch_line)
     for line in blas_lines():
         print(line)
     ops = getattr(sys.modules.get("fluxlike.precision.ops"), "__file__", "")
@@ -487,33 +475,41 @@ def main() -> None:
     parser.add_argument("--only", choices=SECTIONS, help="run one section")
     parser.add_argument("--models", help="comma-separated subset of " + ",".join(M.SPECS))
     parser.add_argument("--torch-threads", type=int, default=0,
-                        help="torch.set_num_threads(N) (default: PyTorch's own choice)")
+                        help="torch.set_num_threads(N) in the PyTorch process "
+                             "(default: PyTorch's own choice)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch even if installed")
     args = parser.parse_args()
     chosen = args.models.split(",") if args.models else None
     for name in chosen or []:
         if name not in M.SPECS:
             parser.error(f"--models: unknown model {name!r}; choose from {', '.join(M.SPECS)}")
-    header(args)
     timer = Timer(args.quick)
-    sections = [args.only] if args.only else list(SECTIONS)
-    results: dict[str, dict] = {s: {} for s in SECTIONS}
-    began, whole = time.perf_counter(), OtherLoad()
-    for section in sections:
-        models = [m for m in DEFAULT_MODELS[section] if chosen is None or m in chosen]
-        if not models:
-            continue
-        meter = OtherLoad()
-        if section == "inference":
-            results[section] = section_inference(models, timer)
-        elif section == "training":
-            results[section] = section_training(models, timer)
-        else:
-            results[section] = section_memory(models)
-        print(f"({section}: {meter.report()})")
-    summary(results["inference"], results["training"], results["memory"])
-    print(f"\n(total {time.perf_counter() - began:.0f} s; {whole.report()}; "
-          f"load average at the end: {load_average()})")
+    sections = [s for s in ([args.only] if args.only else SECTIONS) if any(
+        chosen is None or m in chosen for m in DEFAULT_MODELS[s])]
+    worker, torch_line = start_torch(args, sections)
+    try:
+        header(torch_line)
+        results: dict[str, dict] = {s: {} for s in SECTIONS}
+        began, whole = time.perf_counter(), OtherLoad(worker)
+        for section in sections:
+            models = [m for m in DEFAULT_MODELS[section] if chosen is None or m in chosen]
+            meter = OtherLoad(worker)
+            if section == "inference":
+                results[section] = section_inference(models, timer, worker)
+            elif section == "training":
+                results[section] = section_training(models, timer, worker)
+            else:
+                results[section] = section_memory(models)
+            print(f"({section}: {meter.report()})")
+        summary(results["inference"], results["training"], results["memory"])
+        print(f"\n(total {time.perf_counter() - began:.0f} s; {whole.report()}; "
+              f"load average at the end: {load_average()})")
+    finally:
+        # End of input ends the worker; had this process died instead, the closed pipe would.
+        rc = worker.close() if worker is not None else None
+    imported = "yes (unexpected)" if "torch" in sys.modules else "no"
+    ended = "" if rc is None else f"; the PyTorch process (pid {worker.pid}) exited with {rc}"
+    print(f"(torch imported in this process: {imported}{ended})")
 
 
 if __name__ == "__main__":

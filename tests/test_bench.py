@@ -1,14 +1,21 @@
-"""Smoke test of the benchmark runner (bench/run.py): it runs and prints its tables.
+"""Smoke test of the benchmark runner (bench/run.py): it runs and prints its tables, with
+PyTorch (when installed) in a process of its own (bench/torch_worker.py).
 
-No timing is asserted: only that the command exits 0 and prints the headers and columns.
+No timing is asserted: only that the command exits 0 and prints the headers and columns, and
+that the worker answers, computes the model and ends at the end of its input.
 """
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "bench" / "run.py"
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -26,9 +33,18 @@ def test_quick_run_on_the_seed_model_prints_every_table():
                     "## Training step (forward + backward + Adam)",
                     "## Peak memory of a training step", "## Acceptance targets"):
         assert heading in out
-    header = next(line for line in out.splitlines() if line.startswith("model "))
+    headers = [line for line in out.splitlines() if line.startswith("model ")]
+    assert len(headers) == 3
     for column in ("fl f32", "fl autocast", "fl bf16mix", "mlx hand", "mlx.nn"):
-        assert column in header
+        assert column in headers[0]
+    # The run says whether it imported torch itself (it must not: PyTorch has its own process).
+    assert "(torch imported in this process: no" in out
+    if HAVE_TORCH:
+        for table in headers[:2]:  # inference and training; memory is MLX only
+            assert "torch f32" in table and "torch bf16" in table and "torch f32 ms" in table
+        assert "torch f32" not in headers[2]
+        assert "in a process of its own" in out and "no MLX, no fluxlike loaded there" in out
+        assert "the PyTorch process (pid " in out and "exited with 0)" in out
     assert "BLAS-like libraries mapped" in out
     rows = [line.split()[0] for line in out.splitlines() if line.startswith("seed ")]
     assert rows == ["seed"] * 3  # one row in each of the three tables
@@ -45,6 +61,44 @@ def test_without_torch_ratios_are_to_fluxlike_float32():
     assert "ratios to fl f32" in done.stdout
     assert "torch f32" not in done.stdout
     assert "## Training step" not in done.stdout
+    assert "(torch imported in this process: no)" in done.stdout
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    if not HAVE_TORCH:
+        pytest.skip("torch is not installed")
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import torch_worker
+
+    started = torch_worker.TorchWorker(threads=1)
+    yield started
+    started.close()
+
+
+def test_torch_worker_computes_the_model_and_ends_at_end_of_input(worker):
+    import specs
+
+    assert worker.threads == 1 and worker.loaded == []  # neither MLX nor fluxlike there
+    remotes = worker.build("inference", "seed")
+    assert list(remotes) == ["torch f32", "torch bf16"]
+    # An independent numpy forward pass of the same weights.
+    spec = specs.SPECS["seed"]
+    x = specs.data(spec)[0]
+    for k, (w, b) in enumerate(specs.weights(spec)):
+        x = x @ w.T + b
+        x = np.maximum(x, 0) if k < len(spec.layers) - 1 else x
+    out = remotes["torch f32"].output()
+    assert out.shape == (128, 10) and out.dtype == np.float32
+    np.testing.assert_allclose(out, x, rtol=1e-4, atol=1e-5)
+    assert remotes["torch bf16"].warm_up(1, 1.0) > 0
+    assert remotes["torch bf16"].sample(2) > 0
+    steps = worker.build("training", "seed")
+    assert steps["torch f32"].sample(1) > 0
+    with pytest.raises(RuntimeError, match="KeyError"):
+        worker.ask("sample", variant="torch f64", calls=1)
+    assert worker.cpu_seconds() > 0
+    assert worker.close() == 0  # end of input: the worker returns from its loop
 
 
 def test_unknown_model_is_refused():
