@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from operator import is_
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,7 +35,8 @@ from ..modes import _differentiating
 
 # id(source) -> (weak reference to source, {dtype: source.astype(dtype)})
 _casts: dict[int, tuple[weakref.ref, dict]] = {}
-# id(layer) -> (weak reference to layer, {dtype: (the layer's values, its view)})
+# id(layer) -> (weak reference to layer, {dtype: (the layer's values, arrays by weak
+# reference, and its view)}); a view goes as soon as one of the arrays it was made from goes
 _views: dict[int, tuple[weakref.ref, dict]] = {}
 
 
@@ -131,13 +131,24 @@ def view(layer: nn.Module, dtype: mx.Dtype, make: Callable[[], nn.Module]) -> nn
     values = tuple(layer.values())
     views = _entry(_views, layer)
     kept = views.get(dtype)
-    if kept is not None and len(kept[0]) == len(values) and all(map(is_, kept[0], values)):
+    if kept is not None and len(kept[0]) == len(values) and all(map(_same, kept[0], values)):
         kept[1].__dict__.update(layer.__dict__)
         return kept[1]
     made = make()
     if all(map(_immutable, values)):
-        views[dtype] = (values, made)
+        entry: tuple = ()
+
+        def drop(_: weakref.ref) -> None:  # a parameter went: so does the view made from it
+            if views.get(dtype) is entry:
+                del views[dtype]
+
+        held = tuple(weakref.ref(v, drop) if isinstance(v, mx.array) else v for v in values)
+        entry = views[dtype] = (held, made)
     return made
+
+
+def _same(held: object, value: object) -> bool:
+    return (held() if isinstance(held, weakref.ref) else held) is value
 
 
 def _immutable(value: object) -> bool:
