@@ -78,6 +78,17 @@ def _assert_same(a, b) -> None:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def _step_both(opt_state: OptState, model, reference, twin, g) -> None:
+    """One step through fluxlike.update, and the same with the eager mlx optimiser."""
+    update(opt_state, model, g)
+    reference.update(twin, g)
+
+
+def _assert_matches(model, twin, opt_state: OptState, reference) -> None:
+    _assert_close(model.parameters(), twin.parameters())
+    _assert_close(opt_state.optimizer.state, reference.state)
+
+
 def _compiled(opt_state: OptState):
     return optstep.COMPILED[opt_state]
 
@@ -109,11 +120,9 @@ def test_compiled_update_matches_mlx_eager(rule):
     reference.init(twin.trainable_parameters())
     for step in range(4):
         g = _grads(model, step)
-        update(opt_state, model, g)
-        reference.update(twin, g)
+        _step_both(opt_state, model, reference, twin, g)
         mx.eval(model.parameters(), opt_state.state, twin.parameters(), reference.state)
-    _assert_close(model.parameters(), twin.parameters())
-    _assert_close(opt_state.optimizer.state, reference.state)
+    _assert_matches(model, twin, opt_state, reference)
     compiled = _compiled(opt_state)
     assert compiled.eager is None and len(compiled.steps) == 1
 
@@ -141,8 +150,7 @@ def test_loss_scale_matches_eager_and_skips_non_finite_steps_exactly():
             _assert_same(opt_state.optimizer.state, before[1])
             assert opt_state.loss_scale.loss_scale.item() == scale_before / 2
             assert opt_state.loss_scale.counter.item() == 0
-        _assert_close(model.parameters(), twin.parameters())
-        _assert_close(opt_state.optimizer.state, reference.state)
+        _assert_matches(model, twin, opt_state, reference)
     # finite, finite (grows: 256 -> 512), inf (256), finite, nan (128), finite
     assert opt_state.loss_scale.loss_scale.item() == 128.0
     assert len(_compiled(opt_state).steps) == 1
@@ -172,8 +180,7 @@ def test_schedule_is_followed_step_by_step():
     reference = Descent(schedule).build()
     for step in range(4):
         g = _grads(model, step)
-        update(opt_state, model, g)
-        reference.update(twin, g)
+        _step_both(opt_state, model, reference, twin, g)
         assert opt_state.optimizer.learning_rate.item() == 0.5**step
     _assert_close(model.parameters(), twin.parameters())
     assert len(_compiled(opt_state).steps) == 1
@@ -189,10 +196,8 @@ def test_python_hyperparameter_change_retraces():
             opt_state.optimizer.betas = reference.betas = [0.5, 0.6]
             opt_state.optimizer.eps = reference.eps = 1e-3
         g = _grads(model, step)
-        update(opt_state, model, g)
-        reference.update(twin, g)
-    _assert_close(model.parameters(), twin.parameters())
-    _assert_close(opt_state.optimizer.state, reference.state)
+        _step_both(opt_state, model, reference, twin, g)
+    _assert_matches(model, twin, opt_state, reference)
     assert len(_compiled(opt_state).steps) == 2
 
 
@@ -205,10 +210,8 @@ def test_changed_gradient_structure_and_dtype_retrace():
     partial = {"layers": [{"weight": full["layers"][0]["weight"]}]}
     half = tree_map(lambda v: v.astype(mx.bfloat16), full)
     for g in (partial, full, half, partial):
-        update(opt_state, model, g)
-        reference.update(twin, g)
-    _assert_close(model.parameters(), twin.parameters())
-    _assert_close(opt_state.optimizer.state, reference.state)
+        _step_both(opt_state, model, reference, twin, g)
+    _assert_matches(model, twin, opt_state, reference)
     assert len(_compiled(opt_state).steps) == 3
 
 
@@ -331,8 +334,7 @@ def test_multi_optimizer_falls_back_to_eager():
     reference.init(twin.trainable_parameters())
     for step in range(2):
         g = _grads(model, step)
-        update(opt_state, model, g)
-        reference.update(twin, g)
+        _step_both(opt_state, model, reference, twin, g)
     _assert_close(model.parameters(), twin.parameters())
     assert "live" in _compiled(opt_state).eager
 
@@ -343,10 +345,8 @@ def test_lazily_initialised_optimizer_is_initialised_before_tracing():
     reference = optim.Adam(0.01, bias_correction=True)
     for step in range(3):
         g = _grads(model, step)
-        update(opt_state, model, g)
-        reference.update(twin, g)
-    _assert_close(model.parameters(), twin.parameters())
-    _assert_close(opt_state.optimizer.state, reference.state)
+        _step_both(opt_state, model, reference, twin, g)
+    _assert_matches(model, twin, opt_state, reference)
     assert len(_compiled(opt_state).steps) == 1
 
 
@@ -359,12 +359,10 @@ def test_update_under_disable_compile():
     try:
         for step in range(2):
             g = _grads(model, step)
-            update(opt_state, model, g)
-            reference.update(twin, g)
+            _step_both(opt_state, model, reference, twin, g)
     finally:
         mx.enable_compile()
-    _assert_close(model.parameters(), twin.parameters())
-    _assert_close(opt_state.optimizer.state, reference.state)
+    _assert_matches(model, twin, opt_state, reference)
 
 
 @pytest.fixture
