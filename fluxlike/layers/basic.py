@@ -164,11 +164,10 @@ class Dense(Layer):
         weight = self["weight"]  # item access: `self.weight` goes through a slow __getattr__
         x = ops.match_input(x, weight, "Dense")
         try:
-            y = ops.linear(x, weight, self.get("bias"))
+            return ops.linear(x, weight, self.get("bias"), self.act)
         except ValueError:  # MLX checks shapes eagerly; name the layer and the sizes
             check_features(x, weight.shape[1], "Dense")
             raise
-        return self.act(y)
 
     def signature(self) -> str:
         out_dims, in_dims = self.weight.shape

@@ -25,6 +25,7 @@ once and reused for as long as its source array is alive and not replaced.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -159,6 +160,61 @@ def _immutable(value: object) -> bool:
     return isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)
 
 
+# id(half array) -> (weak reference to it, its values in float32): outputs of the kept
+# inference path, so that the next layer's kernel starts from float32 without a cast.
+_shadows: dict[int, tuple[weakref.ref, mx.array]] = {}
+
+
+def remember_float32(half: mx.array, values: mx.array) -> mx.array:
+    """Note that ``values`` (float32) are ``half``'s values, for :func:`float32_of`; returns
+    ``half``. An unused ``half`` is never computed: MLX evaluates only what is asked for."""
+    key = id(half)
+
+    def forget(ref: weakref.ref) -> None:
+        if _shadows.get(key, (None,))[0] is ref:
+            del _shadows[key]
+
+    _shadows[key] = (weakref.ref(half, forget), values)
+    return half
+
+
+@functools.cache
+def round_in_float32(
+    dtype: mx.Dtype, act: Callable[[mx.array], mx.array] | None = None
+) -> Callable[[mx.array], mx.array]:
+    """``act`` (if any) then the rounding to ``dtype``, kept in float32: one fused kernel."""
+    if act is None:
+        return mx.compile(lambda y: y.astype(dtype).astype(mx.float32), shapeless=True)
+    return mx.compile(lambda y: act(y).astype(dtype).astype(mx.float32), shapeless=True)
+
+
+def cast_input(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``x.astype(dtype)`` for a layer's input under autocast; on the CPU a float32 ``x``
+    also gets its rounded values noted in float32, for the layer's float32 kernel."""
+    half = x.astype(dtype)
+    if x.dtype == mx.float32 and mx.default_device().type is mx.cpu and (
+        not _differentiating.get()
+    ):
+        remember_float32(half, round_in_float32(dtype)(x))
+    return half
+
+
+def float32_of(half: mx.array) -> mx.array:
+    """``half.astype(mx.float32)``, or the float32 array noted for ``half`` by
+    :func:`remember_float32` (the same values, already computed or fused upstream).
+
+    >>> import mlx.core as mx
+    >>> values = mx.array([1.5, -2.0])
+    >>> half = remember_float32(values.astype(mx.bfloat16), values)
+    >>> float32_of(half) is values
+    True
+    """
+    entry = _shadows.get(id(half))
+    if entry is not None and entry[0]() is half:
+        return entry[1]
+    return half.astype(mx.float32)
+
+
 def clear_cast_cache() -> None:
     """Drop every cached cast (after changing a parameter in place, ``w[i] = v`` or
     ``w += v``, which keeps the array's identity).
@@ -172,6 +228,7 @@ def clear_cast_cache() -> None:
     """
     _casts.clear()
     _views.clear()
+    _shadows.clear()
 
 
 def cached() -> int:

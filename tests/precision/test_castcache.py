@@ -21,9 +21,11 @@ from fluxlike import (
     autocast,
     autocast_policy,
     bf16mix,
+    gelu,
     gradient,
     relu,
 )
+from fluxlike.modes import differentiating
 from fluxlike.precision import castcache, ops
 from fluxlike.precision.policy import half_view
 
@@ -257,3 +259,36 @@ def test_cast_returns_the_source_for_its_own_dtype():
     w = mx.ones(2)
     assert castcache.cast(w, mx.float32) is w
     assert castcache.cached() == 0
+
+
+class TestFloat32Shadows:
+    """The kept path rounds each output once and notes its float32 values for the next layer."""
+
+    @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+    @pytest.mark.parametrize("act", [None, relu, gelu])
+    def test_rounded_is_activation_of_the_rounded_result(self, dtype, act):
+        y32 = mx.concatenate([normal(200) * 10, mx.array([0.0, -0.0, 1e-30, -1e-30, 65504.0])])
+        out = ops.rounded(y32, dtype, act)
+        expected = y32.astype(dtype) if act is None else act(y32.astype(dtype))
+        assert out.dtype == dtype
+        assert mx.array_equal(out, expected).item()
+        shadow = castcache.float32_of(out)
+        assert shadow.dtype == mx.float32
+        assert mx.array_equal(shadow, out.astype(mx.float32)).item()
+        assert (id(out) in castcache._shadows) == (act is not gelu)  # noted where exact
+
+    def test_shadow_goes_with_its_array(self):
+        out = ops.rounded(normal(4), mx.bfloat16, relu)
+        assert id(out) in castcache._shadows
+        del out
+        gc.collect()
+        assert not castcache._shadows
+
+    def test_inputs_get_shadows_only_outside_differentiation(self):
+        x = normal(3, 4)
+        half = castcache.cast_input(x, mx.bfloat16)
+        assert mx.array_equal(castcache.float32_of(half), half.astype(mx.float32)).item()
+        assert id(half) in castcache._shadows
+        with differentiating():
+            other = castcache.cast_input(x, mx.bfloat16)
+        assert id(other) not in castcache._shadows
