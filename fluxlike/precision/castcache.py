@@ -161,8 +161,11 @@ def _immutable(value: object) -> bool:
 
 
 # id(half array) -> (weak reference to it, its values in float32): outputs of the kept
-# inference path, so that the next layer's kernel starts from float32 without a cast.
+# inference path, so that the next layer's kernel starts from float32 without a cast. An
+# entry is taken by its first use. An unused one keeps its float32 source alive as long as
+# the half array lives (a user collecting outputs), so only the newest few are kept.
 _shadows: dict[int, tuple[weakref.ref, mx.array]] = {}
+SHADOWS = 16
 
 
 def remember_float32(half: mx.array, values: mx.array) -> mx.array:
@@ -174,7 +177,10 @@ def remember_float32(half: mx.array, values: mx.array) -> mx.array:
         if _shadows.get(key, (None,))[0] is ref:
             del _shadows[key]
 
+    _shadows.pop(key, None)
     _shadows[key] = (weakref.ref(half, forget), values)
+    if len(_shadows) > SHADOWS:
+        del _shadows[next(iter(_shadows))]
     return half
 
 
@@ -209,7 +215,7 @@ def float32_of(half: mx.array) -> mx.array:
     >>> float32_of(half) is values
     True
     """
-    entry = _shadows.get(id(half))
+    entry = _shadows.pop(id(half), None)
     if entry is not None and entry[0]() is half:
         return entry[1]
     return half.astype(mx.float32)

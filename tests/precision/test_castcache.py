@@ -272,10 +272,11 @@ class TestFloat32Shadows:
         expected = y32.astype(dtype) if act is None else act(y32.astype(dtype))
         assert out.dtype == dtype
         assert mx.array_equal(out, expected).item()
+        assert (id(out) in castcache._shadows) == (act is not gelu)  # noted where exact
         shadow = castcache.float32_of(out)
         assert shadow.dtype == mx.float32
         assert mx.array_equal(shadow, out.astype(mx.float32)).item()
-        assert (id(out) in castcache._shadows) == (act is not gelu)  # noted where exact
+        assert id(out) not in castcache._shadows  # taken by its first use
 
     def test_shadow_goes_with_its_array(self):
         out = ops.rounded(normal(4), mx.bfloat16, relu)
@@ -284,11 +285,17 @@ class TestFloat32Shadows:
         gc.collect()
         assert not castcache._shadows
 
+    def test_only_the_newest_unused_shadows_are_kept(self):
+        outs = [ops.rounded(normal(4, seed=i), mx.bfloat16) for i in range(castcache.SHADOWS + 5)]
+        assert len(castcache._shadows) == castcache.SHADOWS
+        assert id(outs[0]) not in castcache._shadows and id(outs[-1]) in castcache._shadows
+        assert mx.array_equal(castcache.float32_of(outs[0]), outs[0].astype(mx.float32)).item()
+
     def test_inputs_get_shadows_only_outside_differentiation(self):
         x = normal(3, 4)
         half = castcache.cast_input(x, mx.bfloat16)
-        assert mx.array_equal(castcache.float32_of(half), half.astype(mx.float32)).item()
         assert id(half) in castcache._shadows
+        assert mx.array_equal(castcache.float32_of(half), half.astype(mx.float32)).item()
         with differentiating():
             other = castcache.cast_input(x, mx.bfloat16)
         assert id(other) not in castcache._shadows
