@@ -17,6 +17,9 @@ once and reused for as long as its source array is alive and not replaced.
   :func:`~fluxlike.train`): parameters are new arrays on every step there, and the casts
   must stay in the graph. Under ``mx.grad``/``mx.compile`` the parameters are tracers, new
   arrays per trace, so they miss and their entries go with them.
+- Activations on the CPU: an output of that kept path can carry its values in float32
+  (:func:`remember_float32`, :func:`float32_of`), so that the next layer's float32 kernel
+  starts from them and the half-precision copy between the two is never computed.
 - MLX arrays are values, but ``w[i] = v`` and ``w += v`` rewrite an array in place, under
   the same identity; the cache cannot see that. Assign a new array instead (``layer.weight
   = layer.weight + v``, as ``Module.update`` and the optimisers do) or call
