@@ -280,11 +280,7 @@ def section_inference(models: list[str], timer: Timer, worker: TW.TorchWorker | 
         results[spec.name] = timer.run(timed)
         del timed, outputs
         gc.collect()
-    if worker is not None:
-        worker.clear()
-    rows, columns, note = ratio_rows(results)
-    print_table("Inference (per forward pass)", rows, columns, note)
-    return results
+    return report("Inference (per forward pass)", results, worker)
 
 
 def section_training(models: list[str], timer: Timer, worker: TW.TorchWorker | None) -> dict:
@@ -299,10 +295,15 @@ def section_training(models: list[str], timer: Timer, worker: TW.TorchWorker | N
         results[spec.name] = timer.run(steps)
         del steps
         gc.collect()
+    return report("Training step (forward + backward + Adam)", results, worker)
+
+
+def report(title: str, results: dict, worker: TW.TorchWorker | None) -> dict:
+    """Free the PyTorch process's models of a timed section and print its table."""
     if worker is not None:
         worker.clear()
     rows, columns, note = ratio_rows(results)
-    print_table("Training step (forward + backward + Adam)", rows, columns, note)
+    print_table(title, rows, columns, note)
     return results
 
 
