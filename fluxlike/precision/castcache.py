@@ -163,17 +163,21 @@ def _immutable(value: object) -> bool:
     return isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)
 
 
-# id(half array) -> (weak reference to it, its values in float32): outputs of the kept
-# inference path, so that the next layer's kernel starts from float32 without a cast. An
-# entry is taken by its first use. An unused one keeps its float32 source alive as long as
-# the half array lives (a user collecting outputs), so only the newest few are kept.
-_shadows: dict[int, tuple[weakref.ref, mx.array]] = {}
+# id(half array) -> (weak reference to it, its float32 source, the activation applied): outputs
+# of the kept inference path, so that the next layer's kernel starts from float32 without a
+# cast. The rounded float32 values are made only when asked for. An entry is taken by its
+# first use. An unused one keeps its float32 source alive as long as the half array lives (a
+# user collecting outputs), so only the newest few are kept.
+_shadows: dict[int, tuple[weakref.ref, mx.array, Callable | None]] = {}
 SHADOWS = 16
 
 
-def remember_float32(half: mx.array, values: mx.array) -> mx.array:
-    """Note that ``values`` (float32) are ``half``'s values, for :func:`float32_of`; returns
-    ``half``. An unused ``half`` is never computed: MLX evaluates only what is asked for."""
+def remember_float32(
+    half: mx.array, source: mx.array, act: Callable[[mx.array], mx.array] | None = None
+) -> mx.array:
+    """Note that ``half`` is ``act(source)`` (``source`` float32) rounded to ``half``'s
+    dtype, for :func:`float32_of`; returns ``half``. An unused ``half`` is never computed:
+    MLX evaluates only what is asked for."""
     key = id(half)
 
     def forget(ref: weakref.ref) -> None:
@@ -181,7 +185,7 @@ def remember_float32(half: mx.array, values: mx.array) -> mx.array:
             del _shadows[key]
 
     _shadows.pop(key, None)
-    _shadows[key] = (weakref.ref(half, forget), values)
+    _shadows[key] = (weakref.ref(half, forget), source, act)
     if len(_shadows) > SHADOWS:
         del _shadows[next(iter(_shadows))]
     return half
@@ -204,23 +208,24 @@ def cast_input(x: mx.array, dtype: mx.Dtype) -> mx.array:
     if x.dtype == mx.float32 and mx.default_device().type is mx.cpu and (
         not _differentiating.get()
     ):
-        remember_float32(half, round_in_float32(dtype)(x))
+        remember_float32(half, x)
     return half
 
 
 def float32_of(half: mx.array) -> mx.array:
-    """``half.astype(mx.float32)``, or the float32 array noted for ``half`` by
-    :func:`remember_float32` (the same values, already computed or fused upstream).
+    """``half.astype(mx.float32)``; for a ``half`` noted by :func:`remember_float32`, the
+    same values made from its float32 source in one fused pass (``half`` itself need never
+    be computed).
 
     >>> import mlx.core as mx
-    >>> values = mx.array([1.5, -2.0])
-    >>> half = remember_float32(values.astype(mx.bfloat16), values)
-    >>> float32_of(half) is values
-    True
+    >>> source = mx.array([1.00390625, -2.0])
+    >>> half = remember_float32(source.astype(mx.bfloat16), source)
+    >>> float32_of(half).tolist(), float32_of(half).dtype
+    ([1.0, -2.0], mlx.core.float32)
     """
     entry = _shadows.pop(id(half), None)
     if entry is not None and entry[0]() is half:
-        return entry[1]
+        return round_in_float32(half.dtype, entry[2])(entry[1])
     return half.astype(mx.float32)
 
 
