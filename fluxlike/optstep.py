@@ -136,14 +136,14 @@ class Compiled:
         self.steps.clear()
         self.eager = reason
 
-    def step(self, opt_state: Any, model: nn.Module, grads: dict,
+    def step(self, opt_state: Any, model: nn.Module, grads: dict, params: dict,
              signature: tuple) -> str | None:
         """Take the step through the compiled function for its key, tracing it first if
-        needed. Returns ``None`` when done, else why it must be taken eagerly instead (and
-        then nothing has changed)."""
+        needed; ``params`` are the model's parameters in the structure of ``grads``.
+        Returns ``None`` when done, else why it must be taken eagerly instead (and then
+        nothing has changed)."""
         optimizer, scale = opt_state.optimizer, opt_state.loss_scale
         live = optimizer.state
-        params = tree_map(lambda _, p: p, grads, model)
         scale_state = None if scale is None else scale.state
         settings = (_settings(optimizer), _settings(scale))
         key = (signature, optimizer, scale, id(live), id(scale_state), settings)

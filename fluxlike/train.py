@@ -63,13 +63,37 @@ def _split_output(out: Any, where: str) -> tuple[mx.array, Any]:
     return loss, rest
 
 
-def _leaves(tree: Any) -> int:
-    """The number of arrays in a parameter tree (a cheaper ``len(tree_flatten(tree))``)."""
-    if isinstance(tree, dict):
-        return sum(map(_leaves, tree.values()))
-    if isinstance(tree, (list, tuple)):
-        return sum(map(_leaves, tree))
-    return 1 if isinstance(tree, mx.array) else 0
+_valid = nn.Module.valid_parameter_filter
+_trainable = nn.Module.trainable_parameter_filter
+
+
+def _trainable_parameters(module: nn.Module) -> tuple[dict, bool]:
+    """``(module.trainable_parameters(), whether any parameter is frozen)`` in one walk of
+    the module tree, with ``mlx.nn``'s filters (``withgradient`` runs on every step; a model
+    without frozen entries then needs no ``parameters()`` walk)."""
+    frozen = False
+
+    def walk(owner: nn.Module, key: str, value: Any) -> Any:
+        nonlocal frozen
+        if isinstance(value, nn.Module):
+            owner, entries, prefix = value, value.items(), ""
+        elif isinstance(value, (dict, list)):
+            entries = value.items() if isinstance(value, dict) else enumerate(value)
+            prefix = f"{key}."
+        else:
+            return value
+        out = {}
+        for k, v in entries:
+            path = f"{prefix}{k}"
+            if _trainable(owner, path, v):
+                out[k] = walk(owner, path, v)
+            else:
+                frozen = frozen or _valid(owner, path, v)
+                if owner is not value:  # in a dict or list, as filter_and_map: a placeholder
+                    out[k] = {}
+        return list(out.values()) if isinstance(value, list) else out
+
+    return walk(module, "", module), frozen
 
 
 def _value_and_grad(
@@ -93,11 +117,12 @@ def _value_and_grad(
         i for i, a in enumerate(args)
         if wrt_arrays and isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
     ]
-    originals = [m.parameters() for m in modules]
-    trainable = [m.trainable_parameters() for m in modules]
-    # Modules with frozen entries (running statistics...); the others skip the tree walks
-    # that keep those entries' values.
-    has_frozen = [_leaves(p) != _leaves(t) for p, t in zip(originals, trainable, strict=True)]
+    walked = [_trainable_parameters(m) for m in modules]
+    trainable, has_frozen = [t for t, _ in walked], [has for _, has in walked]
+    # Modules with frozen entries (running statistics...) keep all their parameters to be
+    # restored; for the others the trainable ones are all of them.
+    originals = [m.parameters() if has else t
+                 for m, t, has in zip(modules, trainable, has_frozen, strict=True)]
     trainable_keys = [{k for k, _ in tree_flatten(t)} if has else set()
                       for t, has in zip(trainable, has_frozen, strict=True)]
 
@@ -333,9 +358,10 @@ def setup(
     return OptState(rule, optimizer, scale)
 
 
-def _check_grads(grads: Any, model: nn.Module) -> tuple:
-    """Validate ``grads`` against ``model``; returns its signature (each leaf's path, shape
-    and dtype), which keys the compiled steps."""
+def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any]:
+    """Validate ``grads`` against ``model``'s trainable parameters, in one walk of both.
+    Returns ``(signature, params)``: each gradient's path, shape and dtype (which key the
+    compiled steps), and the parameters, in the structure of ``grads``."""
     if not isinstance(grads, dict):
         hint = "; gradient() returns a tuple, pass its model entry (grads[0])" if isinstance(
             grads, tuple) else ""
@@ -343,19 +369,49 @@ def _check_grads(grads: Any, model: nn.Module) -> tuple:
             f"update: grads must be a dict shaped like model.trainable_parameters(), "
             f"got {type(grads).__name__}{hint}"
         )
-    params = dict(tree_flatten(model.trainable_parameters()))
     signature = []
-    for key, g in tree_flatten(grads):
-        if key not in params:
-            raise ValueError(f"update: the model has no trainable parameter {key!r}")
-        if not isinstance(g, mx.array) or g.shape != params[key].shape:
+
+    def walk(g: Any, value: Any, owner: nn.Module, key: str, path: str) -> Any:
+        # ``value``: the model's entry at ``path``; ``owner``, ``key``: the module holding it
+        # and its key there (dotted inside plain containers), as mlx.nn's filters take them.
+        if isinstance(g, (dict, list, tuple)):
+            found = []
+            for k, sub in g.items() if isinstance(g, dict) else enumerate(g):
+                if isinstance(sub, (dict, list, tuple)) and not sub:  # no gradient in here
+                    found.append((k, sub))
+                    continue
+                where = f"{path}.{k}" if path else str(k)
+                o, kk = (value, str(k)) if isinstance(value, nn.Module) else (owner, f"{key}.{k}")
+                v = _entry(value, k)
+                if v is _MISSING or not _trainable(o, kk, v):
+                    raise ValueError(f"update: the model has no trainable parameter {where!r}")
+                found.append((k, walk(sub, v, o, kk, where)))
+            return dict(found) if isinstance(g, dict) else type(g)(v for _, v in found)
+        if not isinstance(value, mx.array):
+            raise ValueError(f"update: the model has no trainable parameter {path!r}")
+        if not isinstance(g, mx.array) or g.shape != value.shape:
             found = tuple(g.shape) if isinstance(g, mx.array) else type(g).__name__
             raise ValueError(
-                f"update: gradient {key!r} must be an array of shape "
-                f"{tuple(params[key].shape)}, got {found}"
+                f"update: gradient {path!r} must be an array of shape "
+                f"{tuple(value.shape)}, got {found}"
             )
-        signature.append((key, g.shape, g.dtype))
-    return tuple(signature)
+        signature.append((path, g.shape, g.dtype))
+        return value
+
+    params = walk(grads, model, model, "", "")
+    return tuple(signature), params
+
+
+_MISSING = object()
+
+
+def _entry(container: Any, key: Any) -> Any:
+    """``container[key]`` for a dict or list, else ``_MISSING``."""
+    if isinstance(container, dict):
+        return container.get(key, _MISSING)
+    if isinstance(container, list) and isinstance(key, int) and 0 <= key < len(container):
+        return container[key]
+    return _MISSING
 
 
 def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
@@ -400,16 +456,16 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         raise TypeError(f"update: expected an OptState from setup(), got {opt_state!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"update: model must be an mlx.nn.Module, got {type(model).__name__}")
-    signature = _check_grads(grads, model)
+    signature, params = _check_grads(grads, model)
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
-    reason = compiled.eager or compiled.step(opt_state, model, grads, signature)
+    reason = compiled.eager or compiled.step(opt_state, model, grads, params, signature)
     if reason is None:
         return
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     if scale is None:
         optimizer.update(model, grads)
     else:
-        model.update(step(optimizer, scale, grads, model.trainable_parameters()))
+        model.update(step(optimizer, scale, grads, params))
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input
 
 

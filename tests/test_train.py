@@ -6,10 +6,11 @@ import io
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from fluxlike import (
     Adam,
@@ -30,6 +31,7 @@ from fluxlike import (
     withgradient,
 )
 from fluxlike.modes import is_active
+from fluxlike.train import _trainable_parameters
 
 
 def _mse(m, x, y):
@@ -289,6 +291,62 @@ def test_update_errors_leave_model_unchanged():
     with pytest.raises(TypeError, match="OptState"):
         update(opt_state.optimizer, model, grads[0])
     assert model.weight is weight and opt_state.optimizer.step.item() == 0
+
+
+def test_update_rejects_gradients_of_frozen_parameters():
+    model = Chain(Dense(2, 3), BatchNorm(3))
+    model.layers[0].freeze(keys=["bias"])
+    opt_state = setup(Descent(), model)
+    before = model.parameters()
+    with pytest.raises(ValueError, match="no trainable parameter 'layers.0.bias'"):
+        update(opt_state, model, {"layers": [{"bias": mx.zeros((3,))}]})
+    with pytest.raises(ValueError, match="no trainable parameter 'layers.1.running_mean'"):
+        update(opt_state, model, {"layers": [{}, {"running_mean": mx.zeros((3,))}]})
+    with pytest.raises(ValueError, match="no trainable parameter 'layers.2'"):
+        update(opt_state, model, {"layers": [{}, {}, {"weight": mx.zeros((3,))}]})
+    after = model.parameters()
+    assert all(a is b for (_, a), (_, b) in zip(tree_flatten(before), tree_flatten(after),
+                                                   strict=True))
+
+
+class _Nested(nn.Module):
+    """Parameters in a dict and a list, one of them frozen, beside a child module."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = {"a": mx.ones((2,)), "b": [mx.ones((3,)), mx.ones((1,))], "n": 3}
+        self.child = Dense(2, 2)
+        self._hidden = mx.ones((4,))
+        self.freeze(keys=["blocks.b"], recurse=False)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Dense(2, 3),
+    lambda: Chain(Dense(2, 3), BatchNorm(3), Dense(3, 1)),
+    lambda: Chain(Dense(2, 3), Dense(3, 1)).freeze(keys=["weight"]),
+    _Nested,
+    lambda: nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3)),
+])
+def test_trainable_parameter_walk_matches_mlx(make):
+    # withgradient's one walk gives what mlx.nn's trainable_parameters() gives, and knows
+    # whether parameters() holds more (frozen entries to restore).
+    model = make()
+    tree, has_frozen = _trainable_parameters(model)
+    expected = model.trainable_parameters()
+    assert [(k, id(v)) for k, v in tree_flatten(tree)] == [
+        (k, id(v)) for k, v in tree_flatten(expected)]
+    assert tree_map(lambda _: 0, tree) == tree_map(lambda _: 0, expected)  # same {} placeholders
+    assert has_frozen == (len(tree_flatten(model.parameters())) != len(tree_flatten(expected)))
+
+
+def test_update_takes_gradients_of_parameters_in_dicts_and_lists():
+    model = _Nested()
+    (grads,) = gradient(lambda m: m.blocks["a"].sum() + m.child(mx.ones((1, 2))).sum(), model)
+    assert grads["blocks"]["b"] == {} and grads["blocks"]["n"] == {}
+    frozen = model.blocks["b"][0]
+    update(setup(Descent(1.0), model), model, grads)
+    np.testing.assert_allclose(np.array(model.blocks["a"]), np.zeros(2))
+    assert model.blocks["b"][0] is frozen
 
 
 def test_update_with_partial_grads():
