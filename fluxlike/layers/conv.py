@@ -156,13 +156,16 @@ def _options(layer: Any, extra: dict[str, str] | None = None) -> dict[str, str]:
     return options
 
 
-def _grouped(kernel: Callable, x: mx.array, weight: mx.array, *options: Any) -> mx.array:
-    """``kernel(x, weight, *options, groups)``, one call per group for 3-D grouped input.
+def _split(x: mx.array, groups: int) -> bool:
+    """Whether a convolution of ``x`` runs one call per group: MLX's convolutions accept
+    ``groups > 1`` only in 1-D and 2-D."""
+    return groups > 1 and x.ndim >= 5
 
-    MLX's convolutions accept ``groups > 1`` only in 1-D and 2-D.
-    """
+
+def _grouped(kernel: Callable, x: mx.array, weight: mx.array, *options: Any) -> mx.array:
+    """``kernel(x, weight, *options, groups)``, one call per group when :func:`_split`."""
     groups = options[-1]
-    if groups == 1 or x.ndim < 5:
+    if not _split(x, groups):
         return kernel(x, weight, *options)
     parts = zip(mx.split(x, groups, axis=-1), mx.split(weight, groups, axis=0), strict=True)
     return mx.concatenate([kernel(a, w, *options[:-1], 1) for a, w in parts], axis=-1)
@@ -276,8 +279,10 @@ class Conv(_ConvBase):
         check_fits(x, extent, padding, "Conv", "dilated kernel")
         x = ops.match_input(x, weight, "Conv")
         lo, hi = zip(*padding, strict=True)
-        y = _grouped(ops.conv, x, weight, self["stride"], (lo, hi), dilation, self.groups)
-        return self._finish(y)
+        options = (self["stride"], (lo, hi), dilation, self.groups)
+        if _split(x, self.groups):
+            return self._finish(_grouped(ops.conv, x, weight, *options))
+        return ops.conv(x, weight, *options, self.get("bias"), self.act)
 
     def signature(self) -> str:
         return self._signature(self.in_channels, self.weight.shape[0])
@@ -366,12 +371,15 @@ class ConvTranspose(_ConvBase):
         x = ops.match_input(x, weight, "ConvTranspose")
         # MLX pads symmetrically: pad by the smaller side, then crop the rest.
         sym = tuple(min(lo, hi) for lo, hi in padding)
-        y = _grouped(ops.conv_transpose, x, weight, self["stride"], sym, self["dilation"],
-                     self["output_padding"], self.groups)
+        options = (self["stride"], sym, self["dilation"], self["output_padding"], self.groups)
+        if _split(x, self.groups):
+            y = self._finish(_grouped(ops.conv_transpose, x, weight, *options))
+        else:  # bias and activation are elementwise: applied before the crop below
+            y = ops.conv_transpose(x, weight, *options, self.get("bias"), self.act)
         if any(lo != hi for lo, hi in padding):
             starts = [lo - p for (lo, _), p in zip(padding, sym, strict=True)]
             y = y[(slice(None), *(slice(a, a + n) for a, n in zip(starts, size, strict=True)))]
-        return self._finish(y)
+        return y
 
     def signature(self) -> str:
         extra = {}

@@ -240,10 +240,14 @@ def conv(
     padding: Padding,
     dilation: tuple[int, ...],
     groups: int,
+    bias: mx.array | None = None,
+    act: Callable[[mx.array], mx.array] | None = None,
 ) -> mx.array:
-    """N-d convolution, channels last: ``x`` is ``(N, *spatial, C_in)``, ``weight`` is
-    ``(C_out, *kernel, C_in // groups)``; ``padding`` is per dimension, or a ``(low, high)``
-    pair of per-dimension tuples.
+    """``act(convolution + bias)``, N-d, channels last: ``x`` is ``(N, *spatial, C_in)``,
+    ``weight`` is ``(C_out, *kernel, C_in // groups)``, ``bias`` (optional) ``(C_out,)``;
+    ``padding`` is per dimension, or a ``(low, high)`` pair of per-dimension tuples. On CPU
+    half precision the bias is added (and a ReLU applied) in float32 before the one
+    rounding, as :func:`linear` does.
 
     >>> import mlx.core as mx
     >>> x, w = mx.ones((1, 5, 5, 2), mx.bfloat16), mx.ones((3, 3, 3, 2), mx.bfloat16)
@@ -252,9 +256,7 @@ def conv(
     ((1, 5, 5, 3), mlx.core.bfloat16)
     """
     options = ("conv", _frozen(stride), _frozen(padding), _frozen(dilation), groups)
-    if emulates(x, weight):
-        return _emulated(options, x, weight)
-    return _kernel(*options)(x, weight)
+    return _convolved(options, x, weight, bias, act)
 
 
 def conv_transpose(
@@ -265,9 +267,11 @@ def conv_transpose(
     dilation: tuple[int, ...],
     output_padding: tuple[int, ...],
     groups: int,
+    bias: mx.array | None = None,
+    act: Callable[[mx.array], mx.array] | None = None,
 ) -> mx.array:
-    """N-d transposed convolution, channels last; ``weight`` is ``(C_out, *kernel, C_in //
-    groups)``.
+    """``act(transposed convolution + bias)``, N-d, channels last; ``weight`` is
+    ``(C_out, *kernel, C_in // groups)``; the bias and activation as in :func:`conv`.
 
     >>> import mlx.core as mx
     >>> x, w = mx.ones((1, 4, 2), mx.float16), mx.ones((3, 3, 2), mx.float16)
@@ -277,18 +281,33 @@ def conv_transpose(
     """
     options = ("conv_transpose", _frozen(stride), _frozen(padding), _frozen(dilation),
                _frozen(output_padding), groups)
-    if emulates(x, weight):
-        return _emulated(options, x, weight)
-    return _kernel(*options)(x, weight)
+    return _convolved(options, x, weight, bias, act)
 
 
-def _emulated(options: tuple, x: mx.array, weight: mx.array) -> mx.array:
-    """Kernel ``options`` on half operands in float32 kernels: with the weight's cached
-    upcast when an earlier call made it, else through the custom gradient."""
-    (weight32,) = castcache.reused((weight,), mx.float32) or (None,)
-    if weight32 is not None:
-        return _kernel(*options)(x.astype(mx.float32), weight32).astype(x.dtype)
-    return _in_float32(*options)(x, weight)
+def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | None,
+               act: Callable[[mx.array], mx.array] | None) -> mx.array:
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    if emulates(*operands):
+        return _emulated(options, act, *operands)
+    y = _kernel(*options)(x, weight)
+    if bias is not None:
+        y = y + bias
+    return y if act is None else act(y)
+
+
+def _emulated(options: tuple, act: Callable | None, x: mx.array, weight: mx.array,
+              *bias: mx.array) -> mx.array:
+    """Kernel ``options`` (plus the bias) on half operands in float32 kernels: with the
+    parameters' kept upcasts when an earlier call made them, else through the custom
+    gradient."""
+    name, *rest = options
+    if bias:
+        options = (f"{name}+bias", *rest)
+    params32 = castcache.reused((weight, *bias), mx.float32)
+    if params32 is not None:
+        return rounded(_kernel(*options)(castcache.float32_of(x), *params32), x.dtype, act)
+    y = _in_float32(*options)(x, weight, *bias)
+    return y if act is None else act(y)
 
 
 def _frozen(value):
@@ -300,7 +319,11 @@ def _frozen(value):
 
 @functools.cache
 def _kernel(name: str, *options) -> Callable[..., mx.array]:
-    """The plain kernel ``name`` with its static options bound: a function of arrays."""
+    """The plain kernel ``name`` with its static options bound: a function of arrays;
+    ``"conv+bias"`` (any kernel name with ``+bias``) adds a third operand, the bias."""
+    if name.endswith("+bias"):
+        plain = _kernel(name.removesuffix("+bias"), *options)
+        return lambda x, w, b: plain(x, w) + b
     if name == "linear":
         return lambda x, w: x @ w.T
     if name == "affine":

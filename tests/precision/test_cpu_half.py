@@ -114,6 +114,31 @@ class TestKernels:
 
         check_kernel(emulated, native, halves(xs, ws, dtype=dtype), dtype)
 
+    @pytest.mark.parametrize("case", CONVS[::2], ids=[c[0] for c in CONVS[::2]])
+    def test_conv_with_bias(self, dtype, case):
+        # The bias is added in float32 before the one rounding, as for a linear layer.
+        _, xs, ws, *options = case
+
+        def emulated(x, w, b):
+            return ops.conv(x, w, *options, b)
+
+        def native(x, w, b):
+            return native_conv(x, w, *options) + b
+
+        check_kernel(emulated, native, halves(xs, ws, ws[:1], dtype=dtype), dtype)
+
+    @pytest.mark.parametrize("case", CONV_TRANSPOSES[::2], ids=[c[0] for c in CONV_TRANSPOSES[::2]])
+    def test_conv_transpose_with_bias(self, dtype, case):
+        _, xs, ws, *options = case
+
+        def emulated(x, w, b):
+            return ops.conv_transpose(x, w, *options, b)
+
+        def native(x, w, b):
+            return native_conv_transpose(x, w, *options) + b
+
+        check_kernel(emulated, native, halves(xs, ws, ws[:1], dtype=dtype), dtype)
+
     @pytest.mark.parametrize("case", CONV_TRANSPOSES, ids=[c[0] for c in CONV_TRANSPOSES])
     def test_conv_transpose(self, dtype, case):
         _, xs, ws, *options = case
