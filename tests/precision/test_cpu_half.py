@@ -127,6 +127,42 @@ class TestKernels:
 
         check_kernel(emulated, native, halves(xs, ws, ws[:1], dtype=dtype), dtype)
 
+    @pytest.mark.parametrize("kind", ["linear", "conv"])
+    def test_relu_folded_into_the_custom_gradient(self, dtype, kind):
+        # Under differentiation a ReLU runs in float32 before the rounding; its output and
+        # gradients are those of a ReLU on the rounded result (ReLU commutes with rounding).
+        if kind == "linear":
+            operands = halves((9, 6), (5, 6), (5,), dtype=dtype)
+            kernel = ops.linear
+
+            def plain(x, w, b):
+                return mx.addmm(b, x, w.T)
+        else:
+            _, xs, ws, *options = CONVS[4]
+            operands = halves(xs, ws, ws[:1], dtype=dtype)
+
+            def kernel(x, w, b, act=None):
+                return ops.conv(x, w, *options, b, act)
+
+            def plain(x, w, b):
+                return native_conv(x, w, *options) + b
+
+        weights = mx.random.normal(plain(*operands).shape)
+        argnums = tuple(range(3))
+        folded = mx.vjp(lambda *a: kernel(*a, act=relu), operands, [weights.astype(dtype)])
+        unfolded = mx.vjp(lambda *a: relu(kernel(*a)), operands, [weights.astype(dtype)])
+        assert folded[0][0].dtype == dtype
+        expected = relu(plain(*(a.astype(mx.float32) for a in operands))).astype(dtype)
+        assert mx.array_equal(folded[0][0], expected).item()
+        assert mx.array_equal(folded[0][0], unfolded[0][0]).item()
+        for g, e, a in zip(folded[1], unfolded[1], operands, strict=True):
+            assert g.dtype == a.dtype
+            assert mx.array_equal(g, e).item()  # masking the cotangent is exact either way
+        native = mx.grad(lambda *a: (relu(plain(*a)).astype(mx.float32) * weights).sum(),
+                         argnums=argnums)(*operands)
+        for g, e in zip(folded[1], native, strict=True):
+            close(g, e, dtype)
+
     @pytest.mark.parametrize("case", CONV_TRANSPOSES[::2], ids=[c[0] for c in CONV_TRANSPOSES[::2]])
     def test_conv_transpose_with_bias(self, dtype, case):
         _, xs, ws, *options = case
