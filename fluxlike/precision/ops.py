@@ -285,6 +285,8 @@ def conv_transpose(
 
 def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | None,
                act: Callable[[mx.array], mx.array] | None) -> mx.array:
+    """What :func:`conv` and :func:`conv_transpose` share: the kernel ``options``, then the
+    bias and activation (in float32 before the rounding on CPU half precision)."""
     operands = (x, weight) if bias is None else (x, weight, bias)
     if emulates(*operands):
         return _emulated(options, act, *operands)
