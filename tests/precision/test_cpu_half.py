@@ -102,30 +102,21 @@ class TestKernels:
         check_kernel(ops.matmul, lambda a, b: a @ b,
                      halves((2, 3, 4, 5), (3, 5, 6), dtype=dtype), dtype)
 
+    @pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
     @pytest.mark.parametrize("case", CONVS, ids=[c[0] for c in CONVS])
-    def test_conv(self, dtype, case):
+    def test_conv(self, dtype, case, bias):
+        # A bias is added in float32 before the one rounding, as for a linear layer.
         _, xs, ws, *options = case
 
-        def emulated(x, w):
-            return ops.conv(x, w, *options)
+        def emulated(x, w, *b):
+            return ops.conv(x, w, *options, *b)
 
-        def native(x, w):
-            return native_conv(x, w, *options)
+        def native(x, w, *b):
+            y = native_conv(x, w, *options)
+            return y + b[0] if b else y
 
-        check_kernel(emulated, native, halves(xs, ws, dtype=dtype), dtype)
-
-    @pytest.mark.parametrize("case", CONVS[::2], ids=[c[0] for c in CONVS[::2]])
-    def test_conv_with_bias(self, dtype, case):
-        # The bias is added in float32 before the one rounding, as for a linear layer.
-        _, xs, ws, *options = case
-
-        def emulated(x, w, b):
-            return ops.conv(x, w, *options, b)
-
-        def native(x, w, b):
-            return native_conv(x, w, *options) + b
-
-        check_kernel(emulated, native, halves(xs, ws, ws[:1], dtype=dtype), dtype)
+        shapes = (xs, ws, ws[:1]) if bias else (xs, ws)
+        check_kernel(emulated, native, halves(*shapes, dtype=dtype), dtype)
 
     @pytest.mark.parametrize("kind", ["linear", "conv"])
     def test_relu_folded_into_the_custom_gradient(self, dtype, kind):
@@ -163,29 +154,20 @@ class TestKernels:
         for g, e in zip(folded[1], native, strict=True):
             close(g, e, dtype)
 
-    @pytest.mark.parametrize("case", CONV_TRANSPOSES[::2], ids=[c[0] for c in CONV_TRANSPOSES[::2]])
-    def test_conv_transpose_with_bias(self, dtype, case):
-        _, xs, ws, *options = case
-
-        def emulated(x, w, b):
-            return ops.conv_transpose(x, w, *options, b)
-
-        def native(x, w, b):
-            return native_conv_transpose(x, w, *options) + b
-
-        check_kernel(emulated, native, halves(xs, ws, ws[:1], dtype=dtype), dtype)
-
+    @pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
     @pytest.mark.parametrize("case", CONV_TRANSPOSES, ids=[c[0] for c in CONV_TRANSPOSES])
-    def test_conv_transpose(self, dtype, case):
+    def test_conv_transpose(self, dtype, case, bias):
         _, xs, ws, *options = case
 
-        def emulated(x, w):
-            return ops.conv_transpose(x, w, *options)
+        def emulated(x, w, *b):
+            return ops.conv_transpose(x, w, *options, *b)
 
-        def native(x, w):
-            return native_conv_transpose(x, w, *options)
+        def native(x, w, *b):
+            y = native_conv_transpose(x, w, *options)
+            return y + b[0] if b else y
 
-        check_kernel(emulated, native, halves(xs, ws, dtype=dtype), dtype)
+        shapes = (xs, ws, ws[:1]) if bias else (xs, ws)
+        check_kernel(emulated, native, halves(*shapes, dtype=dtype), dtype)
 
     def test_compile_matches_eager(self, dtype):
         x, w, b = halves((4, 6), (5, 6), (5,), dtype=dtype)
