@@ -6,6 +6,7 @@ that the worker answers, computes the model and ends at the end of its input.
 """
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,23 @@ def test_unknown_model_is_refused():
     assert done.returncode == 2
     assert "unknown model 'huge'" in done.stderr
 
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="MLX builds its CPU kernels with g++")
+def test_jit_rebuild_reports_each_kernel_and_variant():
+    """bench/jit.py: MLX's fused kernels for the seed step, rebuilt with more flags, timed in
+    alternating processes; only the report's shape is checked, no timing."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "jit.py"), "--pairs", "1", "--rounds", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    kernels = [line.split() for line in lines if line.startswith("  ") and " -> " in line]
+    assert kernels and all(k[0] in ("scalar", "vector") and k[2] in ("scalar", "vector")
+                           for k in kernels)
+    assert any("Sqrt" in k for k in kernels)  # Adam's update, the kernel this is about
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in lines if " | " in line}
+    for variant in ("f32", "f32 compiled", "autocast"):
+        cells = rows[variant]
+        assert len(cells) == 4 and float(cells[1]) > 0 and float(cells[2]) > 0
