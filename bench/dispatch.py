@@ -20,9 +20,6 @@ and then crosses the barrier itself.
 
 from __future__ import annotations
 
-# isort: off
-import fluxlike as fl  # before mlx.core: fluxlike puts OpenBLAS under MLX
-# isort: on
 import argparse
 import gc
 import statistics
@@ -32,6 +29,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+import fluxlike as fl
 from fluxlike.precision.policy import is_dispatching
 
 BATCHES = (1, 16, 128)

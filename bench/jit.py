@@ -46,9 +46,6 @@ VARIANTS = {"f32": {"ac": None, "compiled": False},
 def measure(model: str, rounds: int) -> dict[str, float]:
     """In this process: median ms per training step of each variant, interleaved."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    # isort: off
-    import fluxlike  # noqa: F401  (first: the BLAS)
-    # isort: on
     import mlx.core as mx
     import models as M
     from run import fluxlike_step

@@ -16,16 +16,13 @@ compute the same function.
 
 from __future__ import annotations
 
-# isort: off
-import fluxlike  # first: fluxlike picks the BLAS before mlx.core is loaded
-# isort: on
-
 from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from specs import SPECS, Spec, data, onehot, weights  # noqa: F401  (re-exported)
 
+import fluxlike
 from fluxlike.losses import logitcrossentropy
 
 # ---------------------------------------------------------------- fluxlike

@@ -14,10 +14,6 @@ Tables (one run, ratios first; absolute numbers are noise on a shared machine):
 
 from __future__ import annotations
 
-# isort: off
-import fluxlike  # first: fluxlike picks the BLAS before mlx.core is loaded
-# isort: on
-
 import json
 import os
 import subprocess
@@ -28,6 +24,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+import fluxlike
 from fluxlike import Chain, Conv, Dense, autocast, relu
 from fluxlike.precision import ops
 

@@ -25,10 +25,6 @@ a shared machine; the ratios measured side by side are the figures to keep.
 
 from __future__ import annotations
 
-# isort: off
-import fluxlike  # before mlx.core: fluxlike picks MLX's BLAS
-# isort: on
-
 import argparse
 import gc
 import importlib.metadata
@@ -49,6 +45,7 @@ import models as M
 import numpy as np
 import torch_worker as TW
 
+import fluxlike
 from fluxlike import autocast, bf16mix, setup, update, withgradient
 
 BF16 = mx.bfloat16

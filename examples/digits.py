@@ -19,9 +19,6 @@ gets a dynamic loss scale). ``--save`` writes the model and optimiser state with
 
 from __future__ import annotations
 
-# isort: off
-import fluxlike as fl  # before mlx.core: on Linux fluxlike puts OpenBLAS under MLX
-# isort: on
 import argparse
 import contextlib
 import sys
@@ -32,6 +29,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
+import fluxlike as fl
 from fluxlike.losses import logitcrossentropy
 
 PRECISIONS = {"float32": None, "bfloat16": mx.bfloat16, "float16": mx.float16}

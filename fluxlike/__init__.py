@@ -3,7 +3,7 @@
 This file is the public API manifest: explicit re-exports, nothing else.
 """
 
-from ._blas import BlasInfo, BlasWarning, blas_info  # first: it loads a BLAS before mlx.core
+from ._blas import BlasInfo, BlasWarning, blas_info  # first: it puts an optimised BLAS under MLX
 from .activations import (
     elu,
     gelu,

@@ -1,24 +1,28 @@
 """An optimised BLAS under MLX on Linux.
 
-The Linux ``mlx-cpu`` wheel links a bundled *reference* BLAS (netlib, ~8 GFLOP/s sgemm).
-A BLAS opened with ``RTLD_GLOBAL`` before ``mlx.core`` is first imported takes its place:
-the dynamic linker binds MLX's ``cblas_sgemm`` to the first definition in the global scope
-(~200-250 GFLOP/s with OpenBLAS on two cores). Importing :mod:`fluxlike` does this first of
-all, so it must come before ``import mlx.core`` (or the BLAS must be in ``LD_PRELOAD``).
+The Linux ``mlx-cpu`` wheel links a bundled *reference* BLAS and LAPACK (netlib, ~8 GFLOP/s
+sgemm). At ``import fluxlike`` an optimised BLAS is opened privately (``RTLD_LOCAL``) and
+``libmlx.so``'s calls into BLAS and LAPACK are pointed at it: every slot of ``libmlx.so``'s
+global offset table whose symbol (``cblas_sgemm``, ``sgetrf_``, ...) that library defines
+gets that library's function (~200-250 GFLOP/s with OpenBLAS on two cores). Nothing else in
+the process sees the library, so a torch (or anything) loaded later keeps its own BLAS, and
+it works whether ``mlx.core`` was imported before fluxlike or after.
 
 ``FLUXLIKE_BLAS`` chooses: a path to a library (used instead of the search), or ``0``/``off``/
 ``none`` to leave MLX's BLAS alone. Otherwise the search tries Debian's OpenBLAS
 (``libopenblas0-pthread``), any ``libopenblas`` the linker knows, a pip ``cmeel-openblas``, then
-MKL from pip. Nothing happens on other systems (macOS: MLX uses Accelerate).
+MKL from pip. A BLAS already under MLX (``LD_PRELOAD``) is left in place. Nothing happens on
+other systems (macOS: MLX uses Accelerate).
 
-What MLX really calls is checked, not assumed: the slot of ``cblas_sgemm`` in ``libmlx.so``'s
-global offset table is read and :func:`blas_info` names the library that holds its target.
+What MLX really calls is checked, not assumed: :func:`blas_info` names the library that holds
+the target of ``libmlx.so``'s ``cblas_sgemm`` slot.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import platform
@@ -26,6 +30,7 @@ import struct
 import sys
 import sysconfig
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["BlasInfo", "BlasWarning", "blas_info"]
@@ -88,28 +93,23 @@ def is_optimised(path: str) -> bool:
 
 
 def load() -> None:
-    """Open an optimised BLAS globally before ``mlx.core`` is imported; warn once if MLX
-    ends up on its reference BLAS. Called by ``import fluxlike``; a no-op off Linux."""
+    """Point MLX's BLAS and LAPACK calls at an optimised BLAS; warn once if MLX ends up on its
+    reference BLAS. Called by ``import fluxlike``; a no-op off Linux and once done."""
     global _loaded, _reason
     if not sys.platform.startswith("linux"):
         _reason = f"not Linux ({sys.platform}): MLX uses the platform's BLAS"
+        return
+    if _loaded is not None:
         return
     choice = os.environ.get("FLUXLIKE_BLAS", "").strip()
     if choice.lower() in DISABLED and choice:
         _reason = f"disabled by FLUXLIKE_BLAS={choice}"
         return
-    if "mlx.core" in sys.modules:
-        _reason = "mlx.core was imported before fluxlike"
-        found = candidates()
-        preload = found[0] if found else "/path/to/libopenblas.so.0"
-        _check(fix=f"import fluxlike before mlx (make `import fluxlike` the program's first "
-                   f"import), or start Python with LD_PRELOAD={preload}"
-                   + ("" if found else f"; first {INSTALL_FIX}"))
-        return
-    preloaded = _global_symbol_owner()
-    if preloaded is not None:  # LD_PRELOAD or an earlier RTLD_GLOBAL load
-        _reason = f"already in the process: {preloaded}"
-        _check(fix="remove the reference BLAS from LD_PRELOAD")
+    import mlx.core  # noqa: F401  (libmlx.so must be loaded to be pointed anywhere)
+
+    present = resolved_path()
+    if present is not None and is_optimised(present):  # LD_PRELOAD
+        _reason = f"already in the process: {present}"
         return
     failure = None
     if choice:
@@ -117,13 +117,13 @@ def load() -> None:
         if _loaded is not None:
             _reason = f"loaded from FLUXLIKE_BLAS={choice}"
     if _loaded is None:
+        _reason = "no optimised BLAS found"
         for path in candidates():
-            _loaded, _ = _open(path)
+            _loaded, why = _open(path)
             if _loaded is not None:
                 _reason = f"loaded {path}"
                 break
-    if _loaded is None:
-        _reason = "no optimised BLAS found"
+            _reason = f"{path} could not be used ({why})"
     if failure is not None:
         _reason = f"FLUXLIKE_BLAS={choice} could not be used ({failure}); {_reason}"
         _warn(f"FLUXLIKE_BLAS={choice!r} could not be used: {failure}. "
@@ -162,15 +162,16 @@ def candidates() -> list[str]:
 
 
 def _open(path: str) -> tuple[str | None, str | None]:
-    """``(path, None)`` once ``path`` is open globally and defines ``cblas_sgemm``, else
-    ``(None, why not)``."""
+    """``(path, None)`` once ``libmlx.so``'s BLAS and LAPACK slots point into the library at
+    ``path`` (opened privately), else ``(None, why not)``."""
     try:
-        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     except OSError as error:
         return None, str(error)
     if not hasattr(lib, SYMBOL):
         return None, f"{path} has no {SYMBOL}"
-    return path, None
+    why = _point_mlx_at(lib, path)
+    return (path, None) if why is None else (None, why)
 
 
 def _check(fix: str) -> None:
@@ -238,26 +239,76 @@ def _owner(address: int | None) -> str | None:
     return os.fsdecode(found.dli_fname)
 
 
-def _global_symbol_owner() -> str | None:
-    """The library defining ``cblas_sgemm`` in the process's global scope, if any."""
-    return _owner(_libc().dlsym(None, SYMBOL.encode()))  # NULL handle = RTLD_DEFAULT
-
-
 def resolved_path() -> str | None:
     """The library that ``libmlx.so``'s call to ``cblas_sgemm`` jumps into, read from its
     global offset table (Python loads extensions with immediate binding, so the slot holds
     the final target); ``None`` if MLX calls no shared ``cblas_sgemm``."""
+    where = _mlx_slots()
+    if where is None or SYMBOL not in where[1]:
+        return None
+    bias, slots = where
+    return _owner(ctypes.c_void_p.from_address(bias + slots[SYMBOL][0]).value)
+
+
+def _point_mlx_at(lib: ctypes.CDLL, path: str) -> str | None:
+    """Store in each of ``libmlx.so``'s slots whose symbol ``lib`` (opened from ``path``)
+    defines itself, not through a library it depends on, that definition. ``None`` when
+    done, else why not."""
+    where = _mlx_slots()
+    if where is None:
+        return "the slots of libmlx.so could not be read"
+    bias, slots = where
+    if SYMBOL not in slots:
+        return f"libmlx.so does not call a shared {SYMBOL}"
+    libc, handle, real = _libc(), ctypes.c_void_p(lib._handle), os.path.realpath(path)
+    stores = []
+    for name, offsets in slots.items():
+        address = libc.dlsym(handle, name.encode())
+        if address and os.path.realpath(_owner(address) or "") == real:
+            stores += [(bias + offset, address) for offset in offsets]
+    writable = _writable_pages(slot for slot, _ in stores)
+    for slot, address in stores:
+        _store(slot, address, writable)
+    return None
+
+
+def _store(slot: int, value: int, writable: set[int]) -> None:
+    """Write the pointer ``value`` at ``slot``, lifting a read-only page's protection for the
+    write (a library linked with ``-z relro -z now`` has its table read-only)."""
+    page = slot - slot % mmap.PAGESIZE
+    if page not in writable:
+        libc = _libc()
+        if libc.mprotect(ctypes.c_void_p(page), ctypes.c_size_t(mmap.PAGESIZE),
+                         mmap.PROT_READ | mmap.PROT_WRITE):
+            raise OSError(f"mprotect of the page at {page:#x} failed")
+        writable.add(page)
+    ctypes.c_void_p.from_address(slot).value = value
+
+
+def _writable_pages(addresses: Iterable[int]) -> set[int]:
+    """The pages among those of ``addresses`` that are mapped writable."""
+    pages = {a - a % mmap.PAGESIZE for a in addresses}
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split(maxsplit=2)[:2]
+            low, high = (int(v, 16) for v in span.split("-"))
+            if "w" in perms:
+                found |= {p for p in pages if low <= p < high}
+    return found
+
+
+def _mlx_slots() -> tuple[int, dict[str, list[int]]] | None:
+    """``(load bias, slots)`` of the loaded ``libmlx.so`` (see :func:`_slots`), or ``None``
+    where they cannot be read."""
     mlx_path = _mapped("libmlx.so")
     if mlx_path is None:
         return None
     try:
-        offset = _got_offset(mlx_path, SYMBOL)
         bias = _load_bias(mlx_path)
+        return None if bias is None else (bias, _slots(mlx_path))
     except (OSError, ValueError, struct.error):
         return None
-    if offset is None or bias is None:
-        return None
-    return _owner(ctypes.c_void_p.from_address(bias + offset).value)
 
 
 def _mapped(name: str) -> str | None:
@@ -280,28 +331,38 @@ def _load_bias(path: str) -> int | None:
     return ctypes.c_size_t.from_address(link_map.value).value
 
 
-def _got_offset(path: str, symbol: str) -> int | None:
-    """The address (relative to the load bias) of ``symbol``'s relocation slot in the ELF64
-    little-endian shared object at ``path``."""
+# Relocation types that fill a pointer slot with a symbol's address: GLOB_DAT, JUMP_SLOT
+_SLOT_TYPES = {62: (6, 7), 183: (1025, 1026)}  # by e_machine: x86-64, AArch64
+
+
+@functools.cache
+def _slots(path: str) -> dict[str, list[int]]:
+    """The addresses (relative to the load bias) of the pointer slots the dynamic linker
+    fills with each symbol's address, in the ELF64 little-endian shared object at ``path``:
+    its global offset table, by symbol name."""
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as elf:
         if elf[:6] != b"\x7fELF\x02\x01":
             raise ValueError(f"{path} is not a little-endian ELF64 file")
+        machine = struct.unpack_from("<H", elf, 0x12)[0]
+        if machine not in _SLOT_TYPES:
+            raise ValueError(f"{path}: machine {machine} is not x86-64 or AArch64")
+        kinds = _SLOT_TYPES[machine]
         shoff = struct.unpack_from("<Q", elf, 0x28)[0]
         shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
         sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize)
                     for i in range(shnum)]
-        wanted = symbol.encode() + b"\0"
-        rela = [s for s in sections if s[1] == 4]  # SHT_RELA; .rela.plt is the small one
-        for _, _, _, _, offset, size, link, _, _, _ in sorted(rela, key=lambda s: s[5]):
+        slots: dict[str, list[int]] = {}
+        for _, kind, _, _, offset, size, link, _, _, _ in sections:
+            if kind != 4:  # SHT_RELA
+                continue
             symtab, strtab = sections[link], sections[sections[link][6]]
             for r_offset, r_info, _ in struct.iter_unpack("<QQq", elf[offset:offset + size]):
                 index = r_info >> 32
-                if not index:
+                if not index or (r_info & 0xFFFFFFFF) not in kinds:
                     continue
                 name = strtab[4] + struct.unpack_from("<I", elf, symtab[4] + index * 24)[0]
-                if elf[name:name + len(wanted)] == wanted:
-                    return r_offset
-    return None
+                slots.setdefault(elf[name:elf.find(b"\0", name)].decode(), []).append(r_offset)
+    return slots
 
 
 load()

@@ -1,9 +1,10 @@
-import fluxlike  # noqa: F401, I001  (first: it loads an optimised BLAS before mlx.core)
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+
+import fluxlike  # noqa: F401  (puts the optimised BLAS under MLX for every test)
 
 sys.path.insert(0, str(Path(__file__).parent))  # for `import helpers`
 

@@ -4,12 +4,15 @@ What a process ends up with depends on what it imported first, so every case but
 run's own is a fresh interpreter.
 """
 
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
 import textwrap
 
+import mlx.core as mx
 import pytest
 
 import fluxlike
@@ -27,7 +30,7 @@ needs_blas = pytest.mark.skipif(
 )
 
 REPORT = """
-import json, warnings
+import ctypes, json, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     {imports}
@@ -35,10 +38,14 @@ with warnings.catch_warnings(record=True) as caught:
     info = fluxlike.blas_info()
     import fluxlike._blas
     fluxlike._blas.load()  # running the loader again must not warn again
+libc = ctypes.CDLL(None)
+libc.dlsym.restype, libc.dlsym.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]
 print(json.dumps({{
     "path": info.path, "optimised": info.optimised, "loaded": info.loaded,
     "reason": info.reason,
     "warnings": [str(w.message) for w in caught if w.category is fluxlike.BlasWarning],
+    # what a library loaded later would bind cblas_sgemm to (RTLD_DEFAULT)
+    "global": fluxlike._blas._owner(libc.dlsym(None, b"cblas_sgemm")),
 }}))
 """
 
@@ -93,18 +100,80 @@ def test_a_bogus_path_warns_once_and_falls_back_to_the_search():
     assert report["optimised"] == bool(FOUND)
 
 
-def test_mlx_imported_first_warns_once_with_the_fix():
+@needs_blas
+def test_mlx_imported_first_gets_the_optimised_blas_too():
     report = run(imports="import mlx.core")
-    assert not report["optimised"] and report["loaded"] is None
-    assert len(report["warnings"]) == 1
-    message = report["warnings"][0]
-    assert "import fluxlike before mlx" in message and "LD_PRELOAD" in message
+    assert report["optimised"] and report["loaded"] == FOUND[0]
+    assert report["warnings"] == []
 
 
 @needs_blas
-def test_ld_preload_makes_the_import_order_irrelevant():
+@pytest.mark.parametrize("imports", ["", "import mlx.core"])
+def test_the_blas_stays_private_to_mlx(imports):
+    """Nothing loaded later (a torch) binds its own BLAS calls to the library fluxlike
+    opened: it is not in the process's global scope."""
+    report = run(imports=imports)
+    assert report["optimised"]
+    assert report["global"] is None or (
+        os.path.realpath(report["global"]) != os.path.realpath(report["loaded"]))
+
+
+@needs_blas
+def test_mlx_lapack_calls_go_to_the_optimised_library_and_compute_right():
+    info = fluxlike.blas_info()
+    bias, slots = _blas._mlx_slots()
+    lapack = [name for name in ("sgetrf_", "spotrf_", "ssyevd_") if name in slots]
+    assert lapack, "libmlx.so calls none of the LAPACK routines this test knows"
+    for name in lapack:
+        target = ctypes.c_void_p.from_address(bias + slots[name][0]).value
+        assert os.path.realpath(_blas._owner(target)) == os.path.realpath(info.path), name
+    a = mx.random.normal((48, 48), key=mx.random.key(0))
+    spd = a @ a.T + 48 * mx.eye(48)
+    assert mx.allclose(mx.linalg.inv(spd, stream=mx.cpu) @ spd, mx.eye(48), atol=1e-4)
+    low = mx.linalg.cholesky(spd, stream=mx.cpu)
+    assert mx.allclose(low @ low.T, spd, rtol=1e-4, atol=1e-3)
+
+
+def test_slots_of_libmlx_hold_its_blas_symbols():
+    bias, slots = _blas._mlx_slots()
+    assert _blas.SYMBOL in slots and bias > 0
+    assert all(offset > 0 for offsets in slots.values() for offset in offsets)
+
+
+def test_slots_refuse_what_is_not_an_elf64_shared_object(tmp_path):
+    text = tmp_path / "not_elf.so"
+    text.write_bytes(b"#!/bin/sh\n" + bytes(60))
+    with pytest.raises(ValueError, match="not a little-endian ELF64"):
+        _blas._slots(str(text))
+    other = tmp_path / "sparc.so"  # an ELF64 little-endian header for another machine
+    other.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(11) + (43).to_bytes(2, "little") + bytes(44))
+    with pytest.raises(ValueError, match="not x86-64 or AArch64"):
+        _blas._slots(str(other))
+
+
+def test_store_writes_through_a_read_only_page():
+    """A library linked with -z now has its offset table read-only: the write lifts that."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert page not in (None, ctypes.c_void_p(-1).value)
+    try:
+        assert _blas._writable_pages([page + 8]) == set()
+        _blas._store(page + 8, 0x1234, set())
+        assert ctypes.c_void_p.from_address(page + 8).value == 0x1234
+    finally:
+        libc.munmap(ctypes.c_void_p(page), mmap.PAGESIZE)
+
+
+@needs_blas
+def test_a_blas_in_ld_preload_is_left_in_place():
     report = run(imports="import mlx.core", LD_PRELOAD=FOUND[0])
     assert report["optimised"] and report["warnings"] == []
+    assert report["loaded"] is None and "already in the process" in report["reason"]
 
 
 @pytest.mark.parametrize("path, optimised", [
