@@ -7,7 +7,8 @@ Why not in run.py's process: MLX there changes what PyTorch pays. fluxlike's tra
 raises MLX's CPU buffer-cache limit, after which a PyTorch large-MLP step in the same process
 took 20-35 k page faults per step (636 ms against ~360 ms alone); and until fluxlike kept its
 OpenBLAS private to MLX, it opened it with ``RTLD_GLOBAL`` and a torch imported afterwards bound
-its BLAS calls to it (its BLAS threads then fought its OpenMP threads). This process imports torch, numpy and ``specs.py``, never MLX or fluxlike.
+its BLAS calls to it (its BLAS threads then fought its OpenMP threads). This process imports
+torch, numpy and ``specs.py``, never MLX or fluxlike.
 
 Protocol: one JSON object per line each way (requests on stdin, replies on stdout). At start
 the worker sends ``{"pid", "torch", "threads", "loaded"}`` (``loaded``: which of mlx and

@@ -170,7 +170,10 @@ def _open(path: str) -> tuple[str | None, str | None]:
         return None, str(error)
     if not hasattr(lib, SYMBOL):
         return None, f"{path} has no {SYMBOL}"
-    why = _point_mlx_at(lib, path)
+    try:
+        why = _point_mlx_at(lib, path)
+    except OSError as error:  # /proc/self/maps unreadable, mprotect refused
+        why = str(error)
     return (path, None) if why is None else (None, why)
 
 

@@ -184,3 +184,14 @@ def test_a_blas_in_ld_preload_is_left_in_place():
 ])
 def test_reference_and_optimised_names(path, optimised):
     assert _blas.is_optimised(path) == optimised
+
+
+@needs_blas
+def test_a_refused_write_is_a_reason_not_a_crash(monkeypatch):
+    """``import fluxlike`` must survive slots it cannot write: the library is then reported as
+    unusable, with why (and load() warns with the LD_PRELOAD fix)."""
+    def refuse(lib, path):
+        raise OSError("mprotect refused")
+
+    monkeypatch.setattr(_blas, "_point_mlx_at", refuse)
+    assert _blas._open(FOUND[0]) == (None, "mprotect refused")
