@@ -276,16 +276,21 @@ def _point_mlx_at(lib: ctypes.CDLL, path: str) -> str | None:
 
 
 def _store(slot: int, value: int, writable: set[int]) -> None:
-    """Write the pointer ``value`` at ``slot``, lifting a read-only page's protection for the
-    write (a library linked with ``-z relro -z now`` has its table read-only)."""
+    """Write the pointer ``value`` at ``slot``; a page not in ``writable`` (a library linked
+    with ``-z relro -z now`` has its table read-only) is made writable for the write only."""
     page = slot - slot % mmap.PAGESIZE
-    if page not in writable:
-        libc = _libc()
-        if libc.mprotect(ctypes.c_void_p(page), ctypes.c_size_t(mmap.PAGESIZE),
-                         mmap.PROT_READ | mmap.PROT_WRITE):
+    if page in writable:
+        ctypes.c_void_p.from_address(slot).value = value
+        return
+    libc = _libc()
+
+    def protect(flags: int) -> None:
+        if libc.mprotect(ctypes.c_void_p(page), ctypes.c_size_t(mmap.PAGESIZE), flags):
             raise OSError(f"mprotect of the page at {page:#x} failed")
-        writable.add(page)
+
+    protect(mmap.PROT_READ | mmap.PROT_WRITE)
     ctypes.c_void_p.from_address(slot).value = value
+    protect(mmap.PROT_READ)
 
 
 def _writable_pages(addresses: Iterable[int]) -> set[int]:

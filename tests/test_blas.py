@@ -165,6 +165,7 @@ def test_store_writes_through_a_read_only_page():
         assert _blas._writable_pages([page + 8]) == set()
         _blas._store(page + 8, 0x1234, set())
         assert ctypes.c_void_p.from_address(page + 8).value == 0x1234
+        assert _blas._writable_pages([page + 8]) == set()  # read-only again
     finally:
         libc.munmap(ctypes.c_void_p(page), mmap.PAGESIZE)
 
