@@ -3,8 +3,9 @@
 The Linux ``mlx-cpu`` wheel links a bundled *reference* BLAS and LAPACK (netlib, ~8 GFLOP/s
 sgemm). At ``import fluxlike`` an optimised BLAS is opened privately (``RTLD_LOCAL``) and
 ``libmlx.so``'s calls into BLAS and LAPACK are pointed at it: every slot of ``libmlx.so``'s
-global offset table whose symbol (``cblas_sgemm``, ``sgetrf_``, ...) that library defines
-gets that library's function (~200-250 GFLOP/s with OpenBLAS on two cores). Nothing else in
+global offset table for a BLAS or LAPACK routine (``cblas_sgemm``, ``sgetrf_``, ...) that the
+library defines itself gets that library's function (~200-250 GFLOP/s with OpenBLAS on two
+cores). Nothing else in
 the process sees the library, so a torch (or anything) loaded later keeps its own BLAS, and
 it works whether ``mlx.core`` was imported before fluxlike or after.
 
@@ -26,6 +27,7 @@ import functools
 import mmap
 import os
 import platform
+import re
 import struct
 import sys
 import sysconfig
@@ -254,9 +256,9 @@ def resolved_path() -> str | None:
 
 
 def _point_mlx_at(lib: ctypes.CDLL, path: str) -> str | None:
-    """Store in each of ``libmlx.so``'s slots whose symbol ``lib`` (opened from ``path``)
-    defines itself, not through a library it depends on, that definition. ``None`` when
-    done, else why not."""
+    """Store in each of ``libmlx.so``'s slots for a BLAS or LAPACK routine that ``lib``
+    (opened from ``path``) defines itself, not through a library it loads, that definition.
+    ``None`` when done, else why not (and then nothing is written)."""
     where = _mlx_slots()
     if where is None:
         return "the slots of libmlx.so could not be read"
@@ -264,11 +266,16 @@ def _point_mlx_at(lib: ctypes.CDLL, path: str) -> str | None:
     if SYMBOL not in slots:
         return f"libmlx.so does not call a shared {SYMBOL}"
     libc, handle, real = _libc(), ctypes.c_void_p(lib._handle), os.path.realpath(path)
-    stores = []
+    stores, names = [], set()
     for name, offsets in slots.items():
+        if not _BLAS_NAME.fullmatch(name):  # never a libc/libm/C++ function of the same name
+            continue
         address = libc.dlsym(handle, name.encode())
         if address and os.path.realpath(_owner(address) or "") == real:
             stores += [(bias + offset, address) for offset in offsets]
+            names.add(name)
+    if SYMBOL not in names:
+        return f"{path} does not define {SYMBOL} itself (only through a library it loads)"
     writable = _writable_pages(slot for slot, _ in stores)
     for slot, address in stores:
         _store(slot, address, writable)
@@ -339,6 +346,8 @@ def _load_bias(path: str) -> int | None:
     return ctypes.c_size_t.from_address(link_map.value).value
 
 
+# The names BLAS and LAPACK export: CBLAS's, and Fortran's (lower case, trailing underscore)
+_BLAS_NAME = re.compile(r"cblas_\w+|[a-z][a-z0-9]*_")
 # Relocation types that fill a pointer slot with a symbol's address: GLOB_DAT, JUMP_SLOT
 _SLOT_TYPES = {62: (6, 7), 183: (1025, 1026)}  # by e_machine: x86-64, AArch64
 

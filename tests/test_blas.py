@@ -5,6 +5,7 @@ run's own is a fresh interpreter.
 """
 
 import ctypes
+import ctypes.util
 import json
 import mmap
 import os
@@ -196,3 +197,13 @@ def test_a_refused_write_is_a_reason_not_a_crash(monkeypatch):
 
     monkeypatch.setattr(_blas, "_point_mlx_at", refuse)
     assert _blas._open(FOUND[0]) == (None, "mprotect refused")
+
+
+def test_a_library_without_its_own_sgemm_is_refused(tmp_path):
+    """A library that only reaches cblas_sgemm through one it loads (here: libc, which has
+    none) is not pointed at: MLX keeps what it has."""
+    before = _blas.resolved_path()
+    libm = ctypes.util.find_library("m")
+    assert _blas._point_mlx_at(ctypes.CDLL(libm), libm) == (
+        f"{libm} does not define cblas_sgemm itself (only through a library it loads)")
+    assert _blas.resolved_path() == before
