@@ -258,7 +258,8 @@ def resolved_path() -> str | None:
 def _point_mlx_at(lib: ctypes.CDLL, path: str) -> str | None:
     """Store in each of ``libmlx.so``'s slots for a BLAS or LAPACK routine that ``lib``
     (opened from ``path``) defines itself, not through a library it loads, that definition.
-    ``None`` when done, else why not (and then nothing is written)."""
+    ``None`` when done, else why not, found before anything is written (a write that the
+    system refuses raises ``OSError``)."""
     where = _mlx_slots()
     if where is None:
         return "the slots of libmlx.so could not be read"
