@@ -78,6 +78,16 @@ def _assert_same(a, b) -> None:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def _pair(rule, **setup_options) -> tuple:
+    """``(model, twin, opt_state, reference)``: two equal MLPs, ``setup(rule, model)`` and
+    the same rule as a plain mlx optimizer initialised on the twin."""
+    model, twin = _mlp(), _mlp()
+    opt_state = setup(rule, model, **setup_options)
+    reference = rule.build()
+    reference.init(twin.trainable_parameters())
+    return model, twin, opt_state, reference
+
+
 def _step_both(opt_state: OptState, model, reference, twin, g) -> None:
     """One step through fluxlike.update, and the same with the eager mlx optimiser."""
     update(opt_state, model, g)
@@ -114,10 +124,7 @@ RULES = [
 
 @pytest.mark.parametrize("rule", RULES, ids=repr)
 def test_compiled_update_matches_mlx_eager(rule):
-    model, twin = _mlp(), _mlp()
-    opt_state = setup(rule, model)
-    reference = rule.build()
-    reference.init(twin.trainable_parameters())
+    model, twin, opt_state, reference = _pair(rule)
     for step in range(4):
         g = _grads(model, step)
         _step_both(opt_state, model, reference, twin, g)
@@ -128,10 +135,8 @@ def test_compiled_update_matches_mlx_eager(rule):
 
 
 def test_loss_scale_matches_eager_and_skips_non_finite_steps_exactly():
-    model, twin = _mlp(), _mlp()
-    opt_state = setup(Adam(0.01), model, loss_scale=DynamicLossScale(2.0**8, period=2))
-    reference = Adam(0.01).build()
-    reference.init(twin.trainable_parameters())
+    model, twin, opt_state, reference = _pair(
+        Adam(0.01), loss_scale=DynamicLossScale(2.0**8, period=2))
     for step, bad in enumerate([None, None, np.inf, None, np.nan, None]):
         g = _grads(model, step)
         # Scaled by the current scale, a power of two: the unscaled gradient is exactly g.
@@ -187,10 +192,7 @@ def test_schedule_is_followed_step_by_step():
 
 
 def test_python_hyperparameter_change_retraces():
-    model, twin = _mlp(), _mlp()
-    opt_state = setup(Adam(0.01), model)
-    reference = Adam(0.01).build()
-    reference.init(twin.trainable_parameters())
+    model, twin, opt_state, reference = _pair(Adam(0.01))
     for step in range(3):
         if step == 2:
             opt_state.optimizer.betas = reference.betas = [0.5, 0.6]
@@ -202,10 +204,7 @@ def test_python_hyperparameter_change_retraces():
 
 
 def test_changed_gradient_structure_and_dtype_retrace():
-    model, twin = _mlp(), _mlp()
-    opt_state = setup(Adam(0.01), model)
-    reference = Adam(0.01).build()
-    reference.init(twin.trainable_parameters())
+    model, twin, opt_state, reference = _pair(Adam(0.01))
     full = _grads(model, 0)
     partial = {"layers": [{"weight": full["layers"][0]["weight"]}]}
     half = tree_map(lambda v: v.astype(mx.bfloat16), full)
@@ -351,10 +350,7 @@ def test_lazily_initialised_optimizer_is_initialised_before_tracing():
 
 
 def test_update_under_disable_compile():
-    model, twin = _mlp(), _mlp()
-    opt_state = setup(Lion(0.01), model)
-    reference = Lion(0.01).build()
-    reference.init(twin.trainable_parameters())
+    model, twin, opt_state, reference = _pair(Lion(0.01))
     mx.disable_compile()
     try:
         for step in range(2):

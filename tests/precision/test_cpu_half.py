@@ -88,6 +88,23 @@ def check_kernel(emulated, native, operands: list[mx.array], dtype: mx.Dtype) ->
         close(g, e, dtype)
 
 
+def check_conv(kernel, native_kernel, case: tuple, bias: bool, dtype: mx.Dtype) -> None:
+    """:func:`check_kernel` for a convolution ``case`` (name, input shape, weight shape,
+    options) of ``kernel`` (an :mod:`ops` function) against MLX's ``native_kernel``, with a
+    bias when ``bias``."""
+    _, xs, ws, *options = case
+
+    def emulated(x, w, *b):
+        return kernel(x, w, *options, *b)
+
+    def native(x, w, *b):
+        y = native_kernel(x, w, *options)
+        return y + b[0] if b else y
+
+    shapes = (xs, ws, ws[:1]) if bias else (xs, ws)
+    check_kernel(emulated, native, halves(*shapes, dtype=dtype), dtype)
+
+
 @pytest.mark.parametrize("dtype", HALVES)
 class TestKernels:
     def test_linear_with_bias(self, dtype):
@@ -106,17 +123,7 @@ class TestKernels:
     @pytest.mark.parametrize("case", CONVS, ids=[c[0] for c in CONVS])
     def test_conv(self, dtype, case, bias):
         # A bias is added in float32 before the one rounding, as for a linear layer.
-        _, xs, ws, *options = case
-
-        def emulated(x, w, *b):
-            return ops.conv(x, w, *options, *b)
-
-        def native(x, w, *b):
-            y = native_conv(x, w, *options)
-            return y + b[0] if b else y
-
-        shapes = (xs, ws, ws[:1]) if bias else (xs, ws)
-        check_kernel(emulated, native, halves(*shapes, dtype=dtype), dtype)
+        check_conv(ops.conv, native_conv, case, bias, dtype)
 
     @pytest.mark.parametrize("kind", ["linear", "conv"])
     def test_relu_folded_into_the_custom_gradient(self, dtype, kind):
@@ -157,17 +164,7 @@ class TestKernels:
     @pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
     @pytest.mark.parametrize("case", CONV_TRANSPOSES, ids=[c[0] for c in CONV_TRANSPOSES])
     def test_conv_transpose(self, dtype, case, bias):
-        _, xs, ws, *options = case
-
-        def emulated(x, w, *b):
-            return ops.conv_transpose(x, w, *options, *b)
-
-        def native(x, w, *b):
-            y = native_conv_transpose(x, w, *options)
-            return y + b[0] if b else y
-
-        shapes = (xs, ws, ws[:1]) if bias else (xs, ws)
-        check_kernel(emulated, native, halves(*shapes, dtype=dtype), dtype)
+        check_conv(ops.conv_transpose, native_conv_transpose, case, bias, dtype)
 
     def test_compile_matches_eager(self, dtype):
         x, w, b = halves((4, 6), (5, 6), (5,), dtype=dtype)
