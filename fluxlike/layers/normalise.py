@@ -124,6 +124,36 @@ class _Norm(Layer):
         return _as(getattr(self, "act", identity)(y), out_dtype)
 
 
+class _Pinned(set):
+    """A module's set of frozen names (``nn.Module._no_grad``) that always keeps ``pinned``.
+
+    ``nn.Module.unfreeze`` empties this set of every submodule directly (``clear``, or
+    ``difference_update`` for some keys), without calling the submodule's own ``unfreeze``: so
+    ``model.freeze(); model.unfreeze()`` on a model holding a BatchNorm would otherwise make its
+    running statistics trainable, and every gradient step would then put them back.
+    """
+
+    def __init__(self, pinned: list[str]):
+        super().__init__(pinned)
+        self.pinned = frozenset(pinned)
+
+    def clear(self) -> None:
+        super().clear()
+        self.update(self.pinned)
+
+    def difference_update(self, *others: Any) -> None:
+        super().difference_update(*others)
+        self.update(self.pinned)
+
+    def discard(self, name: str) -> None:
+        if name not in self.pinned:
+            super().discard(name)
+
+    def remove(self, name: str) -> None:
+        if name not in self.pinned:
+            super().remove(name)
+
+
 class _RunningNorm(_Norm):
     """BatchNorm and InstanceNorm: optional running statistics, frozen, updated when active."""
 
@@ -142,15 +172,8 @@ class _RunningNorm(_Norm):
         self.running_mean = mx.zeros((channels,)) if track_stats else None
         self.running_var = mx.ones((channels,)) if track_stats else None
         if track_stats:
-            # In parameters() (so checkpoints keep them) but never trained.
-            self.freeze(keys=self._STATS, recurse=False)
-
-    def unfreeze(self, *args: Any, **kwargs: Any) -> _RunningNorm:
-        """As ``nn.Module.unfreeze``, but the running statistics stay frozen."""
-        super().unfreeze(*args, **kwargs)
-        if self.running_mean is not None:
-            self.freeze(keys=self._STATS, recurse=False)
-        return self
+            # In parameters() (so checkpoints keep them) but never trained, whatever unfreezes.
+            self._no_grad = _Pinned(self._STATS)
 
     def _normalise(self, x: mx.array, axes: tuple[int, ...], name: str) -> mx.array:
         """Normalise over ``axes`` with the input's statistics or the running ones; the running

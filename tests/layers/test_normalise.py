@@ -1,3 +1,5 @@
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -106,6 +108,25 @@ class TestBatchNorm:
         assert set(layer.trainable_parameters()) == {"weight", "bias"}
         layer.unfreeze()
         assert set(layer.trainable_parameters()) == {"weight", "bias"}
+
+    @pytest.mark.parametrize("unfreeze", [
+        lambda m: m.unfreeze(),
+        lambda m: m.unfreeze(keys=["running_mean", "weight"]),
+        lambda m: m.layers[1].unfreeze(recurse=False),
+    ])
+    def test_unfreezing_a_parent_leaves_running_stats_frozen_and_updated(self, unfreeze):
+        # mlx's unfreeze clears each submodule's frozen set directly, past BatchNorm.unfreeze
+        model = Chain(Dense(2, 2), BatchNorm(2))
+        model.freeze()
+        unfreeze(model)
+        trainable = {k for k, _ in tree_flatten(model.trainable_parameters())}
+        assert not trainable & {"layers.1.running_mean", "layers.1.running_var"}
+        x = normal(16, 2, seed=7, loc=3.0, scale=2.0)
+        fluxlike.gradient(lambda m: mx.sum(m(x)), model)
+        assert np.all(np64(model.layers[1].running_mean) != 0)
+        copied = copy.deepcopy(model)  # the pinned names survive a copy
+        copied.unfreeze()
+        assert "layers.1.running_var" not in dict(tree_flatten(copied.trainable_parameters()))
 
     def test_train_mode_output_and_running_stats_after_two_steps(self):
         layer = trainmode(randomise_affine(BatchNorm(3, momentum=0.3)))
