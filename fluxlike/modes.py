@@ -3,7 +3,8 @@
 Dropout and BatchNorm are *active* (dropping, using batch statistics) inside
 :func:`~fluxlike.gradient`, :func:`~fluxlike.withgradient` and :func:`~fluxlike.train`, and
 inactive elsewhere. ``trainmode``/``testmode`` fix a model's mode until it is reset with
-``trainmode(model, "auto")``.
+``trainmode(model, "auto")``; so do mlx.nn's ``model.train()``/``model.eval()``, for training
+loops written in MLX's style (``nn.value_and_grad``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from fluxlike import (
     relu,
     setup,
     train,
+    trainmode,
     update,
     withgradient,
 )
@@ -127,6 +128,24 @@ def test_dropout_is_active_only_inside_gradient():
     assert seen[0] is True and seen[1] > 0
     assert not is_active(drop)
     assert (model(mx.ones((8, 4))) == 0).sum().item() == 0
+
+
+@pytest.mark.parametrize("container", [Chain, nn.Sequential])
+def test_mlx_train_and_eval_fix_the_mode(container):
+    # mlx.nn's idiom: model.train() + nn.value_and_grad, model.eval() for inference
+    bn, drop = BatchNorm(4), Dropout(0.5)
+    model = container(Dense(4, 4), bn, drop)
+    x = mx.array(np.random.default_rng(1).normal(3.0, 2.0, size=(16, 4)).astype(np.float32))
+    model.train()
+    assert bn.active is True and drop.active is True
+    nn.value_and_grad(model, lambda x: model(x).sum())(x)
+    assert np.all(np.array(bn.running_mean) != 0)
+    assert (model(x) == 0).sum().item() > 0  # dropping outside gradient too, as in mlx
+    model.eval()
+    assert bn.active is False and drop.active is False
+    assert mx.array_equal(model(x), model(x))
+    trainmode(model, "auto")
+    assert bn.active is None and drop.active is None
 
 
 def test_batchnorm_running_stats_persist_as_concrete_arrays():

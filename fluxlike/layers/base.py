@@ -43,6 +43,14 @@ class Layer(nn.Module):
     def __repr__(self) -> str:
         return show(self)
 
+    def _set_training_mode(self, mode: bool) -> None:
+        """mlx.nn's ``model.train()``/``model.eval()`` call this on every module: a layer with
+        a train/test mode (attribute ``active``) is then fixed in it, as ``trainmode`` and
+        ``testmode`` do, so that mlx-style training loops get batch statistics and dropout."""
+        super()._set_training_mode(mode)
+        if "active" in self.__dict__:
+            self.active = mode
+
 
 def act_name(act: Callable) -> str | None:
     """The name an activation prints under, or ``None`` for ``identity``."""
