@@ -39,9 +39,9 @@ def attend(
     >>> out.shape, out.dtype, weights.shape
     ((1, 2, 3, 4), mlx.core.bfloat16, (1, 2, 3, 3))
     """
-    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
-        mask = mask.astype(q.dtype)  # sdpa wants an additive mask of the scores' dtype
     if not (dropout or return_weights or q.dtype == mx.float64 or ops.emulates(q, k, v)):
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            mask = _finite(mask.astype(q.dtype))  # sdpa wants the scores' dtype
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
     scores = ops.matmul(q * scale, k.swapaxes(-1, -2))
     # The softmax runs in float32 at least, as sdpa's does.
@@ -53,13 +53,21 @@ def attend(
         # finfo.min rather than -inf: a fully masked row averages, as in sdpa.
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     elif mask is not None:
-        scores = scores + mask.astype(scores.dtype)
+        scores = _finite(scores + mask.astype(scores.dtype))
     weights = _softmax(scores)
     if dropout:
         keep = mx.random.bernoulli(1 - dropout, weights.shape)
         weights = mx.where(keep, weights / (1 - dropout), mx.zeros_like(weights))
     weights = weights.astype(v.dtype)
     return ops.matmul(weights, v), weights
+
+
+def _finite(x: mx.array) -> mx.array:
+    """``x`` with ``-inf`` raised to its dtype's lowest finite value: scores or an additive mask
+    blocking a whole row then average it, as a boolean mask does, instead of giving NaN (which
+    would reach every gradient of the batch). A float32 mask of ``-1e9`` is ``-inf`` once
+    autocast has cast it to float16."""
+    return mx.maximum(x, mx.array(mx.finfo(x.dtype).min, x.dtype))
 
 
 def _softmax(scores: mx.array) -> mx.array:
@@ -91,7 +99,8 @@ class MultiHeadAttention(Layer):
     - ``"causal"``: query ``i`` attends keys ``j <= i + Lk - Lq`` (MLX's lower-right alignment,
       the usual causal mask when ``Lq == Lk``);
     - a boolean array, ``True`` where attention is allowed;
-    - a floating array added to the scores (``-inf`` or a large negative number blocks),
+    - a floating array added to the scores (``-inf`` or a large negative number blocks; a
+      row blocked everywhere averages, as with a boolean mask, rather than giving NaN),
 
     and an array mask must broadcast to ``(batch, nheads, Lq, Lk)``. Attention dropout with
     probability ``dropout`` is applied to the weights only in training mode (see

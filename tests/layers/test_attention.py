@@ -181,6 +181,21 @@ class TestMultiHeadAttention:
             "MultiHeadAttention(8, nheads=2, bias=True, dropout=0.1, kdims=3, vdims=4)" \
             "  # 216 parameters"
 
+    @pytest.mark.parametrize("dtype", [None, mx.float16, mx.bfloat16])
+    @pytest.mark.parametrize("block", [-1e9, -math.inf])
+    def test_fully_blocked_row_averages_instead_of_nan(self, dtype, block):
+        # a padded-away sample: every key blocked. -1e9 is -inf in float16 once autocast
+        # casts the mask; a boolean mask averages such a row, the additive one must too
+        mha = MultiHeadAttention(8, 2)
+        q = mx.random.normal((2, 3, 8))
+        keep = mx.array([[True, True, False], [False, False, False]])[:, None, None, :]
+        additive = mx.where(keep, 0.0, block)
+        with fluxlike.autocast(dtype, device="cpu", enabled=dtype is not None):
+            out, by_bool = mha(q, mask=additive), mha(q, mask=keep)
+            grads = mx.grad(lambda q: mha(q, mask=additive).astype(mx.float32).sum())(q)
+        assert not mx.isnan(out).any() and not mx.isnan(grads).any()
+        np.testing.assert_allclose(np64(out), np64(by_bool), atol=1e-2)
+
     @pytest.mark.parametrize("mask", [None, "causal", "bool", "additive"])
     def test_autocast_bfloat16(self, mask):
         mha = MultiHeadAttention(8, 2, bias=True)
