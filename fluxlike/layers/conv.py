@@ -349,6 +349,14 @@ class ConvTranspose(_ConvBase):
             output_padding = tuple(max(-t, 0) for t in totals)
         else:
             self.padding = padding_pairs(padding, n, name)
+            steps = zip(output_padding, self.stride, self.dilation, strict=True)
+            if any(op >= max(s, d) for op, s, d in steps):
+                raise ValueError(
+                    f"[{name}] output_padding must be smaller than stride or dilation in each "
+                    f"dimension (it picks among the input sizes a stride maps to one output "
+                    f"size), got output_padding={output_padding}, stride={self.stride}, "
+                    f"dilation={self.dilation}"
+                )
         self.output_padding = output_padding
         self._make_parameters(kernel, out_channels, bias, init)
 
@@ -369,14 +377,16 @@ class ConvTranspose(_ConvBase):
                 f"{tuple(x.shape)} to nothing (spatial size {size}); use less padding"
             )
         x = ops.match_input(x, weight, "ConvTranspose")
-        # MLX pads symmetrically: pad by the smaller side, then crop the rest.
-        sym = tuple(min(lo, hi) for lo, hi in padding)
+        # MLX pads symmetrically, and only up to dilation * (k - 1) (more, with stride > 1,
+        # shifts its output): pad by the smaller side within that, then crop the rest.
+        dims = zip(padding, self.kernel, self["dilation"], strict=True)
+        sym = tuple(min(lo, hi, d * (k - 1)) for (lo, hi), k, d in dims)
         options = (self["stride"], sym, self["dilation"], self["output_padding"], self.groups)
         if _split(x, self.groups):
             y = self._finish(_grouped(ops.conv_transpose, x, weight, *options))
         else:  # bias and activation are elementwise: applied before the crop below
             y = ops.conv_transpose(x, weight, *options, self.get("bias"), self.act)
-        if any(lo != hi for lo, hi in padding):
+        if any((lo, hi) != (p, p) for (lo, hi), p in zip(padding, sym, strict=True)):
             starts = [lo - p for (lo, _), p in zip(padding, sym, strict=True)]
             y = y[(slice(None), *(slice(a, a + n) for a, n in zip(starts, size, strict=True)))]
         return y

@@ -323,6 +323,11 @@ TRANSPOSE_CASES = [
     ((2, 2, 2), 1, 0, 1, 1),
     ((3, 3, 3), 2, "same", 1, 2),
     ((3, 2, 2), (1, 2, 3), ((0, 1), (1, 1), (2, 0)), (2, 1, 1), 1),
+    # padding past dilation * (k - 1) with stride > 1: MLX alone shifts or refuses these
+    ((1,), 2, 1, 1, 1),
+    ((3,), 2, 3, 1, 1),
+    ((2, 3), 2, ((2, 0), (3, 1)), 1, 2),
+    ((1, 2, 3), 2, 1, 2, 1),
 ]
 
 
@@ -434,6 +439,10 @@ class TestConvTranspose:
         with pytest.raises(ValueError, match=r"\[ConvTranspose\] output_padding must be an int "
                                              r"or a tuple of 1 ints, each at least 0"):
             ConvTranspose((3,), 1, 1, output_padding=-1)
+        with pytest.raises(ValueError, match=r"\[ConvTranspose\] output_padding must be smaller "
+                                             r"than stride or dilation .* got output_padding=\(0, "
+                                             r"2\), stride=\(1, 2\)"):
+            ConvTranspose((3, 3), 1, 1, stride=(1, 2), output_padding=(0, 2))
         with pytest.raises(ValueError, match=r"\[ConvTranspose\] .*divisible by groups \(3\)"):
             ConvTranspose((3,), 3, 4, groups=3)
         with pytest.raises(TypeError, match=r"\[ConvTranspose\] kernel must be a tuple"):
