@@ -1,19 +1,21 @@
 """Loss functions with Flux's names and semantics, in MLX's layout (class axis last).
 
 Every loss is ``loss(ŷ, y, *, agg="mean", ...)``: ``ŷ`` (``yhat``) is the prediction and
-``y`` the target, of the same shape (a shape mismatch is a ``ValueError``; a Python number
-``y`` is a constant target). ``agg`` reduces the elementwise loss (or, for the class-axis
-losses, the per-sample loss): ``"mean"`` (default), ``"sum"``, ``"none"`` (return the
-array), or a function applied to that array.
+``y`` the target, of the same shape (a shape mismatch is a ``ValueError``; for the elementwise
+losses a Python number ``y`` is a constant target). ``agg`` reduces the elementwise loss (or,
+for the class-axis losses, the per-sample loss): ``"mean"`` (default), ``"sum"``, ``"none"``
+(return the array), or a function applied to that array.
 
 The class-axis losses (``crossentropy``, ``logitcrossentropy``, ``kldivergence``,
 ``focal_loss``) sum over ``axis`` (default ``-1``) first, so ``agg="mean"`` is the mean over
 samples of the per-sample sum over classes, as in Flux; ``agg="none"`` returns the
 per-sample losses with the class axis removed. Their target ``y`` is either one-hot /
 probabilities of ``ŷ``'s shape, or integer class indices (0-based) of ``ŷ``'s shape without
-the class axis. Class indices are range-checked (a ``ValueError``; this reads two numbers
-back to the host, one synchronisation per call); inside ``mx.compile`` nothing can be read
-back and an out-of-range index makes its sample's loss NaN instead.
+the class axis; a Python ``int`` is a class index, as ``mx.array(3)`` is, and a Python
+``float`` is a ``TypeError`` (a constant probability target must be an array). Class indices
+are range-checked (a ``ValueError``; this reads two numbers back to the host, one
+synchronisation per call); inside ``mx.compile`` nothing can be read back and an
+out-of-range index makes its sample's loss NaN instead.
 
 Precision (policy "fp32", no scope read needed): half-precision inputs are cast up and the
 loss is computed, accumulated and returned in float32, inside or outside
@@ -110,10 +112,11 @@ def _prepare_classes(
             f"[{name}] axis {axis} is out of range for a prediction of shape {tuple(yhat.shape)}"
         )
     axis %= yhat.ndim
-    dtype = _compute_dtype(yhat, y)
-    if not isinstance(y, mx.array) or y.shape == yhat.shape:
-        return yhat.astype(dtype), _as_array(y, dtype), False, axis, reduce
     per_sample = yhat.shape[:axis] + yhat.shape[axis + 1 :]
+    y = _class_target(y, name, yhat.shape, per_sample, yhat.shape[axis])
+    dtype = _compute_dtype(yhat, y)
+    if y.shape == yhat.shape:
+        return yhat.astype(dtype), y.astype(dtype), False, axis, reduce
     if y.shape == per_sample and mx.issubdtype(y.dtype, mx.integer):
         bounds, classes = index_range(y), yhat.shape[axis]
         if bounds is not None and (bounds[0] < 0 or bounds[1] >= classes):
@@ -132,6 +135,29 @@ def _prepare_classes(
     )
 
 
+def _class_target(
+    y: mx.array | float, name: str, shape: tuple, per_sample: tuple, classes: int
+) -> mx.array:
+    """A class-axis loss's target as an array: a Python ``int`` is a class index (as
+    ``mx.array(y)``); a Python ``float`` or ``bool`` is refused rather than broadcast as a
+    constant probability, which would silently give a different loss."""
+    if isinstance(y, mx.array):
+        return y
+    if isinstance(y, numbers.Integral) and not isinstance(y, bool):
+        if not -(2**63) <= y < 2**63:  # mx.array cannot hold it; no class index either
+            raise ValueError(
+                f"[{name}] class indices must lie in [0, {classes}) (0-based), "
+                f"got values from {y} to {y}"
+            )
+        return mx.array(int(y))
+    raise TypeError(
+        f"[{name}] expected class indices (an int array of shape {tuple(per_sample)}, or a "
+        f"Python int) or probabilities/one-hot of shape {tuple(shape)}, got "
+        f"{type(y).__name__} {y!r}; for a constant probability pass an array, "
+        f"e.g. mx.full({tuple(shape)}, {y!r})"
+    )
+
+
 def _pick(yhat: mx.array, indices: mx.array, axis: int) -> mx.array:
     """``ŷ`` at the target class of each sample, the class axis removed; NaN for an index
     out of range (reachable only inside ``mx.compile``, where the eager check cannot run)."""
@@ -143,12 +169,28 @@ def _pick(yhat: mx.array, indices: mx.array, axis: int) -> mx.array:
 
 def _xlogy(x: mx.array, y: mx.array) -> mx.array:
     """``x * log(y)``, and 0 where ``x == 0`` (Flux's ``xlogy``)."""
-    return mx.where(x == 0, 0, x * mx.log(y))
+    # log of a safe y where x == 0: the discarded branch's gradient (x / y, log y) would be
+    # 0 / 0 or 0 * inf = NaN at y == 0, and `where` passes NaN on
+    return mx.where(x == 0, 0, x * mx.log(mx.where(x == 0, 1, y)))
 
 
 def _xlogx(x: mx.array) -> mx.array:
     """``x * log(x)``, and 0 at ``x == 0``."""
     return mx.where(x == 0, 0, x * mx.log(mx.where(x == 0, 1, x)))
+
+
+def _focal_weight(p: mx.array, gamma: float) -> mx.array | float:
+    """``max(1 - p, 0)**gamma``, with a finite gradient for every ``p`` and ``gamma >= 0``.
+
+    ``p = ŷ + eps`` may pass 1 by eps; there the weight is the constant 0 (1 for ``gamma = 0``).
+    The power only ever sees a positive base: its derivative at 0 is inf for ``gamma < 1``
+    (0 * inf = NaN for ``gamma = 0``), and `where` passes a discarded branch's NaN on.
+    """
+    if gamma == 0:
+        return 1.0  # exactly crossentropy, value and gradient
+    base = 1 - p
+    positive = base > 0
+    return mx.where(positive, mx.power(mx.where(positive, base, 1), float(gamma)), 0)
 
 
 def _eps(eps: float | None, x: mx.array) -> float:
@@ -354,8 +396,6 @@ def focal_loss(
     eps = _eps(eps, yhat)
     if indices:
         p = _pick(yhat, y, axis) + eps
-        return reduce(-mx.power(mx.maximum(1 - p, 0), gamma) * mx.log(p))
+        return reduce(-_focal_weight(p, gamma) * mx.log(p))
     p = yhat + eps
-    # clamped at 0: p may pass 1 by eps, where a fractional power would be NaN
-    weight = mx.power(mx.maximum(1 - p, 0), gamma)
-    return reduce(-mx.sum(_xlogy(y, p) * weight, axis=axis))
+    return reduce(-mx.sum(_xlogy(y, p) * _focal_weight(p, gamma), axis=axis))

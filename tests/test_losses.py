@@ -266,7 +266,47 @@ def test_gradient_flows_to_the_target_too():
 
 def test_scalar_target_and_integer_prediction():
     assert mse(mx.array([1.0, 3.0]), 1.0).item() == 2.0
+    assert mse(mx.array([1.0, 3.0]), 1).item() == 2.0  # an int is a constant here, not a class
+    assert binarycrossentropy(mx.array([0.5, 0.5]), 1).item() == pytest.approx(np.log(2))
     assert mae(mx.array([1, 4]), mx.array([0, 0])).item() == 2.5
+
+
+# ---- Python-number targets of the class-axis losses ----
+
+
+@pytest.mark.parametrize("name", CLASS_LOSSES)
+@pytest.mark.parametrize("label", [0, 3, np.int64(2)])
+def test_python_int_target_is_a_class_index(name, label):
+    (p,) = as_mx(np_softmax(np.array([0.0, 1.0, 2.0, 3.0])))
+    fn = LOSSES[name]
+    as_array = mx.array(int(label))
+    assert fn(p, label).item() == fn(p, as_array).item()
+    np.testing.assert_array_equal(np64(mx.grad(lambda v: fn(v, label))(p)),
+                                  np64(mx.grad(lambda v: fn(v, as_array))(p)))
+    # with a batch, a single int is rejected exactly as mx.array(label) is
+    batch = mx.stack([p, p])
+    with pytest.raises(ValueError, match=rf"\[{name}\] prediction shape \(2, 4\) does not match "
+                                         r"target shape \(\); integer class indices must have "
+                                         r"shape \(2,\)"):
+        fn(batch, label)
+
+
+@pytest.mark.parametrize("name", CLASS_LOSSES)
+@pytest.mark.parametrize("label", [4, -1, 2**70])
+def test_python_int_target_out_of_range(name, label):
+    with pytest.raises(ValueError, match=rf"\[{name}\] class indices must lie in \[0, 4\) "
+                                         rf"\(0-based\), got values from {label} to {label}"):
+        LOSSES[name](mx.full((4,), 0.25), label)
+
+
+@pytest.mark.parametrize("name", CLASS_LOSSES)
+@pytest.mark.parametrize("target", [0.25, 1.0, True, np.float32(0.5)])
+def test_python_float_or_bool_target_is_refused(name, target):
+    with pytest.raises(TypeError, match=rf"\[{name}\] expected class indices \(an int array of "
+                                        r"shape \(3,\), or a Python int\) or "
+                                        r"probabilities/one-hot of shape \(3, 4\), got "
+                                        rf"{type(target).__name__} .*mx.full\(\(3, 4\)"):
+        LOSSES[name](mx.full((3, 4), 0.25), target)
 
 
 def test_huber_delta():
@@ -282,6 +322,71 @@ def test_focal_loss_gamma_zero_is_crossentropy():
                                np64(crossentropy(p, y, agg="none")), rtol=1e-6)
     with pytest.raises(ValueError, match=r"\[focal_loss\] gamma must be a non-negative"):
         focal_loss(p, y, gamma=-1)
+
+
+# confident predictions: ŷ + eps reaches or passes 1 (the weight's base hits 0)
+CONFIDENT = np.array([[1.0, 0.0, 0.0], [1 - 1e-7, 1e-7, 0.0], [1 - 2**-24, 2**-24, 0.0],
+                      [0.0, 1.0, 0.0], [0.2, 0.3, 0.5]], np.float32)
+CONFIDENT_LABELS = np.array([0, 0, 0, 1, 2])
+
+
+def ref_focal_grad(p, labels, gamma, eps=EPS32):
+    """d mean(focal) / dŷ of Flux's definition, in float64 (the branch decided in float32).
+
+    Where ŷ + eps >= 1 the weight max(1 - ŷ - eps, 0)**gamma is the constant 0 (1 for
+    gamma = 0), so its derivative is 0 there; elsewhere it is the derivative of the power."""
+    q32 = p[np.arange(len(p)), labels] + np.float32(eps)
+    q, base = q32.astype(np.float64), (np.float32(1) - q32).astype(np.float64)
+    inside = base > 0
+    safe = np.where(inside, base, 1.0)
+    if gamma == 0:
+        d = -1 / q
+    else:
+        d = np.where(inside, gamma * safe ** (gamma - 1) * np.log(q) - safe**gamma / q, 0.0)
+    grad = np.zeros(p.shape)
+    grad[np.arange(len(p)), labels] = d / len(p)
+    return grad
+
+
+@pytest.mark.parametrize("gamma", [0, 0.5, 1, 2])
+@pytest.mark.parametrize("target", ["indices", "onehot"])
+def test_focal_loss_gradient_finite_for_confident_predictions(gamma, target):
+    y = mx.array(CONFIDENT_LABELS) if target == "indices" else \
+        mx.array(np.eye(3, dtype=np.float32)[CONFIDENT_LABELS])
+    value, grad = mx.value_and_grad(lambda v: focal_loss(v, y, gamma=gamma))(mx.array(CONFIDENT))
+    assert np.isfinite(value.item()) and np.isfinite(np64(grad)).all()
+    np.testing.assert_allclose(np64(grad), ref_focal_grad(CONFIDENT, CONFIDENT_LABELS, gamma),
+                               rtol=1e-5, atol=1e-7)
+    expected = ref_focal(CONFIDENT.astype(np.float64), np.eye(3)[CONFIDENT_LABELS], gamma)
+    np.testing.assert_allclose(value.item(), expected.mean(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["indices", "onehot"])
+def test_focal_loss_gamma_zero_gradient_is_crossentropy_gradient(target):
+    p = mx.array(np.concatenate([CONFIDENT, make_inputs("focal_loss", np.random.default_rng(9),
+                                                        (4, 3))[0].astype(np.float32)]))
+    labels = np.concatenate([CONFIDENT_LABELS, [0, 1, 2, 1]])
+    y = mx.array(labels) if target == "indices" else mx.array(np.eye(3, dtype=np.float32)[labels])
+    focal = mx.value_and_grad(lambda v: focal_loss(v, y, gamma=0))(p)
+    cross = mx.value_and_grad(lambda v: crossentropy(v, y))(p)
+    assert focal[0].item() == cross[0].item()
+    np.testing.assert_array_equal(np64(focal[1]), np64(cross[1]))
+    assert np.isfinite(np64(focal[1])).all()
+
+
+def test_probability_losses_gradient_finite_at_zero_and_one_with_eps_zero():
+    # 0 * log(0) terms are 0 by definition; their gradient must not be 0 / 0
+    p = mx.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]])
+    y = mx.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    for fn in (crossentropy, kldivergence):
+        grad = np64(mx.grad(lambda v, fn=fn: fn(v, y, eps=0))(p))
+        np.testing.assert_allclose(grad, [[-0.5, 0, 0], [0, -1, 0]], err_msg=fn.__name__)
+    grad = np64(mx.grad(lambda v: focal_loss(v, y, eps=0))(p))
+    np.testing.assert_allclose(grad, ref_focal_grad(np.array(p), np.array([0, 1]), 2, eps=0),
+                               rtol=1e-6)
+    # elementwise: -y / ŷ where y = 1, (1 - y) / (1 - ŷ) where y = 0, over 6 entries
+    grad = np64(mx.grad(lambda v: binarycrossentropy(v, y, eps=0))(p))
+    np.testing.assert_allclose(grad, np.array([[-1, 1, 1], [2, -2, 1]]) / 6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -350,6 +455,23 @@ def test_logitcrossentropy_is_crossentropy_of_softmax(logits, data):
         c = logitbinarycrossentropy(z, y, agg="none")
         d = binarycrossentropy(mx.sigmoid(z), y, agg="none", eps=0)
         np.testing.assert_allclose(np64(c), np64(d), rtol=1e-5, atol=1e-9)
+
+
+confident_probability = st.one_of(st.sampled_from([0.0, 1.0, 1 - 1e-7, 1 - 2**-24, 2**-24]),
+                                  st.floats(0, 1, width=32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(2, 4)),
+                  elements=confident_probability),
+       st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.floats(0, 4)), st.data())
+def test_focal_loss_gradient_always_finite(p, gamma, data):
+    labels = np.array(data.draw(st.lists(st.integers(0, p.shape[1] - 1), min_size=len(p),
+                                         max_size=len(p))))
+    for y in (mx.array(labels), mx.array(np.eye(p.shape[1], dtype=np.float32)[labels])):
+        grad = mx.grad(lambda v, y=y: focal_loss(v, y, gamma=gamma))(mx.array(p))
+        np.testing.assert_allclose(np64(grad), ref_focal_grad(p, labels, gamma),
+                                   rtol=1e-4, atol=1e-6)
 
 
 # a dyadic grid: the square of any non-zero difference is far from underflow
