@@ -182,6 +182,11 @@ class Adam(Rule):
     """Adam with bias correction (as in Flux and PyTorch):
     ``w -= lr * m̂ / (sqrt(v̂) + eps)``.
 
+    The correction counts the steps of the whole optimiser (MLX's ``step``), where PyTorch
+    and Optimisers.jl count each parameter's: a parameter updated only on some steps (a part
+    thawed later, alternating updates of two parts) gets a smaller correction than there,
+    and larger first steps. Give parts updated on their own their own ``setup``.
+
     >>> from fluxlike import Adam
     >>> Adam(1e-3)
     Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08)

@@ -42,6 +42,39 @@ def assign(
             assign(value, values, path + ".", prune)
 
 
+def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
+    """Give ``optimizer`` state for every parameter of ``params`` (in the structure of the
+    gradients) that has none: parameters frozen at ``setup`` and thawed since. An optimiser
+    never initialised gets MLX's ``init``; otherwise only the missing entries are made, in
+    place (MLX's ``init`` cannot extend a list it has only part of)."""
+    inner = getattr(optimizer, "inner", None)  # fluxlike's OptimiserChain
+    if isinstance(inner, optim.Optimizer):
+        init_missing(inner, params)
+        return
+    if not getattr(optimizer, "_initialized", True):
+        optimizer.init(params)
+        return
+    if isinstance(optimizer, optim.MultiOptimizer):
+        parts = optimizer._split_dictionary(params)
+        for sub, part in zip(optimizer.optimizers, parts, strict=False):
+            init_missing(sub, part)
+        return
+
+    def walk(p: Any, s: Any) -> None:
+        if isinstance(p, mx.array):
+            if not s:  # MLX's placeholder for a parameter without state
+                optimizer.init_single(p, s)
+            return
+        for k, sub in p.items() if isinstance(p, dict) else enumerate(p):
+            if isinstance(s, dict) and k not in s:
+                s[k] = tree_map(lambda _: {}, sub)
+            elif isinstance(s, list) and k >= len(s):
+                s.extend(tree_map(lambda _: {}, x) for x in p[len(s):])
+            walk(sub, s[k])
+
+    walk(params, optimizer.state)
+
+
 def step(optimizer: optim.Optimizer, scale: LossScale | None, grads: dict,
          params: dict) -> dict:
     """The optimiser step on arrays: the new parameters (shaped like ``grads``); the optimiser
@@ -131,6 +164,7 @@ class Compiled:
     def __init__(self) -> None:
         self.steps: dict[tuple, tuple[Callable, list]] = {}
         self.eager: str | None = None
+        self.initialised: set[tuple] = set()  # gradient signatures the state was checked for
 
     def fall_back(self, reason: str) -> None:
         self.steps.clear()
@@ -156,8 +190,6 @@ class Compiled:
         _keep_step_buffers(2 * _footprint(grads, params, live))
         if live is not optimizer.state:  # e.g. MultiOptimizer builds its state dict anew
             return "optimizer.state is not one live dict"
-        if not getattr(optimizer, "_initialized", True):
-            optimizer.init(grads)  # as apply_gradients would, but outside the trace
         captured = [live] if scale_state is None else [live, scale_state]
         before = [dict(tree_flatten(tree)) for tree in captured]
         fn = mx.compile(partial(step, optimizer, scale), inputs=captured, outputs=captured)

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from .modes import differentiating
 from .optimise import Rule
-from .optstep import COMPILED, Compiled, assign, step
+from .optstep import COMPILED, Compiled, assign, init_missing, step
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale, LossScale
 from .precision.scope import autocast as autocast_scope
@@ -85,7 +85,7 @@ def _trainable_parameters(module: nn.Module) -> tuple[dict, bool]:
         out = {}
         for k, v in entries:
             path = f"{prefix}{k}"
-            if _trainable(owner, path, v):
+            if _trainable(owner, path, v) and _floating_or_tree(v):
                 out[k] = walk(owner, path, v)
             else:
                 frozen = frozen or _valid(owner, path, v)
@@ -94,6 +94,26 @@ def _trainable_parameters(module: nn.Module) -> tuple[dict, bool]:
         return list(out.values()) if isinstance(value, list) else out
 
     return walk(module, "", module), frozen
+
+
+def _floating_or_tree(value: Any) -> bool:
+    """Not an integer or boolean array: those (indices, masks) are state, never trained, as in
+    Flux; ``mx.value_and_grad`` cannot differentiate some of them, and an optimiser step
+    would turn them into floats."""
+    return not isinstance(value, mx.array) or mx.issubdtype(value.dtype, mx.inexact)
+
+
+def _distinct(modules: list[nn.Module], where: str) -> None:
+    """Refuse a model argument that is part of another one: both would be differentiated
+    through one set of parameters, and one would get the other's gradient."""
+    for i, outer in enumerate(modules):
+        inner = {id(m) for _, m in outer.named_modules()} - {id(outer)}
+        for j, other in enumerate(modules):
+            if i != j and id(other) in inner:
+                raise ValueError(
+                    f"{where}: model argument {j + 1} is a part of model argument {i + 1}; "
+                    f"pass the whole model once (its gradient includes that part's)"
+                )
 
 
 def _value_and_grad(
@@ -113,6 +133,8 @@ def _value_and_grad(
     for a in args:
         if isinstance(a, nn.Module) and not any(a is m for m in modules):
             modules.append(a)
+    if len(modules) > 1:
+        _distinct(modules, where)
     arrays = [
         i for i, a in enumerate(args)
         if wrt_arrays and isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
@@ -175,12 +197,14 @@ def _value_and_grad(
     return value, grads
 
 
-def withgradient(f: Callable, *args: Any, autocast: mx.Dtype | None = None) -> tuple[Any, tuple]:
+def withgradient(
+    f: Callable, *args: Any, autocast: mx.Dtype | None = None, loss_scale: Any = None
+) -> tuple[Any, tuple]:
     """``(f(*args), gradient(f, *args))`` from one evaluation, as in Flux.
 
     ``f`` returns a scalar loss, or a tuple ``(loss, aux...)`` whose first element is
     differentiated (the value is then the whole tuple). A half-precision loss is returned
-    as float32. See :func:`gradient` for the gradients and ``autocast``.
+    as float32. See :func:`gradient` for the gradients, ``autocast`` and ``loss_scale``.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, withgradient
@@ -190,11 +214,14 @@ def withgradient(f: Callable, *args: Any, autocast: mx.Dtype | None = None) -> t
     >>> loss.dtype, g["weight"].dtype, g["weight"].shape
     (mlx.core.float32, mlx.core.float32, (1, 2))
     """
-    return _value_and_grad(f, args, _check_autocast(autocast, "withgradient"), None,
-                           "withgradient")
+    where = "withgradient"
+    return _value_and_grad(f, args, _check_autocast(autocast, where),
+                           lossscale.resolve(loss_scale, where), where)
 
 
-def gradient(f: Callable, *args: Any, autocast: mx.Dtype | None = None) -> tuple:
+def gradient(
+    f: Callable, *args: Any, autocast: mx.Dtype | None = None, loss_scale: Any = None
+) -> tuple:
     """The gradient of the scalar ``f(*args)`` with respect to each argument, as in Flux.
 
     Returns a tuple with one entry per argument: for a model (an ``mlx.nn.Module``) a
@@ -208,6 +235,12 @@ def gradient(f: Callable, *args: Any, autocast: mx.Dtype | None = None) -> tuple
     ``fluxlike.autocast(autocast)`` on the default device. The gradients are float32 all
     the same (master weights stay float32), with the same structure as without autocast.
 
+    ``loss_scale`` (``None``, a number, or a loss-scale object such as
+    ``opt_state.loss_scale``) multiplies the loss before it is differentiated, so that
+    float16 gradients do not underflow: the gradients are those of the scaled loss, which
+    is what :func:`update` expects when ``opt_state`` has a loss scale (it divides them by
+    it). :func:`train` does this by itself.
+
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, gradient
     >>> model = Dense(3, 2)
@@ -218,7 +251,7 @@ def gradient(f: Callable, *args: Any, autocast: mx.Dtype | None = None) -> tuple
     >>> gradient(lambda x: (x ** 2).sum(), mx.array([1.0, 2.0]))
     (array([2, 4], dtype=float32),)
     """
-    return withgradient(f, *args, autocast=autocast)[1]
+    return withgradient(f, *args, autocast=autocast, loss_scale=loss_scale)[1]
 
 
 class OptState:
@@ -354,7 +387,7 @@ def setup(
     if not isinstance(model, nn.Module):
         raise TypeError(f"setup: model must be an mlx.nn.Module, got {type(model).__name__}")
     scale = _resolve_scale(loss_scale, "setup")
-    optimizer.init(model.trainable_parameters())
+    optimizer.init(_trainable_parameters(model)[0])
     return OptState(rule, optimizer, scale)
 
 
@@ -385,6 +418,9 @@ def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any]:
                 v = _entry(value, k)
                 if v is _MISSING or not _trainable(o, kk, v):
                     raise ValueError(f"update: the model has no trainable parameter {where!r}")
+                if not _floating_or_tree(v):
+                    raise ValueError(f"update: {where!r} is a {_name(v.dtype)} array of the "
+                                     f"model: integer and boolean arrays are not trained")
                 found.append((k, walk(sub, v, o, kk, where)))
             return dict(found) if isinstance(g, dict) else type(g)(v for _, v in found)
         if not isinstance(value, mx.array):
@@ -418,11 +454,14 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     """One optimiser step: change ``model`` and ``opt_state`` in place; returns ``None``.
 
     ``grads`` is the model's gradient (``gradient(loss, model)[0]``). With a loss scale in
-    ``opt_state`` the gradients are first divided by the scale; if any is then inf or nan
-    the step is skipped (weights and optimiser state stay exactly as they were) and the
-    scale is lowered, else the step is taken and the scale adjusted. These decisions are
-    ``mx.where`` selections on arrays: ``update`` never waits for the device and can run
-    inside ``mx.compile`` (capture ``opt_state.state`` and ``model.state``).
+    ``opt_state`` (given to :func:`setup`, or made by ``train(..., autocast=mx.float16)``)
+    ``grads`` must be the gradient of the scaled loss (``gradient(loss, model,
+    loss_scale=opt_state.loss_scale)[0]``): the gradients are first divided by the scale;
+    if any is then inf or nan the step is skipped (weights and optimiser state stay exactly
+    as they were) and the scale is lowered, else the step is taken and the scale adjusted.
+    These decisions are ``mx.where`` selections on arrays: ``update`` never waits for the
+    device and can run inside ``mx.compile`` (capture ``opt_state.state`` and
+    ``model.state``).
 
     The step (the optimiser's ``apply_gradients`` and, with a loss scale, the unscaling,
     finite check and scale adjustment) runs as one ``mx.compile``-d function per
@@ -458,15 +497,36 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         raise TypeError(f"update: model must be an mlx.nn.Module, got {type(model).__name__}")
     signature, params = _check_grads(grads, model)
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
+    optimizer, scale = opt_state.optimizer, opt_state.loss_scale
+    if signature not in compiled.initialised:
+        init_missing(optimizer, params)  # thawed since setup(): no state yet
+        compiled.initialised.add(signature)
     reason = compiled.eager or compiled.step(opt_state, model, grads, params, signature)
     if reason is None:
         return
-    optimizer, scale = opt_state.optimizer, opt_state.loss_scale
-    if scale is None:
-        optimizer.update(model, grads)
-    else:
-        model.update(step(optimizer, scale, grads, params))
+    trees = [optimizer.state] if scale is None else [optimizer.state, scale.state]
+    before = [dict(tree_flatten(tree)) for tree in trees]
+    try:
+        if scale is None:
+            optimizer.update(model, grads)
+        else:
+            model.update(step(optimizer, scale, grads, params))
+    except BaseException:
+        for tree, values in zip(trees, before, strict=True):  # no half-taken step
+            assign(tree, values, prune=True)
+        raise
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input
+
+
+def _restore(model: nn.Module, opt_state: OptState, scale_state: dict, before: tuple) -> None:
+    """Put back the model, optimiser, loss-scale and random state saved before a batch."""
+    params, optimizer_state, scale, key = before
+    model.update(params)
+    assign(opt_state.optimizer.state, optimizer_state, prune=True)
+    scale_state.update(scale)
+    if mx.random.state[0] is not key:  # mx.random.state takes no assignment: seed to the key
+        hi, lo = key.tolist()
+        mx.random.seed((hi << 32) | lo)
 
 
 class _Progress:
@@ -565,14 +625,18 @@ def train(
     for i, batch in enumerate(data):
         args = batch if isinstance(batch, tuple) else (batch,)
         before = (model.parameters(), dict(tree_flatten(opt_state.optimizer.state)),
-                  dict(scale_state))
-        value = step(*args)
-        mx.eval(value, captured)
+                  dict(scale_state), mx.random.state[0])
+        try:
+            value = step(*args)
+            mx.eval(value, captured)
+        except BaseException:
+            # A trace that raised leaves mx.compile's placeholders in everything captured,
+            # the random state included: put the arrays of before the batch back.
+            _restore(model, opt_state, scale_state, before)
+            raise
         value = value.item()
         if not math.isfinite(value):
-            model.update(before[0])
-            assign(opt_state.optimizer.state, before[1])
-            scale_state.update(before[2])
+            _restore(model, opt_state, scale_state, before)
             if bar is not None:
                 bar.stream.write("\n")
             raise FloatingPointError(

@@ -16,11 +16,13 @@ from fluxlike import (
     Adam,
     BatchNorm,
     Chain,
+    ClipNorm,
     Dense,
     Descent,
     Dropout,
     DynamicLossScale,
     Momentum,
+    OptimiserChain,
     OptState,
     StaticLossScale,
     gradient,
@@ -441,6 +443,27 @@ def test_non_finite_loss_names_the_batch_and_leaves_state(compile):
             assert mx.array_equal(ok[k], err[k]).item(), k
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_raising_loss_leaves_model_optimiser_and_random_state_usable(compile):
+    # a loss that only works for batches of 4: the partial last batch raises, while the
+    # compiled step is traced for its new shape (mx.compile leaves placeholders behind)
+    def loss(m, x):
+        if x.shape[0] != 4:
+            raise RuntimeError("batch of 4 expected")
+        return (Dropout(0.5, active=True)(m(x)) ** 2).sum()
+
+    model = Chain(Dense(2, 2), BatchNorm(2))
+    opt_state = setup(Adam(0.1), model, loss_scale=DynamicLossScale())
+    data = [mx.arange(8.0).reshape(4, 2), mx.arange(8.0).reshape(4, 2) ** 2, mx.ones((3, 2))]
+    with pytest.raises(RuntimeError, match="batch of 4"):
+        train(loss, model, data[:2], opt_state, progress=False, compile=compile)  # fine
+        train(loss, model, data, opt_state, progress=False, compile=compile)
+    saved = _leaves(model.parameters()), _leaves(opt_state.state), mx.random.state[0]
+    mx.eval(saved)  # raises if a placeholder was left anywhere
+    mx.random.normal((2,))
+    assert train(loss, model, data[:2], opt_state, progress=False, compile=compile) > 0
+
+
 def test_train_loss_scale_argument():
     model = Dense(2, 1)
     data = [(mx.ones((2, 2)), mx.zeros((2, 1)))]
@@ -535,3 +558,102 @@ def test_no_progress_bar_off_terminal_or_when_disabled(monkeypatch):
     monkeypatch.setattr("sys.stderr", terminal)
     train(_mse, model, data, setup(Descent(0.01), model), progress=False)
     assert terminal.getvalue() == ""
+
+
+@pytest.mark.parametrize("rule", [Adam(0.1), OptimiserChain(ClipNorm(1.0), Adam(0.1))])
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_part_thawed_after_setup_gets_optimiser_state(rule, compile):
+    # Flux's freeze!/thaw! idiom: setup with a part frozen, thaw it, train everything
+    x = mx.arange(6.0).reshape(3, 2)
+    model, twin = Chain(Dense(2, 2), Dense(2, 1)), Chain(Dense(2, 2), Dense(2, 1))
+    twin.update(model.parameters())
+    model[1].freeze()
+    opt_state, twin_state = setup(rule, model), setup(rule, twin)
+    model.unfreeze()
+    for _ in range(2):  # the second step reuses the compiled step of the first
+        if compile:
+            train(_mse, model, [(x, x[:, :1])], opt_state, progress=False, compile=True)
+            train(_mse, twin, [(x, x[:, :1])], twin_state, progress=False, compile=True)
+        else:
+            update(opt_state, model, gradient(lambda m: _mse(m, x, x[:, :1]), model)[0])
+            update(twin_state, twin, gradient(lambda m: _mse(m, x, x[:, :1]), twin)[0])
+    # a fresh setup would have made the same state: same steps, same parameters
+    assert _leaves(opt_state.state).keys() == _leaves(twin_state.state).keys()
+    for k, v in _leaves(model.parameters()).items():
+        np.testing.assert_allclose(np.array(v), np.array(_leaves(twin.parameters())[k]),
+                                   rtol=1e-6, err_msg=k)
+
+
+def test_an_eager_step_that_raises_leaves_the_optimiser_state():
+    class Picky(optim.Adam):  # fails at its second parameter, traced or not
+        def apply_single(self, gradient, parameter, state):
+            if parameter.ndim == 1:
+                raise ValueError("no biases here")
+            return super().apply_single(gradient, parameter, state)
+
+    model = Dense(2, 2)
+    opt_state = setup(Picky(0.1), model)
+    before = _leaves(opt_state.state)
+    grads = gradient(lambda m: m(mx.ones((1, 2))).sum(), model)[0]
+    with pytest.raises(ValueError, match="no biases here"):
+        update(opt_state, model, grads)
+    after = _leaves(opt_state.state)
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before)
+
+
+class _Indexed(nn.Module):
+    """A layer with an integer buffer (a permutation) next to its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = mx.array([1.0, 2.0, 3.0])
+        self.order = mx.array([2, 0, 1])
+
+    def __call__(self, x):
+        return x * self.weight[self.order]
+
+
+def test_integer_arrays_of_a_model_are_not_trained():
+    model = _Indexed()
+    (g,) = gradient(lambda m: m(mx.ones(3)).sum(), model)  # a gather's indices: no VJP
+    assert set(g) == {"weight"}
+    opt_state = setup(Adam(0.1), model)
+    assert set(opt_state.state["optimizer"]) >= {"weight"}
+    assert "order" not in opt_state.state["optimizer"]
+    update(opt_state, model, g)
+    assert model.order.dtype == mx.int32 and model.order.tolist() == [2, 0, 1]
+    with pytest.raises(ValueError, match=r"update: 'order' is a int32 array of the model: "
+                                         r"integer and boolean arrays are not trained"):
+        update(opt_state, model, {"weight": g["weight"], "order": mx.zeros(3, mx.int32)})
+
+
+def test_a_model_argument_inside_another_is_refused():
+    model = Chain(Dense(2, 2), Dense(2, 1))
+    with pytest.raises(ValueError, match=r"gradient: model argument 2 is a part of model "
+                                         r"argument 1; pass the whole model once"):
+        gradient(lambda m, part: m(mx.ones((1, 2))).sum(), model, model[0])
+    with pytest.raises(ValueError, match=r"argument 1 is a part of model argument 2"):
+        withgradient(lambda part, m: m(mx.ones((1, 2))).sum(), model[1], model)
+    weight = model[0].weight
+    assert model[0].weight is weight  # nothing was touched
+
+
+def test_loss_scale_scales_the_gradients_for_update():
+    x = mx.arange(6.0).reshape(3, 2)
+    model, twin = Dense(2, 1), Dense(2, 1)
+    twin.update(model.parameters())
+    loss, (g,) = withgradient(lambda m: _mse(m, x, x[:, :1]), model, loss_scale=8.0)
+    plain, (g1,) = withgradient(lambda m: _mse(m, x, x[:, :1]), model)
+    assert loss.item() == plain.item()  # the value is the unscaled loss
+    np.testing.assert_allclose(np.array(g["weight"]), 8 * np.array(g1["weight"]), rtol=1e-6)
+    # update with a loss scale in opt_state expects exactly those: as without a scale
+    scaled, unscaled = setup(Descent(0.1), model, loss_scale=DynamicLossScale()), \
+        setup(Descent(0.1), twin)
+    (g,) = gradient(lambda m: _mse(m, x, x[:, :1]), model, loss_scale=scaled.loss_scale)
+    update(scaled, model, g)
+    update(unscaled, twin, gradient(lambda m: _mse(m, x, x[:, :1]), twin)[0])
+    np.testing.assert_allclose(np.array(model.weight), np.array(twin.weight), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"gradient: loss_scale must be None, 'auto', a "
+                                         r"positive number"):
+        gradient(lambda m: _mse(m, x, x[:, :1]), model, loss_scale="big")

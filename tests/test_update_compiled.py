@@ -424,3 +424,13 @@ def test_random_sequences_match_the_eager_path(ops):
             update(eager_state, twin, g)
     _assert_close(model.parameters(), twin.parameters())
     _assert_close(opt_state.state, eager_state.state)
+
+
+def test_a_chain_with_partial_list_gradients():
+    # gradients for part of a list of layers, through OptimiserChain's inner optimiser
+    model, twin, opt_state, reference = _pair(OptimiserChain(ClipNorm(10.0), Adam(0.01)))
+    full = _grads(model, 0)
+    partial = {"layers": [{"weight": full["layers"][0]["weight"]}]}
+    for g in (partial, full, partial):
+        _step_both(opt_state, model, reference, twin, g)
+    _assert_matches(model, twin, opt_state, reference)
