@@ -42,8 +42,10 @@ def leakyrelu(x: mx.array, a: float = 0.01) -> mx.array:
 def elu(x: mx.array, alpha: float = 1.0) -> mx.array:
     """``x`` where positive, ``alpha * (exp(x) - 1)`` elsewhere."""
     # not nn.elu: exp of a large positive x overflows (above ~11 in float16) in the branch
-    # where() discards, and its gradient there is 0 * inf = NaN
-    return mx.where(x > 0, x, alpha * mx.expm1(mx.minimum(x, 0)))
+    # where() discards, and its gradient there is 0 * inf = NaN. minimum(0, x), not
+    # minimum(x, 0): MLX gives a tie's gradient to the second operand, and the slope at
+    # x == 0 must be alpha (as in PyTorch, Flux and nn.elu).
+    return mx.where(x > 0, x, alpha * mx.expm1(mx.minimum(0, x)))
 
 
 def gelu(x: mx.array) -> mx.array:

@@ -108,6 +108,18 @@ def test_elementwise_large_inputs_stay_finite_with_finite_gradients():
     np.testing.assert_allclose(np64(grad), [1, 1, math.exp(-3)], rtol=1e-2)
 
 
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float64, mx.float16])
+def test_elu_slope_at_zero_is_alpha(alpha, dtype):
+    # PyTorch's (and Flux's, nn.elu's) slope at x == 0 and -0 is the left one, alpha * exp(0).
+    x = mx.array([0.0, -0.0, 1e-4, -1e-4], dtype=dtype)
+    with mx.stream(mx.cpu):
+        grad = mx.grad(lambda v: mx.sum(A.elu(v, alpha).astype(mx.float32)))(x)
+    assert grad.dtype == dtype
+    np.testing.assert_allclose(np64(grad), [alpha, alpha, 1, alpha * math.exp(-1e-4)],
+                               rtol=1e-3)
+
+
 @pytest.mark.parametrize("name", sorted(ELEMENTWISE))
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_elementwise_keep_half_precision_in_and_out_of_scope(name, dtype):
