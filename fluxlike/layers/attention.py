@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..init import glorot_uniform
 from ..modes import is_active
-from ..precision import ops
+from ..precision import castcache, ops
 from ..precision.policy import autocast_policy
 from ..precision.state import HALF
 from .base import Layer, signature_of
@@ -79,6 +79,7 @@ def _softmax(scores: mx.array) -> mx.array:
     return e / mx.sum(e, axis=-1, keepdims=True)
 
 
+@castcache.sealed
 @autocast_policy("down")
 class MultiHeadAttention(Layer):
     """Multi-head scaled dot-product attention, as in "Attention Is All You Need".

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -10,16 +11,24 @@ import mlx.core as mx
 
 from ..activations import identity, resolve
 from ..init import glorot_uniform
-from ..precision import ops
+from ..precision import castcache, ops
 from ..precision.policy import autocast_policy
+from ..precision.state import OFF, compute_dtypes
 from .base import Layer, signature_of
 
 
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer of any type (``int``, ``np.int64``, ...) but no bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_size(value: Any, layer: str, name: str) -> int:
-    """``value`` as a positive int, or a ``ValueError`` naming the layer and argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as a positive Python int, or a ``ValueError`` naming the layer and argument.
+
+    Callers store the result (not ``value``): a numpy integer would show in reprs."""
+    if not is_int(value) or value < 1:
         raise ValueError(f"[{layer}] {name} must be a positive integer, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_features(x: Any, expected: int, layer: str, axis: int = -1) -> None:
@@ -110,6 +119,8 @@ class Chain(_Container):
         self._set_layers(layers, named)
 
     def __call__(self, x: Any) -> Any:
+        if compute_dtypes.get() is not OFF:
+            return castcache.hand_over(self._layers(), x)
         for layer in self._layers():
             x = layer(x)
         return x
@@ -124,6 +135,7 @@ class Chain(_Container):
         return self._items()
 
 
+@castcache.sealed
 @autocast_policy("down")
 class Dense(Layer):
     """A fully connected layer: ``act(x @ weight.T + bias)``.
@@ -154,8 +166,8 @@ class Dense(Layer):
         init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
     ):
         super().__init__()
-        check_size(in_dims, "Dense", "in_dims")
-        check_size(out_dims, "Dense", "out_dims")
+        in_dims = check_size(in_dims, "Dense", "in_dims")
+        out_dims = check_size(out_dims, "Dense", "out_dims")
         self.act = resolve(act, "Dense")
         self.weight = init((out_dims, in_dims))
         self.bias = mx.zeros((out_dims,)) if bias else None
@@ -255,8 +267,8 @@ class Bilinear(Layer):
         init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
     ):
         super().__init__()
-        for name, value in (("in1", in1), ("in2", in2), ("out", out)):
-            check_size(value, "Bilinear", name)
+        in1, in2, out = (check_size(value, "Bilinear", name)
+                         for name, value in (("in1", in1), ("in2", in2), ("out", out)))
         self.act = resolve(act, "Bilinear")
         self.weight = init((out, in1, in2))
         self.bias = mx.zeros((out,)) if bias else None
@@ -331,13 +343,12 @@ class Scale(Layer):
         init: Callable[[tuple[int, ...]], mx.array] = mx.ones,
     ):
         super().__init__()
-        shape = (size,) if isinstance(size, int) and not isinstance(size, bool) else size
+        shape = (size,) if is_int(size) else size
         if not isinstance(shape, tuple) or not shape:
             raise ValueError(
                 f"[Scale] size must be a positive integer or a tuple of them, got {size!r}"
             )
-        for value in shape:
-            check_size(value, "Scale", "size")
+        shape = tuple(check_size(value, "Scale", "size") for value in shape)
         self.act = resolve(act, "Scale")
         self.weight = init(shape)
         self.bias = mx.zeros(shape) if bias else None
@@ -496,8 +507,8 @@ class Embedding(Layer):
         init: Callable[[tuple[int, ...]], mx.array] = _standard_normal,
     ):
         super().__init__()
-        check_size(vocab, "Embedding", "vocab")
-        check_size(dims, "Embedding", "dims")
+        vocab = check_size(vocab, "Embedding", "vocab")
+        dims = check_size(dims, "Embedding", "dims")
         self.weight = init((vocab, dims))
 
     def __call__(self, x: mx.array) -> mx.array:

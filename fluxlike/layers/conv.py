@@ -26,10 +26,10 @@ import mlx.core as mx
 
 from ..activations import identity, resolve
 from ..init import glorot_uniform
-from ..precision import ops
+from ..precision import castcache, ops
 from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
-from .basic import check_size
+from .basic import check_size, is_int
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -37,25 +37,29 @@ SHAPES = {1: "(N, L, C)", 2: "(N, H, W, C)", 3: "(N, D, H, W, C)"}
 
 
 def kernel_tuple(kernel: Any, layer: str, name: str = "kernel") -> tuple[int, ...]:
-    """``kernel`` as a tuple of 1 to 3 positive ints; an int is refused as ambiguous."""
-    if isinstance(kernel, int) and not isinstance(kernel, bool):
+    """``kernel`` as a tuple of 1 to 3 positive ints; an int is refused as ambiguous.
+
+    Integers of any type (``np.int64``) are accepted and stored as Python ints, here and in
+    the helpers below, so reprs show plain numbers."""
+    if is_int(kernel):
+        k = int(kernel)
         raise TypeError(
             f"[{layer}] {name} must be a tuple whose length is the number of spatial dims, "
-            f"got {kernel!r}; write ({kernel},) for 1-D or ({kernel}, {kernel}) for 2-D"
+            f"got {k!r}; write ({k},) for 1-D or ({k}, {k}) for 2-D"
         )
     if not isinstance(kernel, (tuple, list)) or not 1 <= len(kernel) <= 3:
         raise ValueError(f"[{layer}] {name} must be a tuple of 1 to 3 sizes, got {kernel!r}")
     for k in kernel:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if not is_int(k) or k < 1:
             raise ValueError(f"[{layer}] {name} must hold positive integers, got {kernel!r}")
-    return tuple(kernel)
+    return tuple(int(k) for k in kernel)
 
 
 def per_dim(value: Any, n: int, layer: str, name: str, minimum: int = 1) -> tuple[int, ...]:
     """An int or a length-``n`` tuple of ints ``>= minimum`` as a length-``n`` tuple."""
-    values = (value,) * n if isinstance(value, int) else value
+    values = (value,) * n if is_int(value) else value
     ok = isinstance(values, (tuple, list)) and len(values) == n and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values
+        is_int(v) and v >= minimum for v in values
     )
     if not ok:
         what = "positive" if minimum == 1 else f"at least {minimum}"
@@ -63,7 +67,7 @@ def per_dim(value: Any, n: int, layer: str, name: str, minimum: int = 1) -> tupl
             f"[{layer}] {name} must be an int or a tuple of {n} ints, each {what}, "
             f"got {value!r}"
         )
-    return tuple(values)
+    return tuple(int(v) for v in values)
 
 
 def same_padding(kernel: Sequence[int], dilation: Sequence[int]) -> Pairs:
@@ -78,23 +82,23 @@ def padding_pairs(padding: Any, n: int, layer: str) -> Pairs:
         raise ValueError(
             f"[{layer}] unknown padding {padding!r}; expected 'same', an int or a tuple"
         )
-    if isinstance(padding, int) and not isinstance(padding, bool):
+    if is_int(padding):
         padding = (padding,) * n
     if not isinstance(padding, (tuple, list)) or len(padding) != n:
         raise ValueError(
             f"[{layer}] padding must be 'same', an int, or a tuple of {n} ints or (lo, hi) "
             f"pairs (one per spatial dim), got {padding!r}"
         )
-    pairs = tuple((p, p) if isinstance(p, int) else p for p in padding)
+    pairs = tuple((p, p) if is_int(p) else p for p in padding)
     for pair in pairs:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair
+            is_int(v) and v >= 0 for v in pair
         ):
             raise ValueError(
                 f"[{layer}] padding must hold non-negative ints or (lo, hi) pairs of them, "
                 f"got {padding!r}"
             )
-    return tuple((lo, hi) for lo, hi in pairs)
+    return tuple((int(lo), int(hi)) for lo, hi in pairs)
 
 
 def check_input(x: Any, n: int, layer: str, kind: str, channels: int | None = None) -> None:
@@ -182,9 +186,9 @@ class _ConvBase(Layer):
                stride: Any, dilation: Any, groups: int) -> tuple[int, ...]:
         kernel = kernel_tuple(kernel, name)
         n = len(kernel)
-        check_size(in_channels, name, "in_channels")
-        check_size(out_channels, name, "out_channels")
-        check_size(groups, name, "groups")
+        in_channels = check_size(in_channels, name, "in_channels")
+        out_channels = check_size(out_channels, name, "out_channels")
+        groups = check_size(groups, name, "groups")
         if in_channels % groups or out_channels % groups:
             raise ValueError(
                 f"[{name}] in_channels ({in_channels}) and out_channels ({out_channels}) "
@@ -199,7 +203,8 @@ class _ConvBase(Layer):
 
     def _make_parameters(self, kernel: tuple[int, ...], out_channels: int, bias: bool,
                          init: Callable) -> None:
-        self.weight = init((out_channels, *kernel, self.in_channels // self.groups))
+        # int(): out_channels comes from the caller unconverted (validated by _setup)
+        self.weight = init((int(out_channels), *kernel, self.in_channels // self.groups))
         self.bias = mx.zeros((out_channels,)) if bias else None
 
     @property
@@ -220,6 +225,7 @@ class _ConvBase(Layer):
         return signature_of(args, name, self.act, **_options(self, extra))
 
 
+@castcache.sealed
 @autocast_policy("down")
 class Conv(_ConvBase):
     """A convolution: ``act(conv(x, weight) + bias)``, channels last.
@@ -288,6 +294,7 @@ class Conv(_ConvBase):
         return self._signature(self.in_channels, self.weight.shape[0])
 
 
+@castcache.sealed
 @autocast_policy("down")
 class ConvTranspose(_ConvBase):
     """A transposed convolution (the adjoint of ``Conv``'s map of ``x``), channels last.

@@ -13,13 +13,18 @@ once and reused for as long as its source array is alive and not replaced.
   ``load_weights``, plain assignment) retires its casts, and the cache never keeps an old
   weight alive. What it holds while the weights live: the half copy (half the float32
   size) and, on the CPU, the float32 upcast of it.
+- Each thread has entries of its own: a cast not evaluated yet belongs to the stream of the
+  thread that made it, and another thread cannot evaluate it.
 - Nothing is cached while fluxlike differentiates (:func:`~fluxlike.gradient`,
   :func:`~fluxlike.train`): parameters are new arrays on every step there, and the casts
   must stay in the graph. Under ``mx.grad``/``mx.compile`` the parameters are tracers, new
   arrays per trace, so they miss and their entries go with them.
 - Activations on the CPU: an output of that kept path can carry its values in float32
   (:func:`remember_float32`, :func:`float32_of`), so that the next layer's float32 kernel
-  starts from them and the half-precision copy between the two is never computed.
+  starts from them and the half-precision copy between the two is never computed. Only
+  where no other code can change the array in place (``h += v`` keeps its identity) between
+  the two: from one of fluxlike's own layers to the next inside a ``Chain``
+  (:func:`hand_over`), and from such a layer's input cast to its kernel.
 - MLX arrays are values, but ``w[i] = v`` and ``w += v`` rewrite an array in place, under
   the same identity; the cache cannot see that. Assign a new array instead (``layer.weight
   = layer.weight + v``, as ``Module.update`` and the optimisers do) or call
@@ -29,22 +34,38 @@ once and reused for as long as its source array is alive and not replaced.
 from __future__ import annotations
 
 import functools
+import itertools
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextvars import ContextVar
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..modes import _differentiating
 
-# id(source) -> (weak reference to source, {dtype: source.astype(dtype)})
-_casts: dict[int, tuple[weakref.ref, dict]] = {}
-# id(layer) -> (weak reference to layer, {dtype: (the layer's values, arrays by weak
+# (thread, id(source)) -> (weak reference to source, {dtype: source.astype(dtype)})
+_casts: dict[tuple[int, int], tuple[weakref.ref, dict]] = {}
+# (thread, id(layer)) -> (weak reference to layer, {dtype: (the layer's values, arrays by weak
 # reference, and its view)}); a view goes as soon as one of the arrays it was made from goes
-_views: dict[int, tuple[weakref.ref, dict]] = {}
+_views: dict[tuple[int, int], tuple[weakref.ref, dict]] = {}
+_thread = threading.local()
+_tokens = itertools.count()
 
 
-def _forget(table: dict, key: int) -> Callable[[weakref.ref], None]:
+def _key(source: object) -> tuple[int, int]:
+    """``source``'s key for this thread (a number of its own, never reused as thread
+    identifiers are)."""
+    try:
+        token = _thread.token
+    except AttributeError:
+        token = _thread.token = next(_tokens)
+    return token, id(source)
+
+
+def _forget(table: dict, key: tuple[int, int]) -> Callable[[weakref.ref], None]:
     def forget(ref: weakref.ref) -> None:
         entry = table.get(key)
         if entry is not None and entry[0] is ref:  # not a newer entry under a reused id
@@ -54,7 +75,7 @@ def _forget(table: dict, key: int) -> Callable[[weakref.ref], None]:
 
 
 def _entry(table: dict, source: object) -> dict:
-    key = id(source)
+    key = _key(source)
     entry = table.get(key)
     if entry is None or entry[0]() is not source:
         entry = (weakref.ref(source, _forget(table, key)), {})
@@ -102,7 +123,7 @@ def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | N
         return None
     found = []
     for source in sources:
-        entry = _casts.get(id(source))
+        entry = _casts.get(_key(source))
         result = None if entry is None or entry[0]() is not source else entry[1].get(dtype)
         if result is None:
             break
@@ -163,6 +184,45 @@ def _immutable(value: object) -> bool:
     return isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)
 
 
+# Layer classes whose own code reads their input only through fluxlike's kernels: it neither
+# changes the input in place nor shows it to other code first (see ``sealed``).
+_SEALED: set[type] = set()
+# Whether the layer running now is a sealed one that Chain hands straight to another.
+_handing_over: ContextVar[bool] = ContextVar("fluxlike_handing_over", default=False)
+
+
+def sealed(cls: type) -> type:
+    """Class decorator: ``cls`` (exactly, not its subclasses, which may override
+    ``__call__``) reads its input only through fluxlike's kernels, so the float32 values
+    noted with the input's cast, or with a sealed predecessor's output, stand for it."""
+    _SEALED.add(cls)
+    return cls
+
+
+def is_sealed(layer: object) -> bool:
+    return type(layer) in _SEALED
+
+
+def hand_over(layers: Iterable[Any], x: Any) -> Any:
+    """``Chain``'s loop under autocast: a sealed layer followed by another sealed layer may
+    note its output's float32 values for it, since nothing runs between the two.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, relu, autocast
+    >>> with autocast(mx.bfloat16, device="cpu"):
+    ...     hand_over([Dense(2, 3, relu), Dense(3, 1)], mx.ones((4, 2))).dtype
+    mlx.core.bfloat16
+    """
+    layers = list(layers)
+    for layer, after in zip(layers, layers[1:] + [None], strict=True):
+        token = _handing_over.set(type(layer) in _SEALED and type(after) in _SEALED)
+        try:
+            x = layer(x)
+        finally:
+            _handing_over.reset(token)
+    return x
+
+
 # id(half array) -> (weak reference to it, its float32 source, the activation applied): outputs
 # of the kept inference path, so that the next layer's kernel starts from float32 without a
 # cast. The rounded float32 values are made only when asked for. An entry is taken by its
@@ -177,7 +237,13 @@ def remember_float32(
 ) -> mx.array:
     """Note that ``half`` is ``act(source)`` (``source`` float32) rounded to ``half``'s
     dtype, for :func:`float32_of`; returns ``half``. An unused ``half`` is never computed:
-    MLX evaluates only what is asked for."""
+    MLX evaluates only what is asked for. For a layer's output: noted only while
+    :func:`hand_over` hands it to the next layer (anywhere else the caller could change it
+    in place before the next layer reads it)."""
+    return _note(half, source, act) if _handing_over.get() else half
+
+
+def _note(half: mx.array, source: mx.array, act: Callable | None = None) -> mx.array:
     key = id(half)
 
     def forget(ref: weakref.ref) -> None:
@@ -202,13 +268,13 @@ def round_in_float32(
 
 
 def cast_input(x: mx.array, dtype: mx.Dtype) -> mx.array:
-    """``x.astype(dtype)`` for a layer's input under autocast; on the CPU a float32 ``x``
-    also gets its rounded values noted in float32, for the layer's float32 kernel."""
+    """``x.astype(dtype)`` for a sealed layer's input under autocast; on the CPU a float32
+    ``x`` also gets its rounded values noted in float32, for the layer's float32 kernel."""
     half = x.astype(dtype)
     if x.dtype == mx.float32 and mx.default_device().type is mx.cpu and (
         not _differentiating.get()
     ):
-        remember_float32(half, x)
+        _note(half, x)
     return half
 
 
@@ -219,7 +285,7 @@ def float32_of(half: mx.array) -> mx.array:
 
     >>> import mlx.core as mx
     >>> source = mx.array([1.00390625, -2.0])
-    >>> half = remember_float32(source.astype(mx.bfloat16), source)
+    >>> half = _note(source.astype(mx.bfloat16), source)
     >>> float32_of(half).tolist(), float32_of(half).dtype
     ([1.0, -2.0], mlx.core.float32)
     """

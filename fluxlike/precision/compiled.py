@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..modes import _differentiating
-from .state import compute_dtypes, device_index
+from .state import compute_dtypes, device_index, shapeless_trace
 
 
 def trace_key() -> tuple:
@@ -33,6 +33,10 @@ def compile(
     fn: Callable, *, inputs: Any = None, outputs: Any = None, shapeless: bool = False
 ) -> Callable:
     """Like ``mx.compile(fn, inputs, outputs, shapeless)``, with one trace per autocast state.
+
+    With ``shapeless=True`` the CPU's half-precision layers trace as plain casts around their
+    float32 kernels (same forward values; MLX cannot infer the output shapes of the custom
+    gradients they use otherwise, so ``mx.compile(shapeless=True)`` of them fails).
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, autocast, compile
@@ -54,7 +58,11 @@ def compile(
             # mx.compile caches traces by the identity of the Python function, so each
             # state gets its own function object.
             def trace(*args: Any, **kwargs: Any) -> Any:
-                return fn(*args, **kwargs)
+                token = shapeless_trace.set(shapeless)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    shapeless_trace.reset(token)
 
             compiled = traces[key] = mx.compile(
                 trace, inputs=inputs, outputs=outputs, shapeless=shapeless

@@ -40,7 +40,7 @@ import mlx.core as mx
 from .. import activations as _activations
 from ..modes import _differentiating
 from . import castcache
-from .state import HALF
+from .state import HALF, shapeless_trace
 
 _warned_float64: set[str] = set()
 _HALF = frozenset(HALF)
@@ -111,17 +111,26 @@ def linear(
     >>> y.shape, y.dtype
     ((2, 4), mlx.core.bfloat16)
     """
+    # The row-major custom gradients cannot be traced shapeless (MLX cannot infer their
+    # output shapes): there the plain ops are differentiated.
+    row_major = _differentiating.get() and not shapeless_trace.get()
     if bias is None:
         if emulates(x, weight):
             return _emulated_linear(act, x, weight)
-        y = _row_major_linear(x, weight) if _differentiating.get() else x @ weight.T
+        y = _row_major_linear(x, weight) if row_major else x @ weight.T
     elif emulates(x, weight, bias):
         return _emulated_linear(act, x, weight, bias)
-    elif _differentiating.get():
-        y = _row_major_affine(x, weight, bias)
     else:
-        y = mx.addmm(bias, x, weight.T)
+        y = _row_major_affine(x, weight, bias) if row_major else _affine(x, weight, bias)
     return y if act is None else act(y)
+
+
+def _affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
+    """``x @ weight.T + bias``: one ``addmm``, except in a shapeless trace, whose replay at
+    a smaller batch crashes in MLX 0.32's ``addmm`` (even for a bare ``nn.Linear``)."""
+    if shapeless_trace.get():
+        return x @ weight.T + bias
+    return mx.addmm(bias, x, weight.T)
 
 
 # MLX differentiates ``x @ weight.T`` into a column-major (transposed) weight gradient, and
@@ -190,7 +199,7 @@ def _emulated_linear(
     features = x.shape[-1]
     rows = x.size // features if features else 0
     step = max(64, CHUNK_BYTES // (4 * max(weight.shape)))
-    if x.ndim < 1 or rows <= step:
+    if x.ndim < 1 or rows <= step or shapeless_trace.get():
         return _activated(act, name)(x, weight, *bias)
     flat = x.reshape(rows, features)
     y = _in_float32_rows(name, step)(flat, weight, *bias).reshape(*x.shape[:-1], -1)
@@ -327,7 +336,7 @@ def _kernel(name: str, *options) -> Callable[..., mx.array]:
     if name == "linear":
         return lambda x, w: x @ w.T
     if name == "affine":
-        return lambda x, w, b: mx.addmm(b, x, w.T)
+        return _affine
     if name == "matmul":
         return lambda a, b: a @ b
     if name == "conv":
@@ -356,10 +365,11 @@ def _in_float32(
         raise ValueError(f"_in_float32: only relu is applied before rounding, got {act!r}")
     kernel = _kernel(name, *options)
 
-    @mx.custom_function
-    def forward(*operands: mx.array) -> mx.array:
+    def plain(*operands: mx.array) -> mx.array:
         y = kernel(*(a.astype(mx.float32) for a in operands))
         return (y if act is None else act(y)).astype(operands[0].dtype)
+
+    forward = mx.custom_function(plain)
 
     @forward.vjp
     def backward(operands: tuple, cotangent: mx.array, output: mx.array) -> tuple:
@@ -378,7 +388,9 @@ def _in_float32(
         grads[0] = mx.depends(grads[0], grads[1:])
         return tuple(grads)
 
-    return forward
+    # In a shapeless trace, differentiated through the casts: the same values and roughly the
+    # same gradients, without the saved half operands.
+    return lambda *operands: (plain if shapeless_trace.get() else forward)(*operands)
 
 
 def _activated(act: Callable[[mx.array], mx.array] | None, *options) -> Callable[..., mx.array]:

@@ -191,7 +191,8 @@ def _cast_all(cast: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[li
 
 
 def _down(plain, layer: nn.Module, dtype: mx.Dtype, args: tuple, kwargs: dict):
-    args, kwargs = _cast_all(_to(dtype, CASTABLE, castcache.cast_input), args, kwargs)
+    caster = castcache.cast_input if castcache.is_sealed(layer) else mx.array.astype
+    args, kwargs = _cast_all(_to(dtype, CASTABLE, caster), args, kwargs)
     return plain(half_view(layer, dtype), *args, **kwargs)
 
 

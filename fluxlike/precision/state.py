@@ -17,6 +17,10 @@ compute_dtypes: ContextVar[tuple[mx.Dtype | None, mx.Dtype | None]] = ContextVar
     "fluxlike_autocast", default=OFF
 )
 
+# Set while fluxlike.compile(..., shapeless=True) traces: custom functions (which MLX cannot
+# infer shapes of) and shape-dependent Python (row blocks) are left out of the graph then.
+shapeless_trace: ContextVar[bool] = ContextVar("fluxlike_shapeless_trace", default=False)
+
 HALF = (mx.float16, mx.bfloat16)
 CASTABLE = (mx.float32, mx.float16, mx.bfloat16)  # float64, integers and bool are never cast
 

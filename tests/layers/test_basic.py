@@ -430,3 +430,28 @@ class TestFlatten:
             flatten(mx.array(1.0))
         with pytest.raises(TypeError, match=r"\[flatten\] expected an mx.array"):
             flatten([[1.0]])
+
+
+def test_sizes_of_any_integer_type_are_stored_as_ints_but_bools_refused():
+    i64 = np.int64
+    layers = {
+        "Dense(4 => 3)  # 15 parameters": Dense(i64(4), i64(3)),
+        "Bilinear((2, 3) => 4)  # 28 parameters": Bilinear(i64(2), np.int32(3), np.uint8(4)),
+        "Scale(3)  # 6 parameters": Scale(i64(3)),
+        "Scale((2, 3))  # 12 parameters": Scale((i64(2), np.int16(3))),
+        "Embedding(10 => 4)  # 40 parameters": Embedding(i64(10), i64(4)),
+    }
+    for text, layer in layers.items():
+        assert repr(layer) == text
+        assert all(type(n) is int for n in layer.weight.shape)
+    assert Dense(i64(4), 3)(mx.ones((2, 4))).shape == (2, 3)
+    assert Embedding(i64(10), 2)(mx.array([9])).shape == (1, 2)
+    for bad in (True, False, np.bool_(True)):  # bools are integers to Python, not sizes
+        with pytest.raises(ValueError, match=r"\[Dense\] in_dims must be a positive integer"):
+            Dense(bad, 2)
+        with pytest.raises(ValueError, match=r"\[Bilinear\] out must be a positive integer"):
+            Bilinear(2, 2, bad)
+        with pytest.raises(ValueError, match=r"\[Scale\] size must be a positive integer"):
+            Scale((2, bad))
+        with pytest.raises(ValueError, match=r"\[Embedding\] vocab must be a positive integer"):
+            Embedding(bad, 2)

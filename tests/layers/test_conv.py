@@ -461,3 +461,33 @@ class TestConvTranspose:
                                              r"to nothing \(spatial size \(-1, 1\)\)"):
             layer(mx.ones((1, 1, 3, 3)))
         assert_unchanged(layer, before)
+
+
+def test_integer_arguments_of_any_type_are_stored_as_ints_but_bools_refused():
+    i64 = np.int64
+    conv = Conv((i64(3), np.int32(3)), i64(4), i64(6), stride=i64(2), padding=(i64(1), (0, i64(2))),
+                dilation=(1, np.uint8(2)), groups=i64(2))
+    assert repr(conv) == ("Conv((3, 3), 4 => 6, stride=2, pad=((1, 1), (0, 2)), dilation=(1, 2), "
+                          "groups=2)  # 114 parameters")
+    values = (conv.in_channels, conv.groups, *conv.kernel, *conv.stride, *conv.dilation,
+              *sum(conv.padding, ()), *conv.weight.shape)
+    assert all(type(v) is int for v in values)
+    assert conv(mx.ones((1, 7, 7, 4))).shape == (1, 4, 3, 6)
+    convt = ConvTranspose((i64(3),), i64(2), i64(4), stride=i64(2), padding=((i64(1), 0),),
+                          output_padding=i64(1))
+    assert repr(convt) == "ConvTranspose((3,), 2 => 4, stride=2, pad=((1, 0),), outpad=1)  " \
+                          "# 28 parameters"
+    assert all(type(v) is int for v in (*convt.output_padding, *convt.padding[0]))
+    with pytest.raises(TypeError, match=r"\[Conv\] kernel must be a tuple.*got 3; write \(3,\)"):
+        Conv(i64(3), 1, 1)
+    for bad in (True, np.bool_(True)):
+        with pytest.raises(ValueError, match=r"\[Conv\] in_channels must be a positive integer"):
+            Conv((3,), bad, 1)
+        with pytest.raises(ValueError, match=r"\[Conv\] kernel must hold positive integers"):
+            Conv((3, bad), 1, 1)
+        with pytest.raises(ValueError, match=r"\[Conv\] stride must be an int"):
+            Conv((3,), 1, 1, stride=bad)
+        with pytest.raises(ValueError, match=r"\[Conv\] padding must"):
+            Conv((3,), 1, 1, padding=(bad,))
+        with pytest.raises(ValueError, match=r"\[ConvTranspose\] output_padding must be an int"):
+            ConvTranspose((3,), 1, 1, stride=2, output_padding=bad)

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from mlx.utils import tree_flatten
 
-from fluxlike import Dense, autocast
+from fluxlike import Chain, Dense, autocast, gradient, relu
 from fluxlike import compile as fl_compile
 from fluxlike.precision.scope import _entries
 from fluxlike.precision.state import OFF, compute_dtypes
@@ -349,6 +350,29 @@ class TestCompile:
         assert dtypes == [mx.float32, F16, mx.float32, BF16, F16, mx.float32]
         with autocast(F16, device="gpu"):  # not this device's scope: the float32 trace
             assert forward(x).dtype == mx.float32
+
+    @pytest.mark.parametrize("dtype", [None, BF16, F16])
+    def test_shapeless_trace_replays_at_other_batch_sizes(self, dtype):
+        # custom gradients cannot be traced shapeless, and MLX's shapeless addmm crashed on
+        # a smaller batch: fluxlike traces plain ops there, with the same values
+        mx.random.seed(0)
+        model = Chain(Dense(16, 64, relu), Dense(64, 8))
+        mx.eval(model.parameters())
+
+        def grad(x):
+            return gradient(lambda m: (m(x) ** 2).mean(), model)[0]
+
+        forward = fl_compile(lambda x: model(x), shapeless=True)
+        compiled_grad = fl_compile(grad, shapeless=True)
+        with autocast(dtype, device="cpu", enabled=dtype is not None):
+            for rows in (200, 300, 100, 5):
+                x = mx.random.normal((rows, 16))
+                assert mx.array_equal(forward(x), model(x)).item()
+                fast, slow = compiled_grad(x), grad(x)
+                for (key, a), (_, b) in zip(tree_flatten(fast), tree_flatten(slow), strict=True):
+                    assert a.dtype == b.dtype == mx.float32
+                    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5,
+                                               err_msg=key)
 
 
 # --- state machine ------------------------------------------------------------------------
