@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..precision.state import HALF
 from .base import Layer
 from .conv import (
     check_fits,
@@ -30,6 +31,15 @@ from .conv import (
     same_padding,
     short,
 )
+
+
+def _mean(x: mx.array, axis: int | tuple[int, ...], keepdims: bool = False) -> mx.array:
+    """``mx.mean``, accumulating half precision in float32 and returning the input dtype."""
+    if x.dtype in HALF:
+        # MLX rounds the sum to the input dtype before dividing: a float16 sum overflows
+        # above 65504, a bfloat16 one loses digits.
+        return mx.mean(x.astype(mx.float32), axis=axis, keepdims=keepdims).astype(x.dtype)
+    return mx.mean(x, axis=axis, keepdims=keepdims)
 
 
 def sliding_windows(x: mx.array, window: Sequence[int], stride: Sequence[int]) -> mx.array:
@@ -128,7 +138,9 @@ class MaxPool(_WindowPool):
 class MeanPool(_WindowPool):
     """The mean over each window: ``MeanPool(window, *, stride=window, padding=0)``.
 
-    Padded entries count as zeros and the divisor is always the window's size.
+    Padded entries count as zeros and the divisor is always the window's size. Half
+    precision is summed in float32 (a float16 sum overflows above 65504) and the result
+    returned in the input dtype.
 
     >>> import mlx.core as mx
     >>> from fluxlike import MeanPool
@@ -147,7 +159,11 @@ class MeanPool(_WindowPool):
         return 0
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.mean(self._windows(x), axis=self._axes())
+        half = isinstance(x, mx.array) and x.dtype in HALF
+        # Sum half precision in float32 (see _mean); upcast before windowing, as overlapping
+        # windows are a view of the input but a copy of any result computed from them.
+        y = mx.mean(self._windows(x.astype(mx.float32) if half else x), axis=self._axes())
+        return y.astype(x.dtype) if half else y
 
 
 class _GlobalPool(Layer):
@@ -184,6 +200,8 @@ class GlobalMaxPool(_GlobalPool):
 class GlobalMeanPool(_GlobalPool):
     """The mean over all spatial axes, kept as size-1 axes: ``(N, H, W, C) -> (N, 1, 1, C)``.
 
+    Half precision is summed in float32 and the result returned in the input dtype.
+
     >>> import mlx.core as mx
     >>> from fluxlike import GlobalMeanPool
     >>> GlobalMeanPool()
@@ -192,7 +210,7 @@ class GlobalMeanPool(_GlobalPool):
     array([[[[3, 4]]]], dtype=float32)
     """
 
-    reduce = mx.mean
+    reduce = _mean
 
 
 class AdaptiveMeanPool(Layer):
@@ -201,7 +219,8 @@ class AdaptiveMeanPool(Layer):
     ``out_size`` is a tuple (its length chooses 1-, 2- or 3-D). Output index ``i`` along an
     axis of input size ``n`` and output size ``m`` averages the input range
     ``floor(i * n / m) : ceil((i + 1) * n / m)`` (PyTorch's formula; with ``n`` divisible by
-    ``m`` these are the ``n / m`` tiles). Runs in the input's dtype.
+    ``m`` these are the ``n / m`` tiles). Runs in the input's dtype (half precision sums in
+    float32).
 
     >>> import mlx.core as mx
     >>> from fluxlike import AdaptiveMeanPool
@@ -219,6 +238,9 @@ class AdaptiveMeanPool(Layer):
     def __call__(self, x: mx.array) -> mx.array:
         out_size = self["out_size"]  # by item: nn.Module.__getattr__ is slow
         check_input(x, len(out_size), "AdaptiveMeanPool", "pool")
+        half = x.dtype if x.dtype in HALF else None
+        if half is not None:  # sum in float32 (see _mean), and stay in it between the axes
+            x = x.astype(mx.float32)
         # A box mean is a mean along each axis in turn (the weights factorise).
         for axis, (n, m) in enumerate(zip(x.shape[1:-1], out_size, strict=True), start=1):
             if n == m:
@@ -233,7 +255,7 @@ class AdaptiveMeanPool(Layer):
                         keepdims=True)
                 for i in range(m)
             ], axis=axis)
-        return x
+        return x if half is None else x.astype(half)
 
     def signature(self) -> str:
         return f"AdaptiveMeanPool({self.out_size})"

@@ -14,6 +14,7 @@ from fluxlike import (
     MaxPool,
     MeanPool,
     autocast,
+    f16mix,
     flatten,
 )
 from fluxlike.precision.policy import policy_of
@@ -269,3 +270,89 @@ class TestAdaptiveMeanPool:
         with pytest.raises(ValueError, match=r"\[AdaptiveMeanPool\] expected input of shape "
                                              r"\(N, H, W, C\) for a 2-D pool, got shape \(9, 9\)"):
             AdaptiveMeanPool((4, 4))(mx.ones((9, 9)))
+
+
+# --- half precision: means accumulate in float32 ---------------------------------------------
+
+# (pool, numpy reference of its float64 result): MeanPool tiles, overlapping windows with
+# padding, GlobalMeanPool, and AdaptiveMeanPool's divisible and overlapping-box paths.
+HALF_MEANS = {
+    "MeanPool": (MeanPool((1000,)), lambda x: x.mean(1, keepdims=True)),
+    "MeanPool-overlap": (MeanPool((900,), stride=50, padding=1),
+                         lambda x: pool_reference(x, (900,), (50,), ((1, 1),), np.mean, 0.0)),
+    "GlobalMeanPool": (GlobalMeanPool(), lambda x: x.mean(1, keepdims=True)),
+    "AdaptiveMeanPool-tiles": (AdaptiveMeanPool((2,)), lambda x: adaptive_reference(x, (2,))),
+    "AdaptiveMeanPool-boxes": (AdaptiveMeanPool((3,)), lambda x: adaptive_reference(x, (3,))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HALF_MEANS))
+def test_float16_mean_does_not_overflow(name):
+    # 1000 values near 300: any float16 sum of more than ~220 of them passes 65504.
+    pool, reference = HALF_MEANS[name]
+    x = (300 + 10 * normal(2, 1000, 3)).astype(mx.float16)
+    y = pool(x)
+    assert y.dtype == mx.float16
+    expected = reference(np64(x))
+    assert np.isfinite(np64(y)).all()
+    np.testing.assert_allclose(np64(y), expected, rtol=2**-10)  # within float16 rounding
+    np.testing.assert_allclose(np64(y), np64(pool(x.astype(mx.float32))), rtol=2**-10)
+    # The float32 accumulation keeps the gradient: d sum(pool(x)) / dx in float16.
+    grad = mx.grad(lambda v: mx.sum(pool(v).astype(mx.float32)))(x)
+    assert grad.dtype == mx.float16
+    with mx.stream(mx.cpu):
+        ones = mx.ones(x.shape, dtype=mx.float64)
+        grad64 = mx.grad(lambda v: mx.sum(pool(v)))(ones)
+    np.testing.assert_allclose(np64(grad), np64(grad64), rtol=2**-10)
+
+
+# (pool, input length) whose windows or boxes hold a count of ones (1500, 1501, 3000) that
+# MLX's bfloat16 mean gets wrong: it rounds the sum to bfloat16 (3000 -> 3008) before dividing.
+BFLOAT16_MEANS = {
+    "MeanPool": (MeanPool((1500,)), 3000),
+    "MeanPool-overlap": (MeanPool((1500,), stride=300), 3000),
+    "GlobalMeanPool": (GlobalMeanPool(), 3000),
+    "AdaptiveMeanPool-tiles": (AdaptiveMeanPool((2,)), 3000),
+    "AdaptiveMeanPool-boxes": (AdaptiveMeanPool((2,)), 3001),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BFLOAT16_MEANS))
+def test_bfloat16_mean_is_correctly_rounded(name):
+    pool, length = BFLOAT16_MEANS[name]
+    y = pool(mx.ones((1, length, 2), dtype=mx.bfloat16))
+    assert y.dtype == mx.bfloat16
+    assert set(np64(y).reshape(-1).tolist()) == {1.0}  # not 1.0078125
+
+
+def test_float16_global_mean_under_autocast_and_f16mix_is_finite():
+    # The reviewer's case: a 56x56 feature map of 25s through a float16 Conv (sum 78400).
+    eye = lambda shape: mx.eye(8).reshape(shape)  # noqa: E731
+    model = Chain(Conv((1, 1), 8, 8, init=eye), GlobalMeanPool(), flatten)
+    x = mx.full((2, 56, 56, 8), 25.0)
+    with autocast(mx.float16, device="cpu"):
+        y = model(x)
+    assert y.dtype == mx.float16 and np64(y).tolist() == [[25.0] * 8] * 2
+    y = f16mix(model)(x)
+    assert y.dtype == mx.float16 and np64(y).tolist() == [[25.0] * 8] * 2
+
+
+def test_integer_arguments_of_any_type_and_no_bools():
+    i64 = np.int64
+    pool = MaxPool((i64(2), np.int32(2)), stride=i64(1), padding=(i64(1), (np.uint8(0), 1)))
+    assert repr(pool) == "MaxPool((2, 2), stride=1, pad=((1, 1), (0, 1)))"
+    assert all(type(v) is int for v in (*pool.window, *pool.stride, *sum(pool.padding, ())))
+    assert repr(MeanPool((i64(3),), padding=i64(1))) == "MeanPool((3,), pad=1)"
+    assert repr(AdaptiveMeanPool((i64(4), i64(2)))) == "AdaptiveMeanPool((4, 2))"
+    assert type(AdaptiveMeanPool((i64(4),)).out_size[0]) is int
+    with pytest.raises(TypeError, match=r"\[MeanPool\] window must be a tuple.*got 2; write "
+                                        r"\(2,\) for 1-D"):
+        MeanPool(i64(2))
+    with pytest.raises(ValueError, match=r"\[MaxPool\] window must hold positive integers"):
+        MaxPool((True, 2))
+    with pytest.raises(ValueError, match=r"\[MaxPool\] stride must be an int"):
+        MaxPool((2,), stride=np.bool_(True))
+    with pytest.raises(ValueError, match=r"\[MeanPool\] padding must"):
+        MeanPool((2,), padding=((True, 0),))
+    with pytest.raises(ValueError, match=r"\[AdaptiveMeanPool\] out_size must hold positive"):
+        AdaptiveMeanPool((2, False))
