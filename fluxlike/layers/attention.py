@@ -14,7 +14,8 @@ from ..precision import castcache, ops
 from ..precision.policy import autocast_policy
 from ..precision.state import HALF
 from .base import Layer, signature_of
-from .basic import Dense, check_size
+from .basic import Dense
+from .checks import check_active, check_flag, check_real, check_size, checked_init
 
 Mask = mx.array | str | None
 
@@ -85,10 +86,10 @@ class MultiHeadAttention(Layer):
     """Multi-head scaled dot-product attention, as in "Attention Is All You Need".
 
     ``MultiHeadAttention(dims, nheads, *, bias=False, dropout=0.0, kdims=None, vdims=None,
-    init=glorot_uniform)``: the children ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj``
-    are :class:`~fluxlike.Dense` layers ``dims => dims``, ``kdims => dims``, ``vdims => dims``
-    and ``dims => dims`` (``kdims`` defaults to ``dims``, ``vdims`` to ``kdims``); ``dims`` must
-    be a multiple of ``nheads``.
+    init=glorot_uniform, active=None)``: the children ``q_proj``, ``k_proj``, ``v_proj`` and
+    ``out_proj`` are :class:`~fluxlike.Dense` layers ``dims => dims``, ``kdims => dims``,
+    ``vdims => dims`` and ``dims => dims`` (``kdims`` defaults to ``dims``, ``vdims`` to
+    ``kdims``); ``dims`` must be a multiple of ``nheads``.
 
     ``mha(q, k=None, v=None, *, mask=None, return_weights=False)``: ``q`` is
     ``(batch, Lq, dims)``, ``k`` is ``(batch, Lk, kdims)`` (default ``q``: self-attention) and
@@ -105,8 +106,9 @@ class MultiHeadAttention(Layer):
 
     and an array mask must broadcast to ``(batch, nheads, Lq, Lk)``. Attention dropout with
     probability ``dropout`` is applied to the weights only in training mode (see
-    :func:`fluxlike.modes.is_active`; attribute ``active``), computing the softmax explicitly
-    in float32; otherwise the core is MLX's fused ``scaled_dot_product_attention``.
+    :func:`fluxlike.modes.is_active`; ``active=None`` decides automatically, ``True`` or
+    ``False`` fixes the mode, as for :class:`~fluxlike.Dropout`), computing the softmax
+    explicitly in float32; otherwise the core is MLX's fused ``scaled_dot_product_attention``.
 
     >>> import mlx.core as mx
     >>> from fluxlike import MultiHeadAttention
@@ -119,6 +121,8 @@ class MultiHeadAttention(Layer):
     >>> out, weights = mha(x, mx.ones((2, 6, 64)), return_weights=True)
     >>> weights.shape
     (2, 8, 10, 6)
+    >>> MultiHeadAttention(64, 8, dropout=0.1, active=False)
+    MultiHeadAttention(64, nheads=8, dropout=0.1, active=False)  # 16_384 parameters
     """
 
     def __init__(
@@ -131,22 +135,25 @@ class MultiHeadAttention(Layer):
         kdims: int | None = None,
         vdims: int | None = None,
         init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
+        active: bool | None = None,
     ):
         super().__init__()
         name = "MultiHeadAttention"
-        check_size(dims, name, "dims")
-        check_size(nheads, name, "nheads")
+        dims = check_size(dims, name, "dims")
+        nheads = check_size(nheads, name, "nheads")
         kdims = dims if kdims is None else check_size(kdims, name, "kdims")
         vdims = kdims if vdims is None else check_size(vdims, name, "vdims")
         if dims % nheads:
             raise ValueError(f"[{name}] dims={dims} must be divisible by nheads={nheads}; "
                              f"choose nheads among the divisors of {dims}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
-                or not 0 <= dropout < 1:
-            raise ValueError(f"[{name}] dropout must be a probability in [0, 1), got {dropout!r}")
+        dropout = check_real(dropout, name, "dropout", lambda v: 0 <= v < 1,
+                             "a probability in [0, 1)")
+        bias = check_flag(bias, name, "bias")
+        active = check_active(active, name)
+        init = checked_init(init, name)  # an init error names this layer, not its Dense
         self.nheads = nheads
-        self.dropout = float(dropout)
-        self.active: bool | None = None
+        self.dropout = dropout
+        self.active = active
         self.q_proj = Dense(dims, dims, bias=bias, init=init)
         self.k_proj = Dense(kdims, dims, bias=bias, init=init)
         self.v_proj = Dense(vdims, dims, bias=bias, init=init)
@@ -192,9 +199,15 @@ class MultiHeadAttention(Layer):
             features = proj["weight"].shape[1]
             if not isinstance(x, mx.array):
                 raise TypeError(f"[{name}] expected an mx.array {what}, got {type(x).__name__}")
+            if not mx.issubdtype(x.dtype, mx.floating):
+                raise TypeError(f"[{name}] expected a floating-point {what}, got {x.dtype}; "
+                                f"convert it first, e.g. x.astype(mx.float32)")
             if x.ndim != 3 or x.shape[-1] != features:
                 raise ValueError(f"[{name}] expected {what} of shape (batch, length, "
                                  f"{features}), got shape {tuple(x.shape)}")
+            if x.shape[1] == 0:
+                raise ValueError(f"[{name}] expected a {what} of length at least 1, got shape "
+                                 f"{tuple(x.shape)}")
         q, k, v = qkv
         if not q.shape[0] == k.shape[0] == v.shape[0]:
             raise ValueError(f"[{name}] query, key and value must have one batch size, got "
@@ -234,4 +247,6 @@ class MultiHeadAttention(Layer):
             options["kdims"] = kdims
         if vdims != kdims:
             options["vdims"] = vdims
+        if self.active is not None:
+            options["active"] = self.active
         return signature_of([str(dims)], "MultiHeadAttention", **options)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -15,31 +14,7 @@ from ..precision import castcache, ops
 from ..precision.policy import autocast_policy
 from ..precision.state import OFF, compute_dtypes
 from .base import Layer, signature_of
-
-
-def is_int(value: Any) -> bool:
-    """Whether ``value`` is an integer of any type (``int``, ``np.int64``, ...) but no bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_size(value: Any, layer: str, name: str) -> int:
-    """``value`` as a positive Python int, or a ``ValueError`` naming the layer and argument.
-
-    Callers store the result (not ``value``): a numpy integer would show in reprs."""
-    if not is_int(value) or value < 1:
-        raise ValueError(f"[{layer}] {name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def check_features(x: Any, expected: int, layer: str, axis: int = -1) -> None:
-    """Raise unless ``x`` is an array with ``expected`` entries on ``axis``."""
-    if not isinstance(x, mx.array):
-        raise TypeError(f"[{layer}] expected an mx.array input, got {type(x).__name__}")
-    if x.ndim == 0 or x.shape[axis] != expected:
-        raise ValueError(
-            f"[{layer}] expected input with {expected} features on axis {axis}, "
-            f"got shape {tuple(x.shape)}"
-        )
+from .checks import check_features, check_flag, check_size, initialise, is_int
 
 
 class _Container(Layer):
@@ -85,14 +60,21 @@ class _Container(Layer):
                 return layers[index]
             if index in self.keys():
                 return dict.__getitem__(self, index)
-            raise KeyError(f"[{type(self).__name__}] no layer named {index!r}")
+            names = f"the names are {list(layers)}" if isinstance(layers, dict) \
+                else "its layers are given by position: index them by number"
+            raise KeyError(f"[{type(self).__name__}] no layer named {index!r}; {names}")
         items = self._items()
         if isinstance(index, slice):
             chosen = items[index]
             if isinstance(self.layers, dict):
                 return self._sliced(**dict(chosen))
             return self._sliced(*(layer for _, layer in chosen))
-        return items[index][1]
+        try:
+            return items[index][1]
+        except IndexError:
+            count = f"{len(items)} layer" + ("" if len(items) == 1 else "s")
+            raise IndexError(f"[{type(self).__name__}] index {index} out of range for "
+                             f"{count}") from None
 
 
 class Chain(_Container):
@@ -168,8 +150,9 @@ class Dense(Layer):
         super().__init__()
         in_dims = check_size(in_dims, "Dense", "in_dims")
         out_dims = check_size(out_dims, "Dense", "out_dims")
+        bias = check_flag(bias, "Dense", "bias")
         self.act = resolve(act, "Dense")
-        self.weight = init((out_dims, in_dims))
+        self.weight = initialise(init, (out_dims, in_dims), "Dense")
         self.bias = mx.zeros((out_dims,)) if bias else None
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -269,8 +252,9 @@ class Bilinear(Layer):
         super().__init__()
         in1, in2, out = (check_size(value, "Bilinear", name)
                          for name, value in (("in1", in1), ("in2", in2), ("out", out)))
+        bias = check_flag(bias, "Bilinear", "bias")
         self.act = resolve(act, "Bilinear")
-        self.weight = init((out, in1, in2))
+        self.weight = initialise(init, (out, in1, in2), "Bilinear")
         self.bias = mx.zeros((out,)) if bias else None
 
     def __call__(self, x1: mx.array | tuple[mx.array, mx.array], x2: mx.array | None = None):
@@ -349,8 +333,9 @@ class Scale(Layer):
                 f"[Scale] size must be a positive integer or a tuple of them, got {size!r}"
             )
         shape = tuple(check_size(value, "Scale", "size") for value in shape)
+        bias = check_flag(bias, "Scale", "bias")
         self.act = resolve(act, "Scale")
-        self.weight = init(shape)
+        self.weight = initialise(init, shape, "Scale")
         self.bias = mx.zeros(shape) if bias else None
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -509,7 +494,7 @@ class Embedding(Layer):
         super().__init__()
         vocab = check_size(vocab, "Embedding", "vocab")
         dims = check_size(dims, "Embedding", "dims")
-        self.weight = init((vocab, dims))
+        self.weight = initialise(init, (vocab, dims), "Embedding")
 
     def __call__(self, x: mx.array) -> mx.array:
         if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.integer):

@@ -29,7 +29,7 @@ from ..init import glorot_uniform
 from ..precision import castcache, ops
 from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
-from .basic import check_size, is_int
+from .checks import check_flag, check_size, initialise, is_int
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -203,9 +203,12 @@ class _ConvBase(Layer):
 
     def _make_parameters(self, kernel: tuple[int, ...], out_channels: int, bias: bool,
                          init: Callable) -> None:
+        name = type(self).__name__
+        bias = check_flag(bias, name, "bias")
         # int(): out_channels comes from the caller unconverted (validated by _setup)
-        self.weight = init((int(out_channels), *kernel, self.in_channels // self.groups))
-        self.bias = mx.zeros((out_channels,)) if bias else None
+        shape = (int(out_channels), *kernel, self.in_channels // self.groups)
+        self.weight = initialise(init, shape, name)
+        self.bias = mx.zeros((int(out_channels),)) if bias else None
 
     @property
     def kernel(self) -> tuple[int, ...]:
@@ -237,7 +240,8 @@ class Conv(_ConvBase):
     ``(out_channels, *kernel, in_channels // groups)``, ``bias`` ``(out_channels,)`` or
     ``None``. ``stride`` and ``dilation`` are an int or one per dim; ``padding`` as in the
     module docstring (``"same"``: output size ``ceil(input / stride)``). Under
-    :func:`~fluxlike.autocast` it computes in the scope's dtype.
+    :func:`~fluxlike.autocast` it computes in the scope's dtype. The repr uses Flux's
+    keyword names: ``pad=`` for ``padding``.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Conv, relu
@@ -306,7 +310,8 @@ class ConvTranspose(_ConvBase):
     ``(n - 1) * stride + dilation * (k - 1) + 1 - lo - hi + output_padding``.
     ``padding`` takes the same forms as ``Conv``'s; ``"same"`` makes the output exactly
     ``input * stride`` (and picks ``output_padding`` itself). ``weight`` has shape
-    ``(out_channels, *kernel, in_channels // groups)``, as in MLX.
+    ``(out_channels, *kernel, in_channels // groups)``, as in MLX. The repr uses Flux's
+    keyword names: ``pad=`` for ``padding``, ``outpad=`` for ``output_padding``.
 
     >>> import mlx.core as mx
     >>> from fluxlike import ConvTranspose
@@ -317,6 +322,8 @@ class ConvTranspose(_ConvBase):
     (2, 9, 9, 1)
     >>> ConvTranspose((4, 4), 8, 4, stride=2, padding="same")(mx.ones((2, 7, 7, 8))).shape
     (2, 14, 14, 4)
+    >>> ConvTranspose((3,), 2, 2, stride=2, padding=1, output_padding=1)
+    ConvTranspose((3,), 2 => 2, stride=2, pad=1, outpad=1)  # 14 parameters
     """
 
     kind = "transposed convolution"

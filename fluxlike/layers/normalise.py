@@ -2,9 +2,19 @@
 
 Channels last: the channel axis is the input's last axis. The norm layers have the "fp32"
 precision policy: statistics and affine are computed in at least float32 (half-precision
-input is cast up, float64 stays float64) and the result is cast back to the input dtype, so
-a half-precision model (``f16mix``) can keep their parameters in float32. Inside an
-:func:`~fluxlike.autocast` scope the input arrives already cast up and the output is float32.
+input and parameters are cast up, float64 stays float64) and the result is cast back to the
+input dtype. Inside an :func:`~fluxlike.autocast` scope the input arrives already cast up and
+the output is float32.
+
+Storage: ``f16mix``/``bf16mix`` keep the parameters and running statistics of ``BatchNorm``,
+``InstanceNorm`` and ``GroupNorm`` in float32 (``keep_float32``); ``LayerNorm`` and
+``RMSNorm`` are converted with the rest of the model (their half-precision weights are cast
+up for the computation, which still runs in float32).
+
+>>> from fluxlike import BatchNorm, Chain, LayerNorm, f16mix
+>>> half = f16mix(Chain(BatchNorm(4), LayerNorm(4)))
+>>> half[0].weight.dtype, half[1].weight.dtype
+(mlx.core.float32, mlx.core.float16)
 
 ``BatchNorm``, ``InstanceNorm`` and ``Dropout`` depend on the train/test mode (see
 :mod:`fluxlike.modes`): active inside gradient computations, inactive elsewhere, unless fixed
@@ -24,42 +34,26 @@ from ..modes import is_active
 from ..precision.convert import keep_float32
 from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
-from .basic import check_size
+from .checks import check_active, check_flag, check_real, check_size, is_int
 
 Dims = int | tuple[int, ...]
 
 
-def _check_number(
-    value: Any, layer: str, name: str, ok: Callable[[float], bool], want: str
-) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"[{layer}] {name} must be {want}, got {value!r}")
-    return float(value)
-
-
 def _check_eps(eps: Any, layer: str) -> float:
-    return _check_number(eps, layer, "eps", lambda v: 0 < v < math.inf, "a positive number")
+    return check_real(eps, layer, "eps", lambda v: 0 < v < math.inf, "a positive number")
 
 
 def _check_momentum(momentum: Any, layer: str) -> float:
-    return _check_number(momentum, layer, "momentum", lambda v: 0 <= v <= 1, "in [0, 1]")
-
-
-def _check_active(active: Any, layer: str) -> bool | None:
-    if active is not None and not isinstance(active, bool):
-        raise ValueError(f"[{layer}] active must be True, False or None, got {active!r}")
-    return active
+    return check_real(momentum, layer, "momentum", lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def _check_dims(dims: Any, layer: str, name: str = "dims") -> tuple[int, ...]:
-    """A positive int or a non-empty tuple of them, as a tuple."""
-    shape = (dims,) if isinstance(dims, int) and not isinstance(dims, bool) else dims
+    """A positive int or a non-empty tuple of them, as a tuple of Python ints."""
+    shape = (dims,) if is_int(dims) else dims
     if not isinstance(shape, tuple) or not shape:
         raise ValueError(f"[{layer}] {name} must be a positive integer or a tuple of them, "
                          f"got {dims!r}")
-    for size in shape:
-        check_size(size, layer, name)
-    return shape
+    return tuple(check_size(size, layer, name) for size in shape)
 
 
 def _check_input(x: Any, layer: str, trailing: tuple[int, ...], min_ndim: int, form: str) -> None:
@@ -163,11 +157,14 @@ class _RunningNorm(_Norm):
                  affine: bool, track_stats: bool, active: bool | None):
         super().__init__()
         name = type(self).__name__
-        self.channels = check_size(channels, name, "channels")
+        channels = check_size(channels, name, "channels")
+        affine = check_flag(affine, name, "affine")
+        track_stats = check_flag(track_stats, name, "track_stats")
+        self.channels = channels
         self.act = resolve(act, name)
         self.momentum = _check_momentum(momentum, name)
         self.eps = _check_eps(eps, name)
-        self.active = _check_active(active, name)
+        self.active = check_active(active, name)
         self._init_affine((channels,), affine)
         self.running_mean = mx.zeros((channels,)) if track_stats else None
         self.running_var = mx.ones((channels,)) if track_stats else None
@@ -348,8 +345,9 @@ class GroupNorm(_Norm):
         eps: float = 1e-5,
     ):
         super().__init__()
-        check_size(channels, "GroupNorm", "channels")
-        check_size(groups, "GroupNorm", "groups")
+        channels = check_size(channels, "GroupNorm", "channels")
+        groups = check_size(groups, "GroupNorm", "groups")
+        affine = check_flag(affine, "GroupNorm", "affine")
         if channels % groups:
             raise ValueError(f"[GroupNorm] channels ({channels}) must be divisible by groups "
                              f"({groups})")
@@ -382,9 +380,10 @@ class _LastAxesNorm(_Norm):
 
     def _setup(self, dims: Dims, affine: bool, eps: float, bias: bool) -> None:
         name = type(self).__name__
-        self.dims = _check_dims(dims, name)
-        self.eps = _check_eps(eps, name)
-        self._init_affine(self.dims, affine, bias)
+        dims, eps = _check_dims(dims, name), _check_eps(eps, name)
+        affine = check_flag(affine, name, "affine")
+        self.dims, self.eps = dims, eps
+        self._init_affine(dims, affine, bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         dims = self["dims"]
@@ -468,7 +467,8 @@ class Dropout(Layer):
     """Inverted dropout: when active, zero each entry with probability ``p`` and scale the
     rest by ``1 / (1 - p)``; when inactive, the identity.
 
-    ``Dropout(p, *, dims=None, active=None)``: ``p`` in ``[0, 1)``. ``dims`` (an axis or a
+    ``Dropout(p, *, dims=None, active=None)``: ``p`` in ``[0, 1]`` (``p=1`` zeroes everything,
+    as in Flux and PyTorch, and passes zero gradients back). ``dims`` (an axis or a
     tuple of axes, negative allowed) restricts which axes get independent draws: the mask is
     shared (broadcast) along every other axis, e.g. ``dims=(0, -1)`` on ``NHWC`` input drops
     whole channels of each sample. Active only inside gradient computations or under
@@ -492,15 +492,14 @@ class Dropout(Layer):
     def __init__(self, p: float, *, dims: int | tuple[int, ...] | None = None,
                  active: bool | None = None):
         super().__init__()
-        self.p = _check_number(p, "Dropout", "p", lambda v: 0 <= v < 1, "a probability in [0, 1)")
-        axes = (dims,) if isinstance(dims, int) else dims
-        ok = dims is None or (isinstance(axes, tuple) and all(
-            isinstance(d, int) and not isinstance(d, bool) for d in axes))
-        if not ok:
+        self.p = check_real(p, "Dropout", "p", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+        axes = (dims,) if is_int(dims) else dims
+        if dims is not None and not (isinstance(axes, tuple) and all(map(is_int, axes))):
             raise ValueError(f"[Dropout] dims must be None, an axis or a tuple of axes, "
                              f"got {dims!r}")
-        self.dims = dims
-        self.active = _check_active(active, "Dropout")
+        # Plain ints: a numpy integer would show in the repr.
+        self.dims = int(dims) if is_int(dims) else None if dims is None else tuple(map(int, dims))
+        self.active = check_active(active, "Dropout")
 
     def _mask_shape(self, x: mx.array) -> tuple[int, ...]:
         if self.dims is None:
@@ -517,6 +516,8 @@ class Dropout(Layer):
         shape = self._mask_shape(x)
         if self.p == 0 or not is_active(self):
             return x
+        if self.p == 1:  # everything dropped: no 1 / (1 - p); zero gradients
+            return mx.zeros_like(x)
         keep = mx.random.bernoulli(1 - self.p, shape)
         return mx.where(keep, x * (1 / (1 - self.p)), mx.zeros((), dtype=x.dtype))
 

@@ -42,6 +42,19 @@ def _mean(x: mx.array, axis: int | tuple[int, ...], keepdims: bool = False) -> m
     return mx.mean(x, axis=axis, keepdims=keepdims)
 
 
+def check_nonempty(x: mx.array, layer: str) -> None:
+    """Raise unless every spatial axis of ``x`` (all but the first and last) has entries: a
+    pool over nothing would be NaN (mean) or ``-inf`` (max), or an MLX error.
+
+    >>> import mlx.core as mx
+    >>> check_nonempty(mx.ones((2, 0, 3)), "GlobalMaxPool")
+    Traceback (most recent call last):
+    ValueError: [GlobalMaxPool] expected non-empty spatial axes, got shape (2, 0, 3)
+    """
+    if 0 in x.shape[1:-1]:
+        raise ValueError(f"[{layer}] expected non-empty spatial axes, got shape {tuple(x.shape)}")
+
+
 def sliding_windows(x: mx.array, window: Sequence[int], stride: Sequence[int]) -> mx.array:
     """The ``(N, *out, *window, C)`` windows of an ``(N, *spatial, C)`` array, without copies
     where the windows tile the input."""
@@ -91,6 +104,7 @@ class _WindowPool(Layer):
         # By item: self.window would go through nn.Module.__getattr__, which is slow.
         window, padding = self["window"], self["padding"]
         check_input(x, len(window), name, "pool")
+        check_nonempty(x, name)
         check_fits(x, window, padding, name, "window")
         if any(lo or hi for lo, hi in padding):
             x = mx.pad(x, [(0, 0), *padding, (0, 0)], constant_values=self.pad_value(x.dtype))
@@ -167,7 +181,8 @@ class MeanPool(_WindowPool):
 
 
 class _GlobalPool(Layer):
-    """A reduction (the subclass's ``reduce``) over every spatial axis, keeping them."""
+    """A reduction (the subclass's ``reduce``) over every spatial axis, keeping them; any
+    number of spatial axes (at least one, none empty)."""
 
     reduce: Callable[..., mx.array]
 
@@ -177,14 +192,17 @@ class _GlobalPool(Layer):
             raise TypeError(f"[{name}] expected an mx.array input, got {type(x).__name__}")
         if x.ndim < 3:
             raise ValueError(
-                f"[{name}] expected input of shape (N, *spatial, C) with 1 to 3 spatial axes, "
-                f"got shape {tuple(x.shape)}"
+                f"[{name}] expected input of shape (N, *spatial, C) with at least one spatial "
+                f"axis, got shape {tuple(x.shape)}"
             )
+        check_nonempty(x, name)
         return type(self).reduce(x, axis=tuple(range(1, x.ndim - 1)), keepdims=True)
 
 
 class GlobalMaxPool(_GlobalPool):
     """The maximum over all spatial axes, kept as size-1 axes: ``(N, H, W, C) -> (N, 1, 1, C)``.
+
+    Any number of spatial axes, at least one (``(N, L, C) -> (N, 1, C)`` too); none empty.
 
     >>> import mlx.core as mx
     >>> from fluxlike import GlobalMaxPool
@@ -199,6 +217,8 @@ class GlobalMaxPool(_GlobalPool):
 
 class GlobalMeanPool(_GlobalPool):
     """The mean over all spatial axes, kept as size-1 axes: ``(N, H, W, C) -> (N, 1, 1, C)``.
+
+    Any number of spatial axes, at least one (``(N, L, C) -> (N, 1, C)`` too); none empty.
 
     Half precision is summed in float32 and the result returned in the input dtype.
 
@@ -238,6 +258,7 @@ class AdaptiveMeanPool(Layer):
     def __call__(self, x: mx.array) -> mx.array:
         out_size = self["out_size"]  # by item: nn.Module.__getattr__ is slow
         check_input(x, len(out_size), "AdaptiveMeanPool", "pool")
+        check_nonempty(x, "AdaptiveMeanPool")
         half = x.dtype if x.dtype in HALF else None
         if half is not None:  # sum in float32 (see _mean), and stay in it between the axes
             x = x.astype(mx.float32)

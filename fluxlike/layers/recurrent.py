@@ -19,7 +19,7 @@ from ..init import glorot_uniform
 from ..precision import ops
 from ..precision.policy import autocast_policy, compute_view
 from .base import Layer, act_name, signature_of
-from .basic import check_features, check_size
+from .checks import check_features, check_flag, check_size, checked_init, initialise
 
 State = mx.array | tuple[mx.array, mx.array]
 Init = Callable[[tuple[int, ...]], mx.array]
@@ -43,11 +43,12 @@ class _Cell(Layer):
     def __init__(self, in_dims: int, out_dims: int, bias: bool, init: Init):
         super().__init__()
         name = type(self).__name__
-        check_size(in_dims, name, "in_dims")
-        check_size(out_dims, name, "out_dims")
+        in_dims = check_size(in_dims, name, "in_dims")
+        out_dims = check_size(out_dims, name, "out_dims")
+        bias = check_flag(bias, name, "bias")
         rows = self.gates * out_dims
-        self.weight_ih = init((rows, in_dims))
-        self.weight_hh = init((rows, out_dims))
+        self.weight_ih = initialise(init, (rows, in_dims), name)
+        self.weight_hh = initialise(init, (rows, out_dims), name)
         self.bias_ih = mx.zeros((rows,)) if bias else None
         self.bias_hh = mx.zeros((rows,)) if bias else None
 
@@ -123,9 +124,9 @@ class RNNCell(_Cell):
         h' = act(x @ weight_ih.T + bias_ih + h @ weight_hh.T + bias_hh)
 
     ``RNNCell(in_dims, out_dims, act=tanh, *, bias=True, init=glorot_uniform)``; the call
-    ``cell(x, h=None)`` takes ``x`` of shape ``(batch, in_dims)`` (or ``(in_dims,)``) and the
-    hidden state ``h`` of shape ``(batch, out_dims)`` (zeros when ``None``) and returns the new
-    ``h``. :class:`RNN` runs it over a sequence.
+    ``cell(x, state=None)`` takes ``x`` of shape ``(batch, in_dims)`` (or ``(in_dims,)``) and
+    the hidden state ``h`` of shape ``(batch, out_dims)`` (zeros when ``None``) and returns the
+    new ``h``. :class:`RNN` runs it over a sequence.
 
     >>> import mlx.core as mx
     >>> from fluxlike import RNNCell
@@ -133,7 +134,7 @@ class RNNCell(_Cell):
     >>> cell
     RNNCell(3 => 5, tanh)  # 50 parameters
     >>> h = cell(mx.ones((2, 3)))
-    >>> cell(mx.ones((2, 3)), h).shape
+    >>> cell(mx.ones((2, 3)), state=h).shape
     (2, 5)
     """
 
@@ -168,9 +169,10 @@ class LSTMCell(_Cell):
         c' = sigmoid(f) * c + sigmoid(i) * tanh(g)
         h' = sigmoid(o) * tanh(c')
 
-    ``LSTMCell(in_dims, out_dims, *, bias=True, init=glorot_uniform)``; ``cell(x, (h, c)=None)``
-    takes ``x`` of shape ``(batch, in_dims)`` (or ``(in_dims,)``) and returns the new state
-    ``(h, c)``, each of shape ``(batch, out_dims)``. :class:`LSTM` runs it over a sequence.
+    ``LSTMCell(in_dims, out_dims, *, bias=True, init=glorot_uniform)``; ``cell(x, state=None)``
+    takes ``x`` of shape ``(batch, in_dims)`` (or ``(in_dims,)``) and the state ``(h, c)``, each
+    of shape ``(batch, out_dims)`` (zeros when ``None``), and returns the new ``(h, c)``.
+    :class:`LSTM` runs it over a sequence.
 
     >>> import mlx.core as mx
     >>> from fluxlike import LSTMCell
@@ -178,7 +180,7 @@ class LSTMCell(_Cell):
     >>> cell
     LSTMCell(3 => 5)  # 200 parameters
     >>> h, c = cell(mx.ones((2, 3)))
-    >>> h, c = cell(mx.ones((2, 3)), (h, c))
+    >>> h, c = cell(mx.ones((2, 3)), state=(h, c))
     >>> h.shape, c.shape
     ((2, 5), (2, 5))
     """
@@ -202,8 +204,10 @@ class LSTMCell(_Cell):
         if state is None:
             return
         if not isinstance(state, (tuple, list)) or len(state) != 2:
-            raise TypeError(f"[{layer}] state must be a pair (h, c) of arrays of shape {shape}, "
-                            f"got {type(state).__name__}")
+            got = f"a {type(state).__name__} of length {len(state)}" \
+                if isinstance(state, (tuple, list)) else type(state).__name__
+            raise TypeError(f"[{layer}] state must be a pair (h, c), each of shape "
+                            f"(batch, hidden) = {shape}, got {got}")
         _check_array_state(state[0], shape, layer, "h")
         _check_array_state(state[1], shape, layer, "c")
 
@@ -227,9 +231,10 @@ class GRUCell(_Cell):
         n = tanh(W_in x + b_in + r * (W_hn h + b_hn))
         h' = (1 - z) * n + z * h
 
-    ``GRUCell(in_dims, out_dims, *, bias=True, init=glorot_uniform)``; ``cell(x, h=None)``
-    takes ``x`` of shape ``(batch, in_dims)`` (or ``(in_dims,)``) and returns the new ``h`` of
-    shape ``(batch, out_dims)``. :class:`GRU` runs it over a sequence.
+    ``GRUCell(in_dims, out_dims, *, bias=True, init=glorot_uniform)``; ``cell(x, state=None)``
+    takes ``x`` of shape ``(batch, in_dims)`` (or ``(in_dims,)``) and the hidden state ``h`` of
+    shape ``(batch, out_dims)`` (zeros when ``None``) and returns the new ``h``. :class:`GRU`
+    runs it over a sequence.
 
     >>> import mlx.core as mx
     >>> from fluxlike import GRUCell
@@ -256,14 +261,25 @@ class GRUCell(_Cell):
 
 
 class _Recurrent(Layer):
-    """A cell run over the time axis of ``(batch, time, features)`` or ``(time, features)``."""
+    """A cell run over the time axis of ``(batch, time, features)`` or ``(time, features)``.
 
-    def __init__(self, cell: _Cell, return_state: bool):
+    The arguments are checked here under the layer's own name before the cell (of type
+    ``cell_type``) is built from them, so that an error names ``RNN`` rather than ``RNNCell``.
+    """
+
+    cell_type: type[_Cell]
+
+    def __init__(self, in_dims: int, out_dims: int, *act: Callable | str, bias: bool,
+                 init: Init, return_state: bool):
         super().__init__()
-        if not isinstance(return_state, bool):
-            raise TypeError(f"[{type(self).__name__}] return_state must be a bool, "
-                            f"got {return_state!r}")
-        self.cell = cell
+        name = type(self).__name__
+        in_dims = check_size(in_dims, name, "in_dims")
+        out_dims = check_size(out_dims, name, "out_dims")
+        act = tuple(resolve(a, name) for a in act)
+        bias = check_flag(bias, name, "bias")
+        return_state = check_flag(return_state, name, "return_state")
+        self.cell = self.cell_type(in_dims, out_dims, *act, bias=bias,
+                                   init=checked_init(init, name))
         self.return_state = return_state
 
     def __call__(self, x: mx.array, state: State | None = None) -> Any:
@@ -307,8 +323,8 @@ class RNN(_Recurrent):
     """An Elman RNN over a sequence: :class:`RNNCell` applied at each time step.
 
     ``RNN(in_dims, out_dims, act=tanh, *, bias=True, init=glorot_uniform, return_state=False)``.
-    ``layer(x, h=None)`` takes ``x`` of shape ``(batch, time, in_dims)`` (or
-    ``(time, in_dims)``) and the initial state ``h`` of shape ``(batch, out_dims)`` (or
+    ``layer(x, state=None)`` takes ``x`` of shape ``(batch, time, in_dims)`` (or
+    ``(time, in_dims)``) and the initial hidden state ``h`` of shape ``(batch, out_dims)`` (or
     ``(out_dims,)``; zeros when ``None``), and returns the hidden states of every step,
     ``(batch, time, out_dims)``; with ``return_state=True`` it returns ``(outputs, h_last)``.
     The parameters live in ``layer.cell``.
@@ -320,7 +336,11 @@ class RNN(_Recurrent):
     RNN(3 => 5, relu)  # 50 parameters
     >>> layer(mx.ones((2, 7, 3))).shape
     (2, 7, 5)
+    >>> layer(mx.ones((2, 7, 3)), state=mx.zeros((2, 5))).shape
+    (2, 7, 5)
     """
+
+    cell_type = RNNCell
 
     def __init__(
         self,
@@ -332,7 +352,7 @@ class RNN(_Recurrent):
         init: Init = glorot_uniform,
         return_state: bool = False,
     ):
-        super().__init__(RNNCell(in_dims, out_dims, act, bias=bias, init=init), return_state)
+        super().__init__(in_dims, out_dims, act, bias=bias, init=init, return_state=return_state)
 
 
 @autocast_policy("down")
@@ -340,7 +360,7 @@ class LSTM(_Recurrent):
     """A long short-term memory over a sequence: :class:`LSTMCell` applied at each time step.
 
     ``LSTM(in_dims, out_dims, *, bias=True, init=glorot_uniform, return_state=False)``.
-    ``layer(x, (h, c)=None)`` takes ``x`` of shape ``(batch, time, in_dims)`` (or
+    ``layer(x, state=None)`` takes ``x`` of shape ``(batch, time, in_dims)`` (or
     ``(time, in_dims)``) and the initial state ``(h, c)``, each ``(batch, out_dims)`` (zeros
     when ``None``), and returns ``h`` at every step, ``(batch, time, out_dims)``; with
     ``return_state=True`` it returns ``(outputs, (h_last, c_last))``.
@@ -351,13 +371,16 @@ class LSTM(_Recurrent):
     >>> layer
     LSTM(3 => 5, return_state=True)  # 200 parameters
     >>> out, (h, c) = layer(mx.ones((2, 7, 3)))
+    >>> out, (h, c) = layer(mx.ones((2, 7, 3)), state=(h, c))
     >>> out.shape, h.shape, c.shape
     ((2, 7, 5), (2, 5), (2, 5))
     """
 
+    cell_type = LSTMCell
+
     def __init__(self, in_dims: int, out_dims: int, *, bias: bool = True,
                  init: Init = glorot_uniform, return_state: bool = False):
-        super().__init__(LSTMCell(in_dims, out_dims, bias=bias, init=init), return_state)
+        super().__init__(in_dims, out_dims, bias=bias, init=init, return_state=return_state)
 
 
 @autocast_policy("down")
@@ -365,9 +388,9 @@ class GRU(_Recurrent):
     """A gated recurrent unit over a sequence: :class:`GRUCell` applied at each time step.
 
     ``GRU(in_dims, out_dims, *, bias=True, init=glorot_uniform, return_state=False)``.
-    ``layer(x, h=None)`` takes ``x`` of shape ``(batch, time, in_dims)`` (or
-    ``(time, in_dims)``) and the initial state ``h`` of shape ``(batch, out_dims)`` (zeros when
-    ``None``), and returns ``h`` at every step, ``(batch, time, out_dims)``; with
+    ``layer(x, state=None)`` takes ``x`` of shape ``(batch, time, in_dims)`` (or
+    ``(time, in_dims)``) and the initial hidden state ``h`` of shape ``(batch, out_dims)``
+    (zeros when ``None``), and returns ``h`` at every step, ``(batch, time, out_dims)``; with
     ``return_state=True`` it returns ``(outputs, h_last)``.
 
     >>> import mlx.core as mx
@@ -377,9 +400,13 @@ class GRU(_Recurrent):
     GRU(3 => 5)  # 150 parameters
     >>> layer(mx.ones((7, 3))).shape
     (7, 5)
+    >>> layer(mx.ones((7, 3)), state=mx.zeros((5,))).shape
+    (7, 5)
     """
+
+    cell_type = GRUCell
 
     def __init__(self, in_dims: int, out_dims: int, *, bias: bool = True,
                  init: Init = glorot_uniform, return_state: bool = False):
-        super().__init__(GRUCell(in_dims, out_dims, bias=bias, init=init), return_state)
+        super().__init__(in_dims, out_dims, bias=bias, init=init, return_state=return_state)
 

@@ -272,6 +272,14 @@ class TestMultiHeadAttention:
             ((q, k), {}, ValueError, r"expected value of shape \(batch, length, 6\), got .*3\)"),
             ((mx.ones((4, 8)), k, v), {}, ValueError, r"expected query of shape"),
             ((np.ones((2, 4, 8)), k, v), {}, TypeError, r"expected an mx.array query"),
+            ((mx.ones((2, 4, 8), mx.int32), k, v), {}, TypeError,
+             r"expected a floating-point query, got mlx.core.int32"),
+            ((q, k, mx.ones((2, 5, 6), mx.bool_)), {}, TypeError,
+             r"expected a floating-point value"),
+            ((q, mx.ones((2, 0, 3)), mx.ones((2, 0, 6))), {}, ValueError,
+             r"expected a key of length at least 1, got shape \(2, 0, 3\)"),
+            ((mx.ones((2, 0, 8)), k, v), {}, ValueError,
+             r"expected a query of length at least 1, got shape \(2, 0, 8\)"),
             ((q, mx.ones((3, 5, 3)), mx.ones((3, 5, 6))), {}, ValueError, r"one batch size"),
             ((q, k, mx.ones((2, 6, 6))), {}, ValueError, r"key and value must have one length"),
             ((q, k, v), {"mask": mx.ones((4, 4), dtype=mx.bool_)}, ValueError,
@@ -291,3 +299,55 @@ class TestMultiHeadAttention:
         assert after.keys() == before.keys()
         for name in before:
             np.testing.assert_array_equal(after[name], before[name])
+
+
+def test_numpy_numbers_are_stored_as_python_numbers():
+    mha = MultiHeadAttention(np.int64(8), np.int32(2), dropout=np.float32(0.25),
+                             kdims=np.int64(3), vdims=np.uint8(4))
+    assert type(mha.nheads) is int and type(mha.dropout) is float
+    assert repr(mha) == "MultiHeadAttention(8, nheads=2, dropout=0.25, kdims=3, vdims=4)" \
+                        "  # 184 parameters"
+    assert mha(mx.ones((1, 2, 8)), mx.ones((1, 3, 3)), mx.ones((1, 3, 4))).shape == (1, 2, 8)
+    for bad in (True, np.bool_(True)):
+        with pytest.raises(ValueError, match=r"\[MultiHeadAttention\] nheads must be a positive"):
+            MultiHeadAttention(8, bad)
+        with pytest.raises(ValueError, match=r"\[MultiHeadAttention\] dropout must be a "
+                                             r"probability in \[0, 1\)"):
+            MultiHeadAttention(8, 2, dropout=bad)
+
+
+def test_bias_must_be_a_bool():
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match=rf"^\[MultiHeadAttention\] bias must be True or "
+                                            rf"False, got {bad!r}$"):
+            MultiHeadAttention(8, 2, bias=bad)
+    assert MultiHeadAttention(8, 2, bias=np.bool_(True)).q_proj.bias is not None
+
+
+def test_init_errors_name_the_attention_layer():
+    with pytest.raises(ValueError, match=r"^\[MultiHeadAttention\] init returned shape "
+                                         r"\(1, 1\), expected \(8, 8\)$"):
+        MultiHeadAttention(8, 2, init=lambda s: mx.ones((1, 1)))
+    with pytest.raises(TypeError, match=r"\[MultiHeadAttention\] init must be a function"):
+        MultiHeadAttention(8, 2, init="glorot")
+    mha = MultiHeadAttention(4, 2, init=mx.ones)
+    assert np64(mha.k_proj.weight).tolist() == [[1.0] * 4] * 4
+
+
+def test_active_keyword_like_dropout():
+    x = mx.random.normal((2, 6, 8))
+    on = MultiHeadAttention(8, 2, dropout=0.5, active=True)
+    assert on.active is True
+    assert repr(on) == "MultiHeadAttention(8, nheads=2, dropout=0.5, active=True)" \
+                       "  # 256 parameters"
+    _, weights = on(x, return_weights=True)  # outside a gradient, but fixed active
+    assert (np64(weights) == 0).any()
+    off = MultiHeadAttention(8, 2, dropout=0.5, active=np.bool_(False))
+    assert off.active is False and repr(off).split("  #")[0].endswith("active=False)")
+    with differentiating():
+        _, weights = off(x, return_weights=True)
+    assert not (np64(weights) == 0).any()
+    assert MultiHeadAttention(8, 2).active is None
+    with pytest.raises(ValueError, match=r"\[MultiHeadAttention\] active must be True, False "
+                                         r"or None, got 'yes'"):
+        MultiHeadAttention(8, 2, active="yes")

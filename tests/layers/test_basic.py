@@ -455,3 +455,66 @@ def test_sizes_of_any_integer_type_are_stored_as_ints_but_bools_refused():
             Scale((2, bad))
         with pytest.raises(ValueError, match=r"\[Embedding\] vocab must be a positive integer"):
             Embedding(bad, 2)
+
+
+@pytest.mark.parametrize("make", [
+    lambda bias: Dense(3, 2, bias=bias),
+    lambda bias: Bilinear(2, 3, 4, bias=bias),
+    lambda bias: Scale(3, bias=bias),
+], ids=["Dense", "Bilinear", "Scale"])
+def test_bias_must_be_a_bool(make):
+    name = type(make(True)).__name__
+    for bad in ("no", 0, 1, None, "False"):
+        with pytest.raises(TypeError, match=rf"^\[{name}\] bias must be True or False, "
+                                            rf"got {bad!r}$"):
+            make(bad)
+    assert make(np.bool_(False)).bias is None
+    assert make(np.bool_(True)).bias is not None
+    assert repr(make(np.bool_(False))).split("  #")[0].endswith("bias=False)")
+
+
+def test_init_must_return_an_array_of_the_requested_shape():
+    with pytest.raises(ValueError, match=r"^\[Dense\] init returned shape \(5, 7\), "
+                                         r"expected \(2, 3\)$"):
+        Dense(3, 2, init=lambda s: mx.ones((5, 7)))
+    with pytest.raises(ValueError, match=r"\[Bilinear\] init returned shape \(4, 2\), "
+                                         r"expected \(4, 2, 3\)"):
+        Bilinear(2, 3, 4, init=lambda s: mx.ones(s[:2]))
+    with pytest.raises(ValueError, match=r"\[Scale\] init returned shape \(\), expected \(3,\)"):
+        Scale(3, init=lambda s: mx.array(1.0))
+    with pytest.raises(ValueError, match=r"\[Embedding\] init returned shape \(4, 10\)"):
+        Embedding(10, 4, init=lambda s: mx.zeros(s[::-1]))
+    with pytest.raises(TypeError, match=r"\[Dense\] init returned an array of dtype "
+                                        r"mlx.core.int32, expected a floating dtype"):
+        Dense(3, 2, init=lambda s: mx.zeros(s, mx.int32))
+    with pytest.raises(TypeError, match=r"\[Embedding\] init must return an mx.array"):
+        Embedding(10, 4, init=np.zeros)
+    with pytest.raises(TypeError, match=r"\[Dense\] init must be a function of a shape"):
+        Dense(3, 2, init="glorot_uniform")
+    seen = []
+    Dense(np.int64(3), np.int32(2), init=lambda s: seen.append(s) or mx.zeros(s))
+    assert seen == [(2, 3)] and all(type(n) is int for n in seen[0])
+
+
+def test_container_index_errors_name_the_container_and_the_range():
+    a, b = Dense(3, 4), Dense(4, 2)
+    chain = Chain(a, b)
+    with pytest.raises(IndexError, match=r"^\[Chain\] index 99 out of range for 2 layers$"):
+        chain[99]
+    with pytest.raises(IndexError, match=r"^\[Chain\] index -3 out of range for 2 layers$"):
+        chain[-3]
+    with pytest.raises(IndexError, match=r"^\[Parallel\] index 1 out of range for 1 layer$"):
+        Parallel(None, a)[1]
+    assert chain[np.int64(1)] is b and chain[-2] is a
+    # slicing is unchanged, out-of-range slices included
+    assert list(chain[5:]) == [] and list(chain[::-1]) == [b, a] and list(chain[-9:1]) == [a]
+    named = Chain(enc=a, dec=b)
+    with pytest.raises(KeyError, match=r"\[Chain\] no layer named 'x'; the names are "
+                                       r"\['enc', 'dec'\]"):
+        named["x"]
+    with pytest.raises(KeyError, match=r"\[Chain\] no layer named 'enc'; its layers are given "
+                                       r"by position: index them by number"):
+        chain["enc"]
+    with pytest.raises(IndexError, match=r"\[Chain\] index 2 out of range for 2 layers"):
+        named[2]
+    assert named[1] is b and list(named[1:]) == [b]

@@ -491,3 +491,34 @@ def test_integer_arguments_of_any_type_are_stored_as_ints_but_bools_refused():
             Conv((3,), 1, 1, padding=(bad,))
         with pytest.raises(ValueError, match=r"\[ConvTranspose\] output_padding must be an int"):
             ConvTranspose((3,), 1, 1, stride=2, output_padding=bad)
+
+
+@pytest.mark.parametrize("cls", [Conv, ConvTranspose])
+def test_bias_must_be_a_bool(cls):
+    name = cls.__name__
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=rf"^\[{name}\] bias must be True or False, "
+                                            rf"got {bad!r}$"):
+            cls((3,), 2, 4, bias=bad)
+    layer = cls((3,), 2, 4, bias=np.bool_(False))
+    assert layer.bias is None and repr(layer).split("  #")[0].endswith("bias=False)")
+
+
+@pytest.mark.parametrize("cls", [Conv, ConvTranspose])
+def test_init_of_the_wrong_shape_is_refused(cls):
+    name = cls.__name__
+    with pytest.raises(ValueError, match=rf"^\[{name}\] init returned shape \(4, 3\), "
+                                         rf"expected \(4, 3, 1\)$"):
+        cls((3,), 2, 4, groups=2, init=lambda s: mx.ones((4, 3)))
+    with pytest.raises(TypeError, match=rf"\[{name}\] init returned an array of dtype "
+                                        r"mlx.core.uint8"):
+        cls((3, 3), 2, 4, init=lambda s: mx.ones(s, mx.uint8))
+    seen = []
+    cls((np.int64(3),), np.int64(2), np.int32(4), init=lambda s: seen.append(s) or mx.ones(s))
+    assert seen == [(4, 3, 2)] and all(type(n) is int for n in seen[0])
+
+
+def test_docstrings_name_the_repr_keywords():
+    assert "``pad=`` for ``padding``" in " ".join(Conv.__doc__.split())
+    doc = " ".join(ConvTranspose.__doc__.split())
+    assert "``pad=`` for ``padding``" in doc and "``outpad=`` for ``output_padding``" in doc

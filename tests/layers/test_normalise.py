@@ -560,10 +560,26 @@ class TestDropout:
         assert repr(Dropout(0.1, dims=-1)) == "Dropout(0.1, dims=-1)"
         assert repr(fluxlike.testmode(Dropout(0.1))) == "Dropout(0.1, active=False)"
 
-    @pytest.mark.parametrize("p", [-0.1, 1, 1.0, 2, "0.5", True])
+    @pytest.mark.parametrize("p", [-0.1, 1.01, 2, "0.5", True, np.bool_(False), float("nan")])
     def test_bad_p(self, p):
-        with pytest.raises(ValueError, match=r"\[Dropout\] p must be a probability in \[0, 1\)"):
+        with pytest.raises(ValueError, match=r"\[Dropout\] p must be a probability in \[0, 1\]"):
             Dropout(p)
+
+    @pytest.mark.parametrize("p", [1, 1.0, np.float32(1)])
+    def test_p_one_drops_everything_without_nan(self, p):
+        layer = Dropout(p)
+        assert repr(layer) == "Dropout(1)" and layer.p == 1.0
+        x = normal(6, 5)
+        assert layer(x) is x  # inactive: the identity
+        trainmode(layer)
+        y = layer(x)
+        assert y.dtype == x.dtype and np64(y).tolist() == [[0.0] * 5] * 6
+        g = mx.grad(lambda v: mx.sum(layer(v) * v))(x)
+        assert np64(g).tolist() == [[0.0] * 5] * 6
+        half = trainmode(Dropout(p, dims=-1))(mx.ones((2, 3), dtype=mx.float16))
+        assert half.dtype == mx.float16 and np64(half).tolist() == [[0.0] * 3] * 2
+        with differentiating():
+            assert np64(Dropout(p)(x)).tolist() == [[0.0] * 5] * 6
 
     def test_bad_dims_and_input(self):
         with pytest.raises(ValueError, match=r"\[Dropout\] dims must be None, an axis"):
@@ -579,3 +595,86 @@ class TestDropout:
 def test_exported():
     for name in ("BatchNorm", "LayerNorm", "RMSNorm", "GroupNorm", "InstanceNorm", "Dropout"):
         assert getattr(fluxlike, name).__module__ == "fluxlike.layers.normalise"
+
+
+def test_numpy_numbers_are_stored_as_python_numbers_and_bools_refused():
+    i64, f32 = np.int64, np.float32
+    layers = {
+        "BatchNorm(4, momentum=0.25, eps=0.001)": BatchNorm(i64(4), momentum=f32(0.25),
+                                                           eps=np.float64(1e-3)),
+        "InstanceNorm(3, eps=0.5)": InstanceNorm(np.int32(3), eps=f32(0.5)),
+        "GroupNorm(8, 2, eps=0.25)": GroupNorm(i64(8), np.uint8(2), eps=f32(0.25)),
+        "LayerNorm(4)": LayerNorm(i64(4)),
+        "LayerNorm((4, 8), eps=0.5)": LayerNorm((i64(4), np.int32(8)), eps=np.float16(0.5)),
+        "RMSNorm((2, 3))": RMSNorm((np.int16(2), i64(3))),
+        "Dropout(0.5, dims=-1)": Dropout(f32(0.5), dims=i64(-1)),
+        "Dropout(0.25, dims=(0, -1))": Dropout(np.float64(0.25), dims=(i64(0), np.int8(-1))),
+    }
+    for text, layer in layers.items():
+        assert repr(layer).split("  #")[0] == text
+        stored = [getattr(layer, k, None) for k in ("channels", "groups", "eps", "momentum",
+                                                      "p", "dims")]
+        numbers = [n for v in stored for n in (v if isinstance(v, tuple) else (v,))]
+        assert all(type(n) in (int, float) for n in numbers if n is not None), (text, numbers)
+    dropout = layers["Dropout(0.5, dims=-1)"]
+    assert type(dropout.dims) is int and type(dropout.p) is float
+    y = trainmode(dropout)(mx.ones((2, 4)))
+    assert set(np64(y).ravel().tolist()) <= {0.0, 2.0}
+    assert GroupNorm(i64(8), i64(2))(mx.ones((1, 3, 8))).shape == (1, 3, 8)
+    for bad in (True, np.bool_(True)):
+        with pytest.raises(ValueError, match=r"\[BatchNorm\] channels must be a positive"):
+            BatchNorm(bad)
+        with pytest.raises(ValueError, match=r"\[GroupNorm\] groups must be a positive"):
+            GroupNorm(4, bad)
+        with pytest.raises(ValueError, match=r"\[LayerNorm\] dims must be a positive integer"):
+            LayerNorm(bad)
+        with pytest.raises(ValueError, match=r"\[RMSNorm\] dims must be a positive integer"):
+            RMSNorm((4, bad))
+        with pytest.raises(ValueError, match=r"\[BatchNorm\] eps must be a positive number"):
+            BatchNorm(4, eps=bad)
+        with pytest.raises(ValueError, match=r"\[InstanceNorm\] momentum must be in"):
+            InstanceNorm(4, momentum=bad)
+        with pytest.raises(ValueError, match=r"\[Dropout\] dims must be None, an axis"):
+            Dropout(0.5, dims=bad)
+
+
+NORM_FLAGS = [
+    (BatchNorm, (4,), "affine"), (BatchNorm, (4,), "track_stats"),
+    (InstanceNorm, (4,), "affine"), (InstanceNorm, (4,), "track_stats"),
+    (GroupNorm, (4, 2), "affine"), (LayerNorm, (4,), "affine"), (RMSNorm, (4,), "affine"),
+]
+
+
+@pytest.mark.parametrize("cls, args, flag", NORM_FLAGS,
+                         ids=[f"{c.__name__}-{f}" for c, _, f in NORM_FLAGS])
+def test_flags_must_be_bools(cls, args, flag):
+    name = cls.__name__
+    for bad in ("no", 0, 1, None):
+        with pytest.raises(TypeError, match=rf"^\[{name}\] {flag} must be True or False, "
+                                            rf"got {bad!r}$"):
+            cls(*args, **{flag: bad})
+    on, off = cls(*args, **{flag: np.bool_(True)}), cls(*args, **{flag: np.bool_(False)})
+    attribute = "weight" if flag == "affine" else "running_mean"
+    assert getattr(on, attribute) is not None and getattr(off, attribute) is None
+    assert "np." not in repr(on) + repr(off)
+
+
+def test_active_takes_numpy_bools_as_bools():
+    for cls in (BatchNorm, InstanceNorm):
+        layer = cls(4, active=np.bool_(True))
+        assert layer.active is True and repr(layer).split("  #")[0].endswith("active=True)")
+    assert repr(Dropout(0.5, active=np.bool_(False))) == "Dropout(0.5, active=False)"
+
+
+def test_f16mix_keeps_only_the_statistics_norms_in_float32():
+    """What the module docstring says: BatchNorm/InstanceNorm/GroupNorm stay float32 under
+    f16mix, LayerNorm/RMSNorm are converted, and all of them still compute in float32."""
+    model = Chain(BatchNorm(4), InstanceNorm(4, affine=True), GroupNorm(4, 2), LayerNorm(4),
+                  RMSNorm(4))
+    half = fluxlike.f16mix(model)
+    dtypes = [{p.dtype for _, p in tree_flatten(layer.parameters())} for layer in half]
+    assert dtypes == [{mx.float32}] * 3 + [{mx.float16}] * 2
+    x = normal(2, 3, 4).astype(mx.float16)
+    for layer in half[3:]:
+        reference = layer.__class__(4)(x.astype(mx.float32))
+        np.testing.assert_allclose(np64(layer(x)), np64(reference), atol=2e-3)

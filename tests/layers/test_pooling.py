@@ -356,3 +356,28 @@ def test_integer_arguments_of_any_type_and_no_bools():
         MeanPool((2,), padding=((True, 0),))
     with pytest.raises(ValueError, match=r"\[AdaptiveMeanPool\] out_size must hold positive"):
         AdaptiveMeanPool((2, False))
+
+
+@pytest.mark.parametrize("pool", [GlobalMaxPool(), GlobalMeanPool(), AdaptiveMeanPool((2,)),
+                                  MaxPool((2,), padding=1), MeanPool((2,), padding=1),
+                                  MaxPool((1,))],
+                         ids=["GlobalMaxPool", "GlobalMeanPool", "AdaptiveMeanPool", "MaxPool",
+                              "MeanPool", "MaxPool-1"])
+def test_empty_spatial_axis_is_a_clear_error(pool):
+    name = type(pool).__name__
+    with pytest.raises(ValueError, match=rf"^\[{name}\] expected non-empty spatial axes, "
+                                         r"got shape \(2, 0, 3\)$"):
+        pool(mx.ones((2, 0, 3)))
+    # an empty batch is fine: nothing is pooled over nothing
+    assert pool(mx.ones((0, 4, 3))).shape[0] == 0
+
+
+@pytest.mark.parametrize("cls", [GlobalMaxPool, GlobalMeanPool])
+def test_global_pools_take_any_number_of_spatial_axes(cls):
+    x = normal(2, 2, 3, 2, 2, 3)  # four spatial axes
+    reduce = np.max if cls is GlobalMaxPool else np.mean
+    np.testing.assert_allclose(np64(cls()(x)), reduce(np64(x), axis=(1, 2, 3, 4), keepdims=True),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match=rf"\[{cls.__name__}\] expected input of shape "
+                                         r"\(N, \*spatial, C\) with at least one spatial axis"):
+        cls()(mx.ones((2, 3)))

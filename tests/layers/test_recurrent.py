@@ -342,8 +342,13 @@ class TestLayers:
         assert_unchanged(layer, before)
 
     def test_bad_return_state(self):
-        with pytest.raises(TypeError, match=r"\[LSTM\] return_state must be a bool"):
+        with pytest.raises(TypeError, match=r"^\[LSTM\] return_state must be True or False, "
+                                            r"got 'yes'$"):
             LSTM(3, 4, return_state="yes")
+        with pytest.raises(TypeError, match=r"\[GRU\] return_state must be True or False"):
+            GRU(3, 4, return_state=1)
+        layer = RNN(3, 4, return_state=np.bool_(True))
+        assert layer.return_state is True and repr(layer).startswith("RNN(3 => 4, tanh, return")
 
 
 @settings(max_examples=12, deadline=None)
@@ -363,3 +368,83 @@ def test_any_size_matches_numpy(cls, batch, steps, in_dims, out_dims, bias):
     expected, expected_final = np_sequence(layer, np64(x), to_np(state))
     np.testing.assert_allclose(np64(out), expected, rtol=1e-4, atol=1e-5)
     assert_states_close(final, expected_final, rtol=1e-4, atol=1e-5)
+
+
+ALL = [RNNCell, LSTMCell, GRUCell, RNN, LSTM, GRU]
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_sizes_of_any_integer_type_reach_init_as_ints(cls):
+    seen = []
+    layer = cls(np.int64(3), np.int32(4), init=lambda s: seen.append(s) or mx.zeros(s))
+    rows = GATES[CELLS.get(cls, cls)] * 4
+    assert seen == [(rows, 3), (rows, 4)]
+    assert all(type(n) is int for shape in seen for n in shape)
+    assert "np." not in repr(layer) and repr(layer).startswith(f"{cls.__name__}(3 => 4")
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_bias_must_be_a_bool(cls):
+    name = cls.__name__
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=rf"^\[{name}\] bias must be True or False, "
+                                            rf"got {bad!r}$"):
+            cls(3, 4, bias=bad)
+    cell = cls(3, 4, bias=np.bool_(False))
+    cell = cell.cell if hasattr(cell, "cell") else cell
+    assert cell.bias_ih is None and cell.bias_hh is None
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_init_of_the_wrong_shape_is_refused(cls):
+    name, rows = cls.__name__, GATES[CELLS.get(cls, cls)] * 4
+    with pytest.raises(ValueError, match=rf"^\[{name}\] init returned shape \(2, 2\), "
+                                         rf"expected \({rows}, 3\)$"):
+        cls(3, 4, init=lambda s: mx.zeros((2, 2)))
+    with pytest.raises(TypeError, match=rf"\[{name}\] init returned an array of dtype "
+                                        r"mlx.core.int32"):
+        cls(3, 4, init=lambda s: mx.zeros(s, mx.int32))
+    with pytest.raises(TypeError, match=rf"\[{name}\] init must be a function of a shape"):
+        cls(3, 4, init=None)
+
+
+@pytest.mark.parametrize("cls", [RNN, LSTM, GRU])
+def test_construction_errors_name_the_layer_not_its_cell(cls):
+    name = cls.__name__
+    with pytest.raises(ValueError, match=rf"\[{name}\] in_dims must be a positive integer"):
+        cls(0, 4)
+    with pytest.raises(ValueError, match=rf"\[{name}\] out_dims must be a positive integer"):
+        cls(3, True)
+    if cls is RNN:
+        with pytest.raises(ValueError, match=r"^\[RNN\] unknown activation 'foo'"):
+            RNN(3, 4, "foo")
+        with pytest.raises(TypeError, match=r"^\[RNN\] activation must be callable"):
+            RNN(3, 4, 3)
+        assert repr(RNN(3, 4, "relu")).startswith("RNN(3 => 4, relu)")
+
+
+@pytest.mark.parametrize("cls", [LSTM, LSTMCell])
+def test_lstm_state_of_the_wrong_length_says_what_is_expected(cls):
+    name = cls.__name__
+    layer, x = cls(4, 3), mx.ones((2, 5, 4) if cls is LSTM else (2, 4))
+    h = mx.zeros((2, 3))
+    expected = r"state must be a pair \(h, c\), each of shape \(batch, hidden\) = \(2, 3\), "
+    with pytest.raises(TypeError, match=rf"^\[{name}\] {expected}got a tuple of length 3$"):
+        layer(x, (h, h, h))
+    with pytest.raises(TypeError, match=rf"^\[{name}\] {expected}got a list of length 1$"):
+        layer(x, [h])
+    with pytest.raises(TypeError, match=rf"^\[{name}\] {expected}got array$"):
+        layer(x, h)
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_the_state_keyword_of_the_docstrings(cls):
+    layer = cls(4, 3)
+    x = mx.ones((2, 5, 4) if cls in CELLS else (2, 4))
+    h = mx.zeros((2, 3))
+    state = (h, h) if cls in (LSTM, LSTMCell) else h
+    out = layer(x, state=state)
+    first = out[0] if isinstance(out, tuple) else out
+    assert first.shape[-1] == 3
+    doc = " ".join(cls.__doc__.split())
+    assert "(x, state=None)" in doc and "h=None" not in doc and "(h, c)=None" not in doc

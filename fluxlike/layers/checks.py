@@ -1,0 +1,149 @@
+"""Argument checks the layers share: sizes, flags, numbers, train/test mode, initialisers.
+
+Each check raises a ``ValueError``/``TypeError`` whose message names the layer, the argument
+and the value given, and returns the value in a plain Python type (a numpy integer, float or
+bool would otherwise show in reprs). Layers run them in their constructors, never per call.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer of any type (``int``, ``np.int64``, ...) but no bool.
+
+    >>> import numpy as np
+    >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
+    (True, True, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_size(value: Any, layer: str, name: str) -> int:
+    """``value`` as a positive Python int, or a ``ValueError`` naming the layer and argument.
+
+    Callers store the result (not ``value``): a numpy integer would show in reprs.
+
+    >>> import numpy as np
+    >>> check_size(np.int64(4), "Dense", "in_dims")
+    4
+    >>> check_size(True, "Dense", "in_dims")
+    Traceback (most recent call last):
+    ValueError: [Dense] in_dims must be a positive integer, got True
+    """
+    if not is_int(value) or value < 1:
+        raise ValueError(f"[{layer}] {name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_flag(value: Any, layer: str, name: str) -> bool:
+    """``value`` as a Python bool; a ``TypeError`` unless it is a bool (``np.bool_`` too).
+
+    Anything else is refused rather than judged by its truth: ``bias="no"`` would switch the
+    bias on.
+
+    >>> import numpy as np
+    >>> check_flag(np.bool_(False), "Dense", "bias")
+    False
+    >>> check_flag("no", "Dense", "bias")
+    Traceback (most recent call last):
+    TypeError: [Dense] bias must be True or False, got 'no'
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"[{layer}] {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_active(active: Any, layer: str) -> bool | None:
+    """A train/test mode argument: ``None`` (automatic), ``True`` or ``False`` (``np.bool_``
+    too), as a Python bool or ``None``; anything else is a ``ValueError``.
+
+    >>> check_active(None, "Dropout") is None
+    True
+    >>> check_active("yes", "Dropout")
+    Traceback (most recent call last):
+    ValueError: [Dropout] active must be True, False or None, got 'yes'
+    """
+    if active is not None and not isinstance(active, (bool, np.bool_)):
+        raise ValueError(f"[{layer}] active must be True, False or None, got {active!r}")
+    return None if active is None else bool(active)
+
+
+def check_real(value: Any, layer: str, name: str, ok: Callable[[float], bool], want: str) -> float:
+    """``value`` as a Python float if it is a real number of any type (``np.float32`` too;
+    no bool) for which ``ok`` holds, else a ``ValueError`` saying it must be ``want``.
+
+    >>> import numpy as np
+    >>> check_real(np.float32(0.5), "Dropout", "p", lambda v: 0 <= v <= 1, "in [0, 1]")
+    0.5
+    >>> check_real(2, "Dropout", "p", lambda v: 0 <= v <= 1, "in [0, 1]")
+    Traceback (most recent call last):
+    ValueError: [Dropout] p must be in [0, 1], got 2
+    """
+    ok_type = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if not ok_type or not ok(value):
+        raise ValueError(f"[{layer}] {name} must be {want}, got {value!r}")
+    return float(value)
+
+
+def check_features(x: Any, expected: int, layer: str, axis: int = -1) -> None:
+    """Raise unless ``x`` is an array with ``expected`` entries on ``axis``.
+
+    >>> import mlx.core as mx
+    >>> check_features(mx.ones((2, 3)), 4, "Dense")
+    Traceback (most recent call last):
+    ValueError: [Dense] expected input with 4 features on axis -1, got shape (2, 3)
+    """
+    if not isinstance(x, mx.array):
+        raise TypeError(f"[{layer}] expected an mx.array input, got {type(x).__name__}")
+    if x.ndim == 0 or x.shape[axis] != expected:
+        raise ValueError(
+            f"[{layer}] expected input with {expected} features on axis {axis}, "
+            f"got shape {tuple(x.shape)}"
+        )
+
+
+def initialise(init: Any, shape: tuple[int, ...], layer: str) -> mx.array:
+    """``init(shape)``, checked to be a floating ``mx.array`` of exactly ``shape``.
+
+    A wrong shape would otherwise change the layer's sizes (its repr and checks read them
+    from the parameters).
+
+    >>> import mlx.core as mx
+    >>> initialise(mx.zeros, (2, 3), "Dense").shape
+    (2, 3)
+    >>> initialise(lambda s: mx.ones((5, 7)), (2, 3), "Dense")
+    Traceback (most recent call last):
+    ValueError: [Dense] init returned shape (5, 7), expected (2, 3)
+    """
+    if not callable(init):
+        raise TypeError(f"[{layer}] init must be a function of a shape, got {init!r}")
+    value = init(shape)
+    if not isinstance(value, mx.array):
+        raise TypeError(f"[{layer}] init must return an mx.array, got {type(value).__name__}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"[{layer}] init returned shape {tuple(value.shape)}, "
+                         f"expected {tuple(shape)}")
+    if not mx.issubdtype(value.dtype, mx.floating):
+        raise TypeError(f"[{layer}] init returned an array of dtype {value.dtype}, expected a "
+                        f"floating dtype; return e.g. value.astype(mx.float32)")
+    return value
+
+
+def checked_init(init: Any, layer: str) -> Callable[[tuple[int, ...]], mx.array]:
+    """``init`` checked as by :func:`initialise` under the name ``layer``: for a layer that
+    hands its ``init`` to layers it builds, so that an error names it and not them.
+
+    >>> import mlx.core as mx
+    >>> checked_init(mx.zeros, "MultiHeadAttention")((2, 2)).dtype
+    mlx.core.float32
+    """
+    if not callable(init):
+        raise TypeError(f"[{layer}] init must be a function of a shape, got {init!r}")
+    return lambda shape: initialise(init, shape, layer)
