@@ -48,7 +48,9 @@ class DataLoader:
     number of batches per epoch. ``shuffle=True`` draws a new order on every iteration (an
     epoch) from ``rng``: a ``numpy.random.Generator``, an int seed, or ``None`` to seed one
     from MLX's global random state (so ``mx.random.seed`` makes runs repeatable).
-    ``partial=False`` drops a last batch smaller than ``batchsize``.
+    ``partial=False`` drops a last batch smaller than ``batchsize`` (a ``batchsize`` larger
+    than the data is then a ``ValueError``: the epoch would have no batch). ``rng`` is checked
+    even when ``shuffle=False``.
 
     >>> import mlx.core as mx
     >>> from fluxlike import DataLoader
@@ -91,6 +93,15 @@ class DataLoader:
         nobs = next(iter(sizes.values()))
         if nobs == 0:
             raise ValueError("[DataLoader] data has no observations (its first axis is empty)")
+        if not partial and batchsize > nobs:
+            # Flux (MLUtils) warns and shrinks the batch to nobs; an epoch of no batches
+            # would make train() return nan, so say it here instead.
+            raise ValueError(
+                f"[DataLoader] batchsize={batchsize} is larger than the {nobs} observations, "
+                f"and partial=False drops the only (short) batch: use partial=True or a "
+                f"batchsize of at most {nobs}"
+            )
+        _check_rng(rng)  # also when not shuffling: a wrong argument is a mistake either way
         self.rng = _generator(rng) if shuffle else None
         self._data = data
         self._arrays_list = [a for _, a in arrays]
@@ -157,18 +168,26 @@ class DataLoader:
         return f"DataLoader({what}, {self.nobs} observations, {options})"
 
 
-def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
-    """The shuffling generator: ``rng`` itself, one seeded with the int ``rng``, or for ``None``
-    one seeded from MLX's global random state (as Flux follows Julia's default RNG)."""
-    if rng is None:
-        rng = int(mx.random.randint(0, 2**31 - 1, ()).item())
-    if isinstance(rng, numbers.Integral):
-        return np.random.default_rng(int(rng))
-    if not isinstance(rng, np.random.Generator):
+def _check_rng(rng: Any) -> None:
+    if rng is None or isinstance(rng, np.random.Generator):
+        return
+    if isinstance(rng, bool) or not isinstance(rng, numbers.Integral):
         raise TypeError(
             f"[DataLoader] rng must be a numpy Generator, an int seed or None, "
             f"got {type(rng).__name__}"
         )
+    if rng < 0:  # numpy's seeds are non-negative
+        raise ValueError(f"[DataLoader] rng must be a non-negative int seed, got {rng!r}")
+
+
+def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
+    """The shuffling generator (``rng`` checked by ``_check_rng``): ``rng`` itself, one seeded
+    with the int ``rng``, or for ``None`` one seeded from MLX's global random state (as Flux
+    follows Julia's default RNG)."""
+    if rng is None:
+        rng = int(mx.random.randint(0, 2**31 - 1, ()).item())
+    if isinstance(rng, numbers.Integral):
+        return np.random.default_rng(int(rng))
     return rng
 
 

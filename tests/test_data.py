@@ -28,11 +28,18 @@ class TestDataLoader:
     @pytest.mark.parametrize(
         ("n", "bs", "partial", "expected"),
         [(10, 4, True, 3), (10, 4, False, 2), (8, 4, True, 2), (8, 4, False, 2), (3, 5, True, 1),
-         (3, 5, False, 0), (1, 1, True, 1)],
+         (5, 5, False, 1), (1, 1, True, 1)],
     )
     def test_len_matches_iteration(self, n, bs, partial, expected):
         loader = DataLoader(mx.arange(n), batchsize=bs, partial=partial)
         assert len(loader) == expected == len(list(loader))
+
+    def test_batchsize_beyond_the_data_without_partial_is_refused(self):
+        # would be an epoch of no batches (train() then returns nan)
+        with pytest.raises(ValueError, match=r"^\[DataLoader\] batchsize=5 is larger than the 3 "
+                           r"observations, .*use partial=True or a batchsize of at most 3$"):
+            DataLoader(mx.arange(3), batchsize=5, partial=False)
+        assert [b.tolist() for b in DataLoader(mx.arange(3), batchsize=5)] == [[0, 1, 2]]
 
     def test_partial_false_drops_only_the_short_batch(self):
         batches = list(DataLoader(mx.arange(7), batchsize=3, partial=False))
@@ -99,6 +106,10 @@ class TestDataLoader:
         seed=st.integers(0, 2**16),
     )
     def test_property_batches_cover_the_data(self, n, bs, partial, shuffle, seed):
+        if not partial and bs > n:
+            with pytest.raises(ValueError, match="larger than the"):
+                DataLoader(mx.arange(n), batchsize=bs, partial=partial, shuffle=shuffle, rng=seed)
+            return
         loader = DataLoader(mx.arange(n), batchsize=bs, partial=partial, shuffle=shuffle, rng=seed)
         batches = list(loader)
         assert len(batches) == len(loader)
@@ -146,6 +157,23 @@ class TestDataLoader:
             DataLoader((mx.zeros(3), [1, 2, 3]))
         with pytest.raises(TypeError, match=r"\[DataLoader\] rng must be"):
             DataLoader(mx.zeros(3), shuffle=True, rng="seed")
+
+    @pytest.mark.parametrize("shuffle", [True, False])
+    def test_bad_rng_is_refused_with_or_without_shuffle(self, shuffle):
+        for bad in ("seed", 1.5, True, mx.array(3)):
+            with pytest.raises(TypeError, match=r"^\[DataLoader\] rng must be a numpy Generator"):
+                DataLoader(mx.zeros(3), shuffle=shuffle, rng=bad)
+        with pytest.raises(ValueError, match=r"non-negative int seed, got -1"):
+            DataLoader(mx.zeros(3), shuffle=shuffle, rng=-1)
+        for good in (None, 0, np.int64(7), np.random.default_rng(1)):
+            assert len(DataLoader(mx.zeros(3), shuffle=shuffle, rng=good)) == 3
+
+    def test_no_shuffle_leaves_mlx_random_state_alone(self):
+        mx.random.seed(11)
+        expected = mx.random.uniform(shape=(3,))
+        mx.random.seed(11)
+        DataLoader(mx.zeros(3), rng=None)
+        assert mx.array_equal(mx.random.uniform(shape=(3,)), expected).item()
 
     def test_repr(self):
         loader = DataLoader((mx.zeros((6, 2)), mx.zeros(6)), batchsize=4, partial=False)
