@@ -69,10 +69,12 @@ class autocast:
     - ``enabled=False`` switches autocast off for the device inside the scope.
 
     It is a context manager (``as`` gives the scope itself) and a decorator (each call of the
-    decorated function runs in the scope). Leaving restores its device's state as it was
-    entered from, on exception too; one object may be entered again, also while active (each
-    entry is undone by its own exit). The state lives in a context variable: each thread and
-    each asyncio task has its own, and a new thread starts with autocast off.
+    decorated function, or each run of a decorated ``async def`` coroutine, is in the scope;
+    generator functions and classes are refused: use ``with`` inside them). Leaving restores
+    its device's state as it was entered from, on exception too; one object may be entered
+    again, also while active (each entry is undone by its own exit). The state lives in a
+    context variable: each thread and each asyncio task has its own, and a new thread starts
+    with autocast off.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, autocast
@@ -131,6 +133,20 @@ class autocast:
         """Decorate ``fn`` so that each call runs inside this scope."""
         if not callable(fn):
             raise TypeError(f"autocast: can only decorate a callable, got {fn!r}")
+        # A generator's body runs after the decorated call has returned (the scope closed),
+        # and a decorated class would become a function: refuse both rather than do nothing.
+        if inspect.isclass(fn):
+            raise TypeError(
+                f"autocast: cannot decorate a class ({fn.__name__}); decorate its methods, "
+                f"or use `with autocast(...)` inside them"
+            )
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            kind = "an async generator" if inspect.isasyncgenfunction(fn) else "a generator"
+            raise TypeError(
+                f"autocast: cannot decorate {kind} function ({fn.__name__}): its body runs "
+                f"after the call has returned, outside the scope; use `with autocast(...)` "
+                f"inside the generator"
+            )
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)

@@ -257,6 +257,40 @@ class TestDecorator:
 
         assert same(asyncio.run(step()), F16)
 
+    def test_a_coroutine_awaited_inside_another_scope_runs_in_its_own(self):
+        @autocast(F16, device="cpu")
+        async def inner():
+            await asyncio.sleep(0)
+            return autocast.get_dtype("cpu")
+
+        async def outer():
+            coroutine = inner()  # created here, run when awaited: in inner's scope all the same
+            with autocast(BF16, device="cpu"):
+                got = await coroutine
+                return got, autocast.get_dtype("cpu")
+
+        got, after = asyncio.run(outer())
+        assert same(got, F16) and same(after, BF16)
+
+    def test_generator_functions_are_refused(self):
+        def numbers():
+            yield autocast.get_dtype("cpu")
+
+        async def async_numbers():
+            yield autocast.get_dtype("cpu")
+
+        for fn, kind in ((numbers, "a generator"), (async_numbers, "an async generator")):
+            with pytest.raises(TypeError, match=rf"^autocast: cannot decorate {kind} function "
+                               rf"\({fn.__name__}\): .*use `with autocast\(...\)` inside"):
+                autocast(F16, device="cpu")(fn)
+        assert_state(None, None)
+
+    def test_classes_are_refused(self):
+        with pytest.raises(TypeError, match=r"^autocast: cannot decorate a class \(Dense\); "
+                           r"decorate its methods"):
+            autocast(F16)(Dense)
+        assert isinstance(Dense(2, 1), Dense)  # the class is untouched
+
     def test_not_a_callable(self):
         with pytest.raises(TypeError, match="can only decorate a callable"):
             autocast(F16)(3)
