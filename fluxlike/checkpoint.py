@@ -14,8 +14,15 @@ names, shapes and dtypes), before the model is changed.
 
 File layout: model arrays are stored under ``"model."`` + their flattened name (e.g.
 ``"model.layers.0.weight"``), optimiser state under ``"opt."``; non-array leaves (Python
-numbers, strings, ``None``) go, as JSON, into the file's metadata. The file is a plain
-safetensors file: ``mx.load(path)`` reads its arrays.
+numbers, strings, ``None``) go, as JSON, into the file's metadata, and so do the class
+names of the optimiser, which :func:`loadcheckpoint` compares with those of the state it
+loads into. The file is a plain safetensors file: ``mx.load(path)`` reads its arrays.
+
+File names: MLX's ``Module.save_weights`` picks the format by the extension (``.npz`` or
+``.safetensors``) and refuses others. A checkpoint needs safetensors (its metadata), so
+:func:`savemodel` requires a ``.safetensors`` name. :func:`loadcheckpoint` goes by the
+content instead: it reads safetensors files of any name (as earlier versions wrote them) and
+MLX's ``.npz`` weights.
 """
 
 from __future__ import annotations
@@ -27,12 +34,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 FORMAT = "fluxlike"
 _MODEL, _OPT = "model.", "opt."
 _PLAIN = (bool, int, float, str, type(None))
+_ZIP_MAGIC = b"PK\x03\x04"  # an .npz file is a zip archive
 
 
 def state(model: nn.Module) -> dict:
@@ -84,8 +93,9 @@ def loadmodel(model: nn.Module, source: Any) -> nn.Module:
 
 def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) -> None:
     """Write ``model`` (and ``opt_state`` from :func:`~fluxlike.setup`, if given) to one
-    safetensors file at exactly ``path``. The write is atomic: a crash leaves either the old
-    file or the new one.
+    safetensors file at exactly ``path``, whose name must end in ``.safetensors`` (as for
+    MLX's ``save_weights``, the extension names the format). The write is atomic: a crash
+    leaves either the old file or the new one.
 
     >>> import mlx.core as mx, tempfile, os
     >>> from fluxlike import Dense, loadcheckpoint, savemodel
@@ -96,8 +106,19 @@ def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) 
     ['model.bias', 'model.weight']
     >>> bool(mx.array_equal(loadcheckpoint(path, b).weight, a.weight))
     True
+    >>> savemodel(path.replace(".safetensors", ".npz"), a)
+    Traceback (most recent call last):
+    ...
+    ValueError: [savemodel] a checkpoint is a safetensors file: name it 'dense.safetensors' ...
     """
     _check_module(model, "savemodel")
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(
+            f"[savemodel] a checkpoint is a safetensors file: name it "
+            f"'{path.stem}.safetensors' (got {str(path)!r}; the extension names the format, "
+            f"as for MLX's save_weights)"
+        )
     arrays: dict[str, mx.array] = {}
     plain: dict[str, Any] = {}
     trees = [(_MODEL, model.parameters())]
@@ -115,7 +136,9 @@ def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) 
                     f"only arrays, numbers, strings and None"
                 )
     metadata = {"format": FORMAT, "plain": json.dumps(plain)}
-    path = Path(path)
+    kind = None if opt_state is None else _optimizer_kind(opt_state)
+    if kind is not None:
+        metadata["optimizer"] = json.dumps(kind)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"[savemodel] no directory {str(path.parent)!r} to write into")
     # mx.save_safetensors insists on the suffix; write beside the target and rename over it.
@@ -135,8 +158,11 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
     The model is checked as in :func:`loadmodel`, the optimiser state by its own
     ``load_state``, and only when both fit is either changed. Without ``opt_state`` a stored
     optimiser state is ignored (loading weights for inference); with it, the file must hold
-    one. A safetensors file written by ``model.save_weights`` (MLX's own layout, no prefixes)
-    loads as model weights.
+    one, saved from the same kind of optimiser (the class names recorded by
+    :func:`savemodel` must agree, or one be a subclass of the other, such as ``Adam`` and
+    ``AdamW``; files without them are not checked). A file written by ``model.save_weights``
+    (MLX's own layout, no prefixes; ``.safetensors`` or ``.npz``) loads as model weights.
+    The format is read from the file's content, whatever its name.
 
     >>> import tempfile, os
     >>> from fluxlike import Adam, Dense, loadcheckpoint, savemodel, setup
@@ -155,7 +181,12 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"[loadcheckpoint] no checkpoint file at {str(path)!r}")
-    arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+    with open(path, "rb") as f:
+        npz = f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+    if npz:  # MLX's save_weights("....npz"): weights only, no metadata
+        arrays, metadata = mx.load(str(path), format="npz"), {}
+    else:
+        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
     if metadata.get("format") != FORMAT:  # plain MLX weights
         model_entries, opt_entries, prefix = dict(arrays), {}, ""
     else:
@@ -173,6 +204,7 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
                 f"[loadcheckpoint] {str(path)!r} holds no optimiser state; "
                 f"call loadcheckpoint(path, model) to load the model alone"
             )
+        _check_optimizer_kind(metadata.get("optimizer"), opt_state, path)
         # OptState.load_state validates everything and changes nothing on a mismatch; it
         # also makes the loss scale a float16 run saved if this state has none yet.
         try:
@@ -197,6 +229,54 @@ def _opt_tree(opt_state: Any, where: str) -> Any:
             f"got {type(opt_state).__name__}"
         )
     return opt_state.state
+
+
+def _optimizer_kind(opt_state: Any) -> dict[str, Any] | None:
+    """What the checkpoint records of ``opt_state``'s optimiser: the rule's name (for
+    messages) and the mlx optimiser's class names from its own up to ``Optimizer``
+    (compared). Gradient transforms in front (fluxlike's OptimiserChain) hold no state and are
+    left out, so a chain and its last rule share a state. ``None`` for a duck-typed state."""
+    optimizer = getattr(opt_state, "optimizer", None)
+    inner = getattr(optimizer, "inner", None)  # fluxlike's OptimiserChain
+    if isinstance(inner, optim.Optimizer):
+        optimizer = inner
+    if not isinstance(optimizer, optim.Optimizer):
+        return None
+    rule = getattr(opt_state, "rule", optimizer)
+    rule = getattr(rule, "parts", (rule,))[-1]
+    classes = [c.__name__ for c in type(optimizer).__mro__
+               if issubclass(c, optim.Optimizer) and c is not optim.Optimizer]
+    return {"rule": type(rule).__name__, "classes": classes}
+
+
+def _check_optimizer_kind(recorded: str | None, opt_state: Any, path: Path) -> None:
+    """A ``ValueError`` if the file's optimiser is of another kind than ``opt_state``'s
+    (Momentum's and RMSProp's states have the same names and shapes: only this tells them
+    apart). One may subclass the other (Adam and AdamW keep the same moments)."""
+    current = _optimizer_kind(opt_state)
+    if recorded is None or current is None:  # an older file, or a duck-typed state
+        return
+    try:
+        saved = json.loads(recorded)
+        names, rule = list(saved["classes"]), str(saved["rule"])
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(
+            f"[loadcheckpoint] {str(path)!r} has an unreadable 'optimizer' metadata entry: "
+            f"{recorded!r}"
+        ) from None
+    if not names or names[0] in current["classes"] or current["classes"][0] in names:
+        return
+    saved = {"rule": rule, "classes": names}
+
+    def shown(kind: dict) -> str:
+        public = [c for c in kind["classes"] if not c.startswith("_")] or kind["classes"]
+        return f"{kind['rule']} (mlx {public[0]})"
+
+    raise ValueError(
+        f"[loadcheckpoint] the optimiser state in {str(path)!r} was saved from "
+        f"{shown(saved)}, this opt_state is for {shown(current)}; setup() the same rule to "
+        f"resume"
+    )
 
 
 def _strip(entries: dict[str, Any], prefix: str) -> dict[str, Any]:

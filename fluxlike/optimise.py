@@ -49,6 +49,8 @@ def _lr(value: Any, rule: str) -> LearningRate:
             f"[{rule}] lr must be a positive number or a schedule (a callable of the step), "
             f"got {value!r}"
         )
+    if not math.isfinite(value):  # one step would make every parameter inf or nan
+        raise ValueError(f"[{rule}] lr must be finite, got {value!r}")
     return float(value)
 
 

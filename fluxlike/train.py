@@ -116,6 +116,17 @@ def _distinct(modules: list[nn.Module], where: str) -> None:
                 )
 
 
+def _holds_module(tree: list | tuple | dict, depth: int = 0) -> bool:
+    """Whether a model lies inside the plain containers ``tree`` (not looking inside
+    models: ``nn.Module`` is a dict)."""
+    for v in tree.values() if isinstance(tree, dict) else tree:
+        if isinstance(v, nn.Module):
+            return True
+        if isinstance(v, (list, tuple, dict)) and depth < 8 and _holds_module(v, depth + 1):
+            return True
+    return False
+
+
 def _value_and_grad(
     f: Callable,
     args: tuple,
@@ -130,9 +141,16 @@ def _value_and_grad(
     if not callable(f):
         raise TypeError(f"{where}: expected a callable loss function first, got {f!r}")
     modules: list[nn.Module] = []  # each module once, in order of first appearance
-    for a in args:
-        if isinstance(a, nn.Module) and not any(a is m for m in modules):
-            modules.append(a)
+    for i, a in enumerate(args):
+        if isinstance(a, nn.Module):
+            if not any(a is m for m in modules):
+                modules.append(a)
+        elif isinstance(a, (list, tuple, dict)) and _holds_module(a):
+            raise TypeError(
+                f"{where}: argument {i + 1} is a {type(a).__name__} holding a model, which "
+                f"would get no gradient; pass models as separate arguments "
+                f"(gradient(f, m1, m2), not gradient(f, [m1, m2]))"
+            )
     if len(modules) > 1:
         _distinct(modules, where)
     arrays = [
@@ -299,9 +317,10 @@ class OptState:
         ``mlx.utils.tree_flatten``). The optimiser entries must match this state's names,
         shapes and dtypes exactly. A ``"loss_scale"`` entry is loaded into
         ``self.loss_scale``; if there is none yet, a ``DynamicLossScale()`` (the entry has a
-        ``counter``) or a ``StaticLossScale`` is made for it. Without a ``"loss_scale"``
-        entry, ``self.loss_scale`` is left as it is. On any mismatch, raises ``ValueError``
-        naming the first mismatched entry and changes nothing.
+        ``counter``; its period, factor and min_scale are loaded too, or stay the defaults
+        for an entry saved without them) or a ``StaticLossScale`` is made for it. Without a
+        ``"loss_scale"`` entry, ``self.loss_scale`` is left as it is. On any mismatch,
+        raises ``ValueError`` naming the first mismatched entry and changes nothing.
         """
         if not isinstance(tree, dict):
             raise ValueError(f"OptState.load_state: expected a dict, got {type(tree).__name__}")
@@ -470,11 +489,13 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     kernels, about a second each; MLX keeps them on disk). It is traced again when the
     gradients' structure, shapes or dtypes change, or when a Python setting of the
     optimiser or loss scale (``betas``, ``eps``, a schedule function, ...) is reassigned.
-    Array state (learning rate, step count, moments, scale) is read afresh at every step,
-    so ``opt_state.optimizer.learning_rate = 1e-4`` takes effect at once. An optimiser
-    whose step cannot be traced (a schedule that reads an array's value), that changes its
-    own Python attributes while stepping, or whose ``state`` is not one live dict, is
-    updated eagerly.
+    Array state (learning rate, step count, moments, the loss scale and its period, factor
+    and minimum) is read afresh at every step, so ``opt_state.optimizer.learning_rate =
+    1e-4`` takes effect at once; with a schedule (a callable ``lr``), though, MLX sets the
+    learning rate from the schedule before every step, so such an assignment has no effect.
+    An optimiser whose step cannot be traced (a schedule that reads an array's value), that
+    changes its own Python attributes while stepping, or whose ``state`` is not one live
+    dict, is updated eagerly.
 
     On the CPU the first step also raises MLX's buffer-cache limit from its default
     (32 MiB) to twice the bytes of the parameters, gradients and optimiser state (at most

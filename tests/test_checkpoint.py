@@ -1,18 +1,25 @@
 import json
 
 import mlx.core as mx
+import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
 from fluxlike import (
     Adam,
+    AdamW,
     BatchNorm,
     Chain,
+    ClipNorm,
     DataLoader,
     Dense,
     Descent,
     DynamicLossScale,
+    Momentum,
+    Nesterov,
+    OptimiserChain,
+    RMSProp,
     loadcheckpoint,
     loadmodel,
     relu,
@@ -152,17 +159,38 @@ class TestFiles:
         assert_same(snapshot(target.parameters()), snapshot(source.parameters()))
 
     def test_path_is_used_exactly_and_overwritten(self, tmp_path):
-        path = tmp_path / "ckpt.bin"
+        path = tmp_path / "ckpt.safetensors"
         savemodel(path, make_model())
         source = make_model()
         savemodel(path, source)
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.bin"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]
         target = loadcheckpoint(path, make_model())
         assert_same(snapshot(target.parameters()), snapshot(source.parameters()))
 
-    def test_mlx_save_weights_files_load(self, tmp_path):
+    @pytest.mark.parametrize(("name", "suggested"), [("m.npz", "m.safetensors"),
+                                                     ("ckpt", "ckpt.safetensors"),
+                                                     ("run.bin", "run.safetensors")])
+    def test_other_extensions_are_refused(self, tmp_path, name, suggested):
+        # MLX's save_weights picks the format by the extension: safetensors under another
+        # name would be misread (mx.load of an .npz name reads a zip archive)
+        with pytest.raises(ValueError, match=rf"^\[savemodel\] a checkpoint is a safetensors "
+                           rf"file: name it '{suggested}' \(got '.*{name}'"):
+            savemodel(tmp_path / name, make_model(), setup(Adam(), make_model()))
+        assert list(tmp_path.iterdir()) == []
+
+    def test_older_files_of_any_name_still_load(self, tmp_path):
         source = trained_stats(make_model())
-        path = tmp_path / "w.safetensors"
+        savemodel(tmp_path / "m.safetensors", source)
+        for name in ("old.npz", "old"):  # as savemodel wrote them before it checked the name
+            (tmp_path / "m.safetensors").rename(tmp_path / name)
+            target = loadcheckpoint(tmp_path / name, make_model())
+            assert_same(snapshot(target.parameters()), snapshot(source.parameters()))
+            (tmp_path / name).rename(tmp_path / "m.safetensors")
+
+    @pytest.mark.parametrize("extension", [".safetensors", ".npz"])
+    def test_mlx_save_weights_files_load(self, tmp_path, extension):
+        source = trained_stats(make_model())
+        path = tmp_path / f"w{extension}"
         source.save_weights(str(path))
         target = loadcheckpoint(path, make_model())
         assert_same(snapshot(target.parameters()), snapshot(source.parameters()))
@@ -264,6 +292,15 @@ class TestOptimiserState:
         assert not np.array_equal(np.array(fresh.layers[0].weight),
                                   np.array(model.layers[0].weight))
 
+    def test_dynamic_loss_scale_settings_come_back(self, tmp_path):
+        path = tmp_path / "scaled.safetensors"
+        model = make_model()
+        scale = DynamicLossScale(64.0, period=5, factor=3.0, min_scale=2.0)
+        savemodel(path, model, setup(Adam(), model, loss_scale=scale))
+        for target in (setup(Adam(), model), setup(Adam(), model, loss_scale=DynamicLossScale())):
+            loadcheckpoint(path, model, target)
+            assert repr(target.loss_scale) == repr(scale)
+
     def test_file_holds_prefixed_optimiser_arrays(self, tmp_path):
         model = make_model()
         opt_state = setup(Adam(), model)
@@ -296,10 +333,47 @@ class TestOptimiserState:
                                    r"'optimizer.layers.0.weight.m'")
 
     def test_missing_optimiser_entries_change_neither(self, tmp_path):
+        path = tmp_path / "frozen.safetensors"
+        model, frozen = make_model(), make_model()
+        frozen.layers[0].freeze()
+        savemodel(path, model, setup(Adam(), frozen))  # no moments for the first layer
+        self.check_unchanged(path, r"optimiser state in .*missing entry 'optimizer.layers.0")
+
+    def test_another_rule_changes_neither(self, tmp_path):
         path = tmp_path / "descent.safetensors"
         model = make_model()
-        savemodel(path, model, setup(Descent(), model))  # no Adam moments
-        self.check_unchanged(path, r"optimiser state in .*missing entry 'optimizer.layers.0")
+        savemodel(path, model, setup(Descent(), model))
+        self.check_unchanged(path, r"^\[loadcheckpoint\] the optimiser state in .* was saved "
+                                   r"from Descent \(mlx SGD\), this opt_state is for Adam "
+                                   r"\(mlx Adam\); setup\(\) the same rule to resume$")
+
+    def test_rules_with_the_same_state_names_are_told_apart(self, tmp_path):
+        # Momentum's and RMSProp's states both hold one "v" per parameter
+        path = tmp_path / "momentum.safetensors"
+        model = make_model()
+        momentum = setup(Momentum(), model)
+        assert sorted(momentum.state["optimizer"]["layers"][0]["weight"]) == ["v"]
+        savemodel(path, model, momentum)
+        rms = setup(RMSProp(), model)
+        before = snapshot(rms.state)
+        with pytest.raises(ValueError, match=r"saved from Momentum \(mlx SGD\), this opt_state "
+                           r"is for RMSProp \(mlx RMSprop\)"):
+            loadcheckpoint(path, model, rms)
+        assert_same(snapshot(rms.state), before)
+        # the same kind loads: an mlx optimizer, a chain in front, a subclass (Adam -> AdamW)
+        loadcheckpoint(path, model, setup(optim.SGD(0.1, momentum=0.5), model))
+        loadcheckpoint(path, model, setup(OptimiserChain(ClipNorm(1.0), Nesterov()), model))
+        savemodel(path, model, setup(Adam(), model))
+        loadcheckpoint(path, model, setup(AdamW(), model))
+
+    def test_files_without_the_optimiser_kind_still_load(self, tmp_path):
+        path = tmp_path / "old.safetensors"
+        model = make_model()
+        savemodel(path, model, setup(Momentum(), model))
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        assert json.loads(metadata.pop("optimizer")) == {"rule": "Momentum", "classes": ["SGD"]}
+        mx.save_safetensors(str(path), arrays, metadata=metadata)  # as earlier versions wrote
+        loadcheckpoint(path, model, setup(RMSProp(), model))  # unchecked, as before
 
     def test_extra_optimiser_entries_change_neither(self, tmp_path):
         path = tmp_path / "extra.safetensors"

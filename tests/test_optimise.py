@@ -216,6 +216,9 @@ def test_positional_and_keyword_construction():
 @pytest.mark.parametrize("make, message", [
     (lambda: Descent(-1.0), r"\[Descent\] lr must be a positive number"),
     (lambda: Descent("fast"), r"\[Descent\] lr"),
+    (lambda: Descent(float("inf")), r"^\[Descent\] lr must be finite, got inf$"),
+    (lambda: Adam(np.float64("inf")), r"^\[Adam\] lr must be finite, got "),
+    (lambda: AdamW(float("nan")), r"^\[AdamW\] lr must be a positive number"),
     (lambda: Momentum(rho=1.0), r"\[Momentum\] rho must be a number in \[0, 1\)"),
     (lambda: Nesterov(rho=0), r"\[Nesterov\] rho must be in \(0, 1\)"),
     (lambda: RMSProp(eps=0), r"\[RMSProp\] eps must be a positive number"),

@@ -657,3 +657,32 @@ def test_loss_scale_scales_the_gradients_for_update():
     with pytest.raises(ValueError, match=r"gradient: loss_scale must be None, 'auto', a "
                                          r"positive number"):
         gradient(lambda m: _mse(m, x, x[:, :1]), model, loss_scale="big")
+
+
+@pytest.mark.parametrize("wrap", [list, tuple, lambda ms: {"a": ms[0], "b": ms[1]},
+                                  lambda ms: [ms[0], (ms[1],)]])
+def test_models_inside_a_container_argument_are_refused(wrap):
+    # they would silently get no gradient
+    a, b = Dense(2, 2), Dense(2, 1)
+    x = mx.ones((3, 2))
+    weight = a.weight
+    with pytest.raises(TypeError, match=r"gradient: argument 2 is a \w+ holding a model, which "
+                                        r"would get no gradient; pass models as separate "
+                                        r"arguments"):
+        gradient(lambda x, ms: x.sum(), x, wrap([a, b]))
+    assert a.weight is weight
+    # containers of arrays and other values are arguments as before
+    gx, gl = gradient(lambda x, xs: (x * xs[0]).sum(), x, [mx.ones(2), {"n": 1}])
+    assert gx.shape == (3, 2) and gl is None
+
+
+def test_assigning_the_learning_rate_with_and_without_a_schedule():
+    # what update's docstring says: an assignment takes effect at once, but a schedule
+    # sets the learning rate again before every step
+    for lr, expected in ((0.1, 0.5), (optim.step_decay(0.1, 1.0, 1000), 0.1)):
+        model = Dense(1, 1, bias=False)
+        model.weight = mx.array([[0.0]])
+        opt_state = setup(Descent(lr), model)
+        opt_state.optimizer.learning_rate = 0.5
+        update(opt_state, model, {"weight": mx.array([[-1.0]])})
+        assert model.weight.item() == pytest.approx(expected)

@@ -10,6 +10,7 @@ MLX's native kernels there.
 from __future__ import annotations
 
 import math
+import numbers
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,7 +34,11 @@ for _cls in (nn.Embedding, nn.Dropout):
 
 
 def _per_dim(value: int | tuple[int, ...], n: int) -> tuple[int, ...]:
-    return (value,) * n if isinstance(value, int) else tuple(value)
+    """``value`` for each of ``n`` dimensions, as Python ints. MLX's layers keep a numpy
+    integer (``stride=np.int64(2)``) as it was given, and their own forward accepts it."""
+    if isinstance(value, numbers.Integral):
+        return (int(value),) * n
+    return tuple(int(v) for v in value)
 
 
 def _with_bias(layer: nn.Module, y: mx.array) -> mx.array:

@@ -48,7 +48,7 @@ class DynamicScaleMachine(RuleBasedStateMachine):
     @rule()
     def checkpoint_round_trip(self):
         saved = {k: mx.array(v) for k, v in self.ls.state.items()}
-        other = DynamicLossScale(period=self.period, factor=self.factor, min_scale=self.floor)
+        other = DynamicLossScale()  # the hyperparameters come back with the state
         other.load_state(saved)
         self.ls = other
 
@@ -92,7 +92,13 @@ def test_all_finite():
 @pytest.mark.parametrize("make, message", [
     (lambda: DynamicLossScale(scale=0), r"\[DynamicLossScale\] scale must be a positive"),
     (lambda: DynamicLossScale(period=0), r"\[DynamicLossScale\] period must be a positive int"),
+    (lambda: DynamicLossScale(period=np.float64(3)), r"period must be a positive integer"),
+    (lambda: DynamicLossScale(period=np.bool_(True)), r"period must be a positive integer"),
+    (lambda: DynamicLossScale(period=2**31), r"period must be .*at most 2\*\*31 - 1"),
     (lambda: DynamicLossScale(factor=1.0), r"factor must be greater than 1"),
+    (lambda: DynamicLossScale(factor=1 + 1e-9), r"factor must be greater than 1"),  # float32: 1
+    (lambda: DynamicLossScale(factor=np.bool_(True)), r"factor must be a positive number"),
+    (lambda: StaticLossScale(np.bool_(True)), r"scale must be a positive number"),
     (lambda: DynamicLossScale(scale=0.5), r"scale must be at least min_scale=1.0"),
     (lambda: StaticLossScale(float("inf")), r"\[StaticLossScale\] scale must be finite"),
     (lambda: StaticLossScale(True), r"\[StaticLossScale\] scale must be a positive"),
@@ -100,6 +106,77 @@ def test_all_finite():
 def test_bad_arguments(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_numpy_numbers_are_accepted_as_python_numbers():
+    ls = DynamicLossScale(scale=np.float32(64), period=np.int64(3), factor=np.float16(4),
+                          min_scale=np.int32(2))
+    assert repr(ls) == "DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)"
+    assert type(ls.period) is int and type(ls.factor) is float
+    assert repr(StaticLossScale(np.float32(8))) == "StaticLossScale(8.0)"
+    model = Dense(2, 1)
+    for number in (np.float64(8), np.float32(8), np.int64(8)):
+        assert repr(setup(Adam(), model, loss_scale=number).loss_scale) == "StaticLossScale(8.0)"
+    with pytest.raises(ValueError, match="loss_scale must be None"):
+        setup(Adam(), model, loss_scale=np.bool_(True))
+
+
+def test_hyperparameters_are_state_and_come_back_from_a_checkpoint():
+    ls = DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)
+    ls.adjust(mx.array(True))
+    saved = {k: mx.array(np.array(v)) for k, v in ls.state.items()}  # as read from a file
+    other = DynamicLossScale()
+    other.load_state(saved)
+    assert repr(other) == repr(ls) and other.counter.item() == 1
+    for finite, expected in ((True, 64.0), (True, 256.0), (False, 64.0), (False, 16.0)):
+        other.adjust(mx.array(finite))
+        assert other.loss_scale.item() == expected
+
+
+def test_state_without_hyperparameters_keeps_them():
+    # checkpoints written before the hyperparameters were state
+    ls = DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)
+    ls.load_state({"loss_scale": mx.array(8.0), "counter": mx.array(2, mx.int32)})
+    assert repr(ls) == "DynamicLossScale(scale=8.0, period=3, factor=4.0, min_scale=2.0)"
+    model = Dense(2, 1)
+    fresh = setup(Adam(), model)  # no loss scale yet: the defaults, as before
+    fresh.load_state({**fresh.state, "loss_scale": {"loss_scale": mx.array(8.0),
+                                                    "counter": mx.array(2, mx.int32)}})
+    assert repr(fresh.loss_scale) == (
+        "DynamicLossScale(scale=8.0, period=2000, factor=2.0, min_scale=1.0)")
+    saved = setup(Adam(), model, loss_scale=DynamicLossScale(period=5, factor=3.0)).state
+    fresh = setup(Adam(), model)
+    fresh.load_state(saved)
+    assert (fresh.loss_scale.period, fresh.loss_scale.factor) == (5, 3.0)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("period", mx.array(0, mx.int32), "period must be a positive integer"),
+    ("factor", mx.array(0.5), "factor must be greater than 1"),
+    ("min_scale", mx.array(float("nan")), "min_scale must be a positive number"),
+])
+def test_loaded_hyperparameters_are_checked(key, value, message):
+    ls = DynamicLossScale(period=3)
+    state = dict(ls.state)
+    with pytest.raises(ValueError,
+                       match=rf"^\[DynamicLossScale\] {message}.*\(in the state loaded\)"):
+        ls.load_state({**state, key: value})
+    assert all(ls.state[k] is v for k, v in state.items())
+
+
+def test_reassigned_hyperparameters_are_checked_and_used():
+    ls = DynamicLossScale(scale=8.0, period=100)
+    ls.period, ls.factor, ls.min_scale = np.int64(1), 4, 2
+    assert repr(ls) == "DynamicLossScale(scale=8.0, period=1, factor=4.0, min_scale=2.0)"
+    ls.adjust(mx.array(True))
+    assert ls.loss_scale.item() == 32.0
+    for _ in range(3):
+        ls.adjust(mx.array(False))
+    assert ls.loss_scale.item() == 2.0
+    for name, bad in (("period", 0), ("factor", 1.0), ("min_scale", -1.0)):
+        with pytest.raises(ValueError, match=rf"\[DynamicLossScale\] {name} must be"):
+            setattr(ls, name, bad)
+    assert repr(ls) == "DynamicLossScale(scale=2.0, period=1, factor=4.0, min_scale=2.0)"
 
 
 def test_load_state_validates_first():
@@ -175,6 +252,11 @@ def test_update_runs_inside_compile_without_host_sync():
     assert opt_state.optimizer.step.item() == 3
     assert opt_state.loss_scale.loss_scale.item() == 1024.0  # halved, then doubled
     assert all(mx.all(mx.isfinite(v)).item() for _, v in tree_flatten(model.parameters()))
+
+    opt_state.loss_scale.period = 1  # an array of the captured state: read at the next step
+    compiled(grads)
+    mx.eval(captured)
+    assert opt_state.loss_scale.loss_scale.item() == 2048.0
 
     def syncing(grads):  # the check above is meaningful: a host sync fails under compile
         update(opt_state, model, grads)

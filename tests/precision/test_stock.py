@@ -115,6 +115,22 @@ def test_outside_a_scope_nothing_changes():
     assert mx.array_equal(layer(x), plain(layer, x)).item()
 
 
+@pytest.mark.parametrize(("make", "shape"), [
+    (lambda **k: nn.Conv1d(2, 3, 3, **k), (2, 9, 2)),
+    (lambda **k: nn.Conv2d(2, 3, 3, **k), (2, 7, 7, 2)),
+    (lambda **k: nn.ConvTranspose2d(2, 3, 3, **k), (2, 5, 5, 2)),
+])
+def test_numpy_integer_settings_as_outside_a_scope(make, shape):
+    # MLX's layers keep stride=np.int64(2) as given, and their own forward accepts it
+    layer = make(stride=np.int64(2), padding=np.int32(1), dilation=np.int8(1))
+    x = normal(*shape)
+    expected = layer(x)
+    with autocast(mx.bfloat16, device="cpu"):
+        y = layer(x)
+    assert y.shape == expected.shape and y.dtype == mx.bfloat16
+    close(y, expected, mx.bfloat16)
+
+
 def test_subclass_with_its_own_forward_keeps_it():
     class Doubled(nn.Linear):
         def __call__(self, x):
