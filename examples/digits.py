@@ -105,6 +105,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("epochs", "batchsize"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.save and not args.save.endswith(".safetensors"):  # known before training, not after
+        parser.error(f"--save names a safetensors file (x.safetensors), got {args.save!r}")
     return args
 
 

@@ -78,7 +78,8 @@ def test_half_precision_run(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--epochs", "0"], ["--batchsize", "0"], ["--precision", "float64"]]
+    "argv", [["--epochs", "0"], ["--batchsize", "0"], ["--precision", "float64"],
+             ["--save", "model.npz"]]
 )
 def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit):
