@@ -85,7 +85,10 @@ def _trainable_parameters(module: nn.Module) -> tuple[dict, bool]:
         out = {}
         for k, v in entries:
             path = f"{prefix}{k}"
-            if _trainable(owner, path, v) and _floating_or_tree(v):
+            # (the dtype test inline: this walk runs on every step)
+            if _trainable(owner, path, v) and (
+                not isinstance(v, mx.array) or v.dtype in _INEXACT
+            ):
                 out[k] = walk(owner, path, v)
             else:
                 frozen = frozen or _valid(owner, path, v)
@@ -96,11 +99,16 @@ def _trainable_parameters(module: nn.Module) -> tuple[dict, bool]:
     return walk(module, "", module), frozen
 
 
+# Only floating arrays are trained: integer and boolean ones (indices, masks) are state, as in
+# Flux; mx.value_and_grad cannot differentiate some of them, and an optimiser step would turn
+# them into floats.
+_INEXACT = frozenset(t for t in vars(mx).values()
+                     if isinstance(t, mx.Dtype) and mx.issubdtype(t, mx.inexact))
+
+
 def _floating_or_tree(value: Any) -> bool:
-    """Not an integer or boolean array: those (indices, masks) are state, never trained, as in
-    Flux; ``mx.value_and_grad`` cannot differentiate some of them, and an optimiser step
-    would turn them into floats."""
-    return not isinstance(value, mx.array) or mx.issubdtype(value.dtype, mx.inexact)
+    """Not an integer or boolean array."""
+    return not isinstance(value, mx.array) or value.dtype in _INEXACT
 
 
 def _distinct(modules: list[nn.Module], where: str) -> None:

@@ -34,7 +34,6 @@ once and reused for as long as its source array is alive and not replaced.
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -46,26 +45,35 @@ import mlx.nn as nn
 
 from ..modes import _differentiating
 
-# (thread, id(source)) -> (weak reference to source, {dtype: source.astype(dtype)})
-_casts: dict[tuple[int, int], tuple[weakref.ref, dict]] = {}
-# (thread, id(layer)) -> (weak reference to layer, {dtype: (the layer's values, arrays by weak
-# reference, and its view)}); a view goes as soon as one of the arrays it was made from goes
-_views: dict[tuple[int, int], tuple[weakref.ref, dict]] = {}
+
+class _Tables:
+    """One thread's entries: ``casts``, id(source) -> (weak reference to source, {dtype:
+    source.astype(dtype)}); ``views``, id(layer) -> (weak reference to layer, {dtype: (the
+    layer's values, arrays by weak reference, and its view)}); a view goes as soon as one of
+    the arrays it was made from goes."""
+
+    __slots__ = ("casts", "views", "__weakref__")
+
+    def __init__(self) -> None:
+        self.casts: dict[int, tuple[weakref.ref, dict]] = {}
+        self.views: dict[int, tuple[weakref.ref, dict]] = {}
+
+
 _thread = threading.local()
-_tokens = itertools.count()
+_every: weakref.WeakSet[_Tables] = weakref.WeakSet()  # each live thread's, for clearing
 
 
-def _key(source: object) -> tuple[int, int]:
-    """``source``'s key for this thread (a number of its own, never reused as thread
-    identifiers are)."""
+def _tables() -> _Tables:
+    """This thread's entries (they go with the thread)."""
     try:
-        token = _thread.token
+        return _thread.tables
     except AttributeError:
-        token = _thread.token = next(_tokens)
-    return token, id(source)
+        tables = _thread.tables = _Tables()
+        _every.add(tables)
+        return tables
 
 
-def _forget(table: dict, key: tuple[int, int]) -> Callable[[weakref.ref], None]:
+def _forget(table: dict, key: int) -> Callable[[weakref.ref], None]:
     def forget(ref: weakref.ref) -> None:
         entry = table.get(key)
         if entry is not None and entry[0] is ref:  # not a newer entry under a reused id
@@ -75,7 +83,7 @@ def _forget(table: dict, key: tuple[int, int]) -> Callable[[weakref.ref], None]:
 
 
 def _entry(table: dict, source: object) -> dict:
-    key = _key(source)
+    key = id(source)
     entry = table.get(key)
     if entry is None or entry[0]() is not source:
         entry = (weakref.ref(source, _forget(table, key)), {})
@@ -97,7 +105,7 @@ def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
         return source
     if _differentiating.get():
         return source.astype(dtype)
-    casts = _entry(_casts, source)
+    casts = _entry(_tables().casts, source)
     result = casts.get(dtype)
     if result is None:
         result = casts[dtype] = source.astype(dtype)
@@ -122,8 +130,9 @@ def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | N
     if _differentiating.get():
         return None
     found = []
+    casts = _tables().casts
     for source in sources:
-        entry = _casts.get(_key(source))
+        entry = casts.get(id(source))
         result = None if entry is None or entry[0]() is not source else entry[1].get(dtype)
         if result is None:
             break
@@ -154,7 +163,7 @@ def view(layer: nn.Module, dtype: mx.Dtype, make: Callable[[], nn.Module]) -> nn
     if _differentiating.get():
         return make()
     values = tuple(layer.values())
-    views = _entry(_views, layer)
+    views = _entry(_tables().views, layer)
     kept = views.get(dtype)
     if kept is not None and len(kept[0]) == len(values) and all(map(_same, kept[0], values)):
         kept[1].__dict__.update(layer.__dict__)
@@ -213,9 +222,15 @@ def hand_over(layers: Iterable[Any], x: Any) -> Any:
     ...     hand_over([Dense(2, 3, relu), Dense(3, 1)], mx.ones((4, 2))).dtype
     mlx.core.bfloat16
     """
-    layers = list(layers)
-    for layer, after in zip(layers, layers[1:] + [None], strict=True):
-        token = _handing_over.set(type(layer) in _SEALED and type(after) in _SEALED)
+    layers = layers if isinstance(layers, list) else list(layers)
+    sealed = [type(layer) in _SEALED for layer in layers] + [False]
+    outer = _handing_over.get()
+    for i, layer in enumerate(layers):
+        pass_on = sealed[i] and sealed[i + 1]
+        if pass_on is outer:
+            x = layer(x)
+            continue
+        token = _handing_over.set(pass_on)
         try:
             x = layer(x)
         finally:
@@ -306,11 +321,14 @@ def clear_cast_cache() -> None:
     >>> cast(w, mx.float16) is before
     False
     """
-    _casts.clear()
-    _views.clear()
+    for tables in list(_every):
+        tables.casts.clear()
+        tables.views.clear()
     _shadows.clear()
 
 
 def cached() -> int:
-    """How many arrays and layers have cached casts and views (for tests and diagnostics)."""
-    return len(_casts) + len(_views)
+    """How many arrays and layers have cached casts and views in this thread (for tests and
+    diagnostics)."""
+    tables = _tables()
+    return len(tables.casts) + len(tables.views)
