@@ -18,6 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -184,12 +185,7 @@ def _value_and_grad(
         call = list(args)
         for i, x in zip(arrays, xs, strict=True):
             call[i] = x
-        with differentiating():
-            if dtype is None:
-                out = f(*call)
-            else:
-                with autocast_scope(dtype):
-                    out = f(*call)
+        out = f(*call)
         loss, rest = _split_output(out, where)
         # Running statistics (BatchNorm) are frozen parameters: return them as outputs so
         # they come out of the transform as ordinary arrays.
@@ -198,13 +194,17 @@ def _value_and_grad(
         scaled = loss if scale is None else scale.scale(loss)
         return scaled, (loss, rest, state)
 
+    # Train mode and the scope hold for the whole transform, not only while ``f`` runs: MLX
+    # runs checkpointed blocks (mx.checkpoint) again while it builds the backward pass.
+    scope = nullcontext() if dtype is None else autocast_scope(dtype)
     try:
-        if modules or arrays:
-            (_, (loss, rest, state)), (g_params, g_arrays) = mx.value_and_grad(inner)(
-                (trainable, [args[i] for i in arrays])
-            )
-        else:  # nothing to differentiate: every gradient is None
-            (_, (loss, rest, state)), g_params, g_arrays = inner(([], [])), [], []
+        with differentiating(), scope:
+            if modules or arrays:
+                (_, (loss, rest, state)), (g_params, g_arrays) = mx.value_and_grad(inner)(
+                    (trainable, [args[i] for i in arrays])
+                )
+            else:  # nothing to differentiate: every gradient is None
+                (_, (loss, rest, state)), g_params, g_arrays = inner(([], [])), [], []
     except BaseException:
         for m, p in zip(modules, originals, strict=True):
             m.update(p)
@@ -253,9 +253,10 @@ def gradient(
     Returns a tuple with one entry per argument: for a model (an ``mlx.nn.Module``) a
     nested dict shaped like ``model.trainable_parameters()``; for a floating ``mx.array``
     an array of its shape; for anything else (integer arrays, numbers, functions)
-    ``None``. While ``f`` runs, Dropout and BatchNorm are in training mode; BatchNorm's
-    running statistics are updated in the model, its trainable parameters are left as
-    they were.
+    ``None``. While ``f`` runs (and while MLX re-runs checkpointed blocks for the backward
+    pass), fluxlike's Dropout and BatchNorm are in training mode (``mlx.nn``'s follow
+    ``model.train()``/``model.eval()``); BatchNorm's running statistics are updated in the
+    model, its trainable parameters are left as they were.
 
     ``autocast`` (``None``, ``mx.float16`` or ``mx.bfloat16``) runs ``f`` inside
     ``fluxlike.autocast(autocast)`` on the default device. The gradients are float32 all

@@ -686,3 +686,36 @@ def test_assigning_the_learning_rate_with_and_without_a_schedule():
         opt_state.optimizer.learning_rate = 0.5
         update(opt_state, model, {"weight": mx.array([[-1.0]])})
         assert model.weight.item() == pytest.approx(expected)
+
+
+class _Checkpointed(nn.Module):
+    """A block recomputed in the backward pass (mx.checkpoint), then a head."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.block = Chain(Dense(8, 8), BatchNorm(8))
+        self.head = Dense(8, 1)
+        self.checkpointed = checkpointed
+
+    def __call__(self, x):
+        block = nn.utils.checkpoint(self.block) if self.checkpointed else self.block
+        return self.head(block(x))
+
+
+@pytest.mark.parametrize("autocast", [None, mx.bfloat16])
+def test_checkpointed_blocks_are_recomputed_in_train_mode_and_the_scope(autocast):
+    # MLX runs a checkpointed block again while it builds the backward pass: in test mode
+    # (BatchNorm's running statistics) or outside the scope, its gradient would be another's
+    x = mx.array(np.random.default_rng(3).normal(2.0, 3.0, size=(16, 8)).astype(np.float32))
+    results = []
+    for checkpointed in (False, True):
+        mx.random.seed(1)
+        model = _Checkpointed(checkpointed)
+        (g,) = gradient(lambda m: (m(x) ** 2).sum(), model, autocast=autocast)
+        results.append((_leaves(g), _leaves(model.parameters())))
+    (g_plain, p_plain), (g_ckpt, p_ckpt) = results
+    for k in g_plain:
+        np.testing.assert_allclose(np.array(g_ckpt[k]), np.array(g_plain[k]), rtol=1e-5,
+                                   atol=1e-6, err_msg=k)
+    for k in p_plain:  # running statistics updated once, as without the checkpoint
+        np.testing.assert_array_equal(np.array(p_ckpt[k]), np.array(p_plain[k]), err_msg=k)

@@ -166,8 +166,11 @@ def f16mix(model: T) -> T:
     """``model`` in float16, except layers that :func:`keep_float32` (BatchNorm,
     InstanceNorm, GroupNorm): their statistics and affine parameters stay float32.
 
-    The result takes float32 data (each layer converts its input to its weights' dtype)
-    and computes in float16:
+    The result takes float32 data (fluxlike's layers convert their input to their weights'
+    dtype) and computes in float16. ``mlx.nn``'s own layers do not convert: with float32
+    data they promote their weights to float32, and after a norm kept float32 so does the
+    rest; give such a model half-precision data and keep it under ``autocast`` (which casts
+    each layer's input), or use fluxlike's layers.
 
     >>> import mlx.core as mx
     >>> from fluxlike import BatchNorm, Chain, Dense, f16mix, relu

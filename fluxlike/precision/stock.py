@@ -41,30 +41,30 @@ def _per_dim(value: int | tuple[int, ...], n: int) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _with_bias(layer: nn.Module, y: mx.array) -> mx.array:
-    return y + layer["bias"] if "bias" in layer else y
+def _bias(layer: nn.Module) -> mx.array | None:
+    """The layer's bias, added in the kernel's float32 before the one rounding on the CPU."""
+    return layer["bias"] if "bias" in layer else None
 
 
 def _linear(self: nn.Linear, x: mx.array) -> mx.array:
-    return ops.linear(x, self["weight"], self["bias"] if "bias" in self else None)
+    return ops.linear(x, self["weight"], _bias(self))
 
 
 def _conv(self: nn.Module, x: mx.array) -> mx.array:
     n = self["weight"].ndim - 2
-    y = ops.conv(
+    return ops.conv(
         x, self["weight"], _per_dim(self.stride, n), _per_dim(self.padding, n),
-        _per_dim(self.dilation, n), getattr(self, "groups", 1),
+        _per_dim(self.dilation, n), getattr(self, "groups", 1), _bias(self),
     )
-    return _with_bias(self, y)
 
 
 def _conv_transpose(self: nn.Module, x: mx.array) -> mx.array:
     n = self["weight"].ndim - 2
-    y = ops.conv_transpose(
+    return ops.conv_transpose(
         x, self["weight"], _per_dim(self.stride, n), _per_dim(self.padding, n),
         _per_dim(self.dilation, n), _per_dim(self.output_padding, n), getattr(self, "groups", 1),
+        _bias(self),
     )
-    return _with_bias(self, y)
 
 
 def _multi_head_attention(
