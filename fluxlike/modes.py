@@ -16,6 +16,17 @@ from contextvars import ContextVar
 import mlx.nn as nn
 
 _differentiating: ContextVar[bool] = ContextVar("fluxlike_differentiating", default=False)
+_fixed = [0]  # how many times a mode was fixed: fluxlike.compile traces again after a change
+
+
+def fixed_modes() -> int:
+    """A number that changes whenever ``trainmode``/``testmode`` or ``model.train()``/
+    ``model.eval()`` fix the mode of fluxlike's layers (a compiled trace bakes modes in)."""
+    return _fixed[0]
+
+
+def mode_changed() -> None:
+    _fixed[0] += 1
 
 
 @contextmanager
@@ -37,6 +48,7 @@ def is_active(layer: nn.Module) -> bool:
 def _set_mode(model: nn.Module, active: bool | None, where: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{where}: expected an mlx.nn.Module, got {type(model).__name__}")
+    mode_changed()
     for _, module in model.named_modules():
         if "active" in module.__dict__:
             module.active = active

@@ -60,19 +60,29 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
             init_missing(sub, part)
         return
 
-    def walk(p: Any, s: Any) -> None:
+    def walk(p: Any, s: Any, path: str) -> None:
         if isinstance(p, mx.array):
             if not s:  # MLX's placeholder for a parameter without state
                 optimizer.init_single(p, s)
+            for name, value in s.items() if isinstance(s, dict) else ():
+                # a moment of the parameter's rank has its shape (factored ones have less)
+                if isinstance(value, mx.array) and value.ndim == p.ndim and (
+                    value.shape != p.shape
+                ):
+                    raise ValueError(
+                        f"update: opt_state does not fit the model: its {name!r} for {path!r} "
+                        f"has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
+                        f"setup() the optimiser for this model"
+                    )
             return
         for k, sub in p.items() if isinstance(p, dict) else enumerate(p):
             if isinstance(s, dict) and k not in s:
                 s[k] = tree_map(lambda _: {}, sub)
             elif isinstance(s, list) and k >= len(s):
                 s.extend(tree_map(lambda _: {}, x) for x in p[len(s):])
-            walk(sub, s[k])
+            walk(sub, s[k], f"{path}.{k}" if path else str(k))
 
-    walk(params, optimizer.state)
+    walk(params, optimizer.state, "")
 
 
 def step(optimizer: optim.Optimizer, scale: LossScale | None, grads: dict,

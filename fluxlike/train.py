@@ -14,6 +14,7 @@ so it carries over from one ``train`` call to the next and into checkpoints.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import time
@@ -105,6 +106,15 @@ def _trainable_parameters(module: nn.Module) -> tuple[dict, bool]:
 # them into floats.
 _INEXACT = frozenset(t for t in vars(mx).values()
                      if isinstance(t, mx.Dtype) and mx.issubdtype(t, mx.inexact))
+
+
+def _has_array(tree: Any) -> bool:
+    """Whether the nested dicts/lists ``tree`` hold an array (stops at the first)."""
+    if isinstance(tree, mx.array):
+        return True
+    if isinstance(tree, (dict, list)):
+        return any(map(_has_array, tree.values() if isinstance(tree, dict) else tree))
+    return False
 
 
 def _floating_or_tree(value: Any) -> bool:
@@ -199,12 +209,12 @@ def _value_and_grad(
     scope = nullcontext() if dtype is None else autocast_scope(dtype)
     try:
         with differentiating(), scope:
-            if modules or arrays:
+            if arrays or any(map(_has_array, trainable)):
                 (_, (loss, rest, state)), (g_params, g_arrays) = mx.value_and_grad(inner)(
                     (trainable, [args[i] for i in arrays])
                 )
-            else:  # nothing to differentiate: every gradient is None
-                (_, (loss, rest, state)), g_params, g_arrays = inner(([], [])), [], []
+            else:  # nothing to differentiate: no gradient arrays (MLX's grad would refuse)
+                (_, (loss, rest, state)), g_params, g_arrays = inner((trainable, [])), trainable, []
     except BaseException:
         for m, p in zip(modules, originals, strict=True):
             m.update(p)
@@ -240,7 +250,11 @@ def withgradient(
     >>> loss.dtype, g["weight"].dtype, g["weight"].shape
     (mlx.core.float32, mlx.core.float32, (1, 2))
     """
-    where = "withgradient"
+    return _withgradient(f, args, autocast, loss_scale, "withgradient")
+
+
+def _withgradient(f: Callable, args: tuple, autocast: Any, loss_scale: Any,
+                  where: str) -> tuple[Any, tuple]:
     return _value_and_grad(f, args, _check_autocast(autocast, where),
                            lossscale.resolve(loss_scale, where), where)
 
@@ -278,7 +292,7 @@ def gradient(
     >>> gradient(lambda x: (x ** 2).sum(), mx.array([1.0, 2.0]))
     (array([2, 4], dtype=float32),)
     """
-    return withgradient(f, *args, autocast=autocast, loss_scale=loss_scale)[1]
+    return _withgradient(f, args, autocast, loss_scale, "gradient")[1]
 
 
 class OptState:
@@ -548,6 +562,25 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input
 
 
+def _check_call(loss: Callable, model: nn.Module, args: tuple, data: Any, where: str) -> None:
+    """Refuse a first batch that ``loss(model, *batch)`` cannot take, saying how ``train``
+    calls it (else the error is Python's, naming neither)."""
+    try:
+        signature = inspect.signature(loss)
+    except (TypeError, ValueError):  # a builtin or the like: let the call speak
+        return
+    try:
+        signature.bind(model, *args)
+    except TypeError as e:
+        kinds = ", ".join(type(a).__name__ for a in args)
+        hint = ""
+        if isinstance(data, tuple) and all(isinstance(a, mx.array) for a in data):
+            hint = ("; data is a tuple of arrays, so each batch is one of them: for one batch "
+                    "(x, y) pass [(x, y)], for batches of it DataLoader((x, y), batchsize=...)")
+        raise TypeError(f"{where}: the loss is called as loss(model, *batch), here with a batch "
+                        f"of {len(args)} ({kinds}), and cannot take that: {e}{hint}") from None
+
+
 def _restore(model: nn.Module, opt_state: OptState, scale_state: dict, before: tuple) -> None:
     """Put back the model, optimiser, loss-scale and random state saved before a batch."""
     params, optimizer_state, scale, key = before
@@ -654,6 +687,8 @@ def train(
     total, count = 0.0, 0
     for i, batch in enumerate(data):
         args = batch if isinstance(batch, tuple) else (batch,)
+        if i == 0:
+            _check_call(loss, model, args, data, where)
         before = (model.parameters(), dict(tree_flatten(opt_state.optimizer.state)),
                   dict(scale_state), mx.random.state[0])
         try:

@@ -719,3 +719,43 @@ def test_checkpointed_blocks_are_recomputed_in_train_mode_and_the_scope(autocast
                                    atol=1e-6, err_msg=k)
     for k in p_plain:  # running statistics updated once, as without the checkpoint
         np.testing.assert_array_equal(np.array(p_ckpt[k]), np.array(p_plain[k]), err_msg=k)
+
+
+def test_errors_name_the_function_called():
+    model = Dense(2, 1)
+    for fn, name in ((gradient, "gradient"), (withgradient, "withgradient")):
+        with pytest.raises(ValueError, match=rf"^{name}: autocast must be None"):
+            fn(lambda m: m(mx.ones((1, 2))).sum(), model, autocast=mx.float32)
+
+
+@pytest.mark.parametrize("make", [lambda: Chain(relu), lambda: Dense(2, 2).freeze()])
+def test_a_model_with_nothing_to_train_gets_empty_gradients(make):
+    model = make()
+    loss, (g,) = withgradient(lambda m: m(mx.ones((1, 2))).sum(), model)
+    assert tree_flatten(g) == [] and loss.shape == ()
+    assert tree_flatten(g) == tree_flatten(_trainable_parameters(model)[0])
+
+
+def test_train_says_how_it_calls_the_loss():
+    model = Dense(2, 1)
+    opt_state = setup(Descent(0.1), model)
+    x, y = mx.ones((4, 2)), mx.ones((4, 1))
+    with pytest.raises(TypeError, match=r"train: the loss is called as loss\(model, \*batch\), "
+                                         r"here with a batch of 1 \(array\).*for one batch "
+                                         r"\(x, y\) pass \[\(x, y\)\]"):
+        train(_mse, model, (x, y), opt_state, progress=False)
+    with pytest.raises(TypeError, match=r"batch of 2 \(array, array\), and cannot take that"):
+        train(lambda x, y: _mse(model, x, y), model, [(x, y)], opt_state, progress=False)
+    assert opt_state.state["optimizer"]["step"].item() == 0  # no step was taken
+
+
+def test_update_with_another_models_opt_state():
+    opt_state = setup(Adam(0.1), Dense(2, 1))
+    other = Dense(3, 1)
+    (g,) = gradient(lambda m: m(mx.ones((1, 3))).sum(), other)
+    before = _leaves(opt_state.state)
+    with pytest.raises(ValueError, match=r"update: opt_state does not fit the model: its 'm' "
+                                         r"for 'weight' has shape \(1, 2\), the parameter "
+                                         r"\(1, 3\); setup\(\) the optimiser for this model"):
+        update(opt_state, other, g)
+    assert _leaves(opt_state.state).keys() == before.keys()

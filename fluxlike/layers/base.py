@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..activations import identity
+from ..modes import mode_changed
 
 
 class Layer(nn.Module):
@@ -50,6 +51,7 @@ class Layer(nn.Module):
         super()._set_training_mode(mode)
         if "active" in self.__dict__:
             self.active = mode
+            mode_changed()
 
 
 def act_name(act: Callable) -> str | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..modes import _differentiating
+from ..modes import _differentiating, fixed_modes
 from .state import compute_dtypes, device_index, shapeless_trace
 
 
@@ -32,7 +32,14 @@ def trace_key() -> tuple:
 def compile(
     fn: Callable, *, inputs: Any = None, outputs: Any = None, shapeless: bool = False
 ) -> Callable:
-    """Like ``mx.compile(fn, inputs, outputs, shapeless)``, with one trace per autocast state.
+    """Like ``mx.compile(fn, inputs, outputs, shapeless)``, with one trace per autocast state
+    and train mode: entering or leaving a scope, ``gradient``'s automatic train mode, and
+    fixing the mode of fluxlike's layers (``trainmode``/``testmode``, ``model.train()``/
+    ``model.eval()``) each pick or make the right trace.
+
+    As with ``mx.compile``, arrays the function reads from outside (a model's weights) are
+    constants of the trace unless they are in ``inputs``: pass ``inputs=model.state`` (and
+    ``outputs=`` for what it changes) when the model will be updated.
 
     With ``shapeless=True`` the CPU's half-precision layers trace as plain casts around their
     float32 kernels (same forward values; MLX cannot infer the output shapes of the custom
@@ -41,7 +48,7 @@ def compile(
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, autocast, compile
     >>> layer = Dense(3, 2)
-    >>> forward = compile(lambda x: layer(x))
+    >>> forward = compile(lambda x: layer(x), inputs=layer.state)
     >>> forward(mx.ones((1, 3))).dtype
     mlx.core.float32
     >>> with autocast(mx.float16, device="cpu"):
@@ -49,9 +56,13 @@ def compile(
     mlx.core.float16
     """
     traces: dict[tuple, Callable] = {}
+    modes = [fixed_modes()]
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if fixed_modes() != modes[0]:  # trainmode/testmode, train()/eval(): trace again
+            traces.clear()
+            modes[0] = fixed_modes()
         key = trace_key()
         compiled = traces.get(key)
         if compiled is None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from mlx.utils import tree_flatten
 
-from fluxlike import Chain, Dense, autocast, gradient, relu
+from fluxlike import Chain, Dense, Dropout, autocast, gradient, relu, trainmode
 from fluxlike import compile as fl_compile
 from fluxlike.precision.scope import _entries
 from fluxlike.precision.state import OFF, compute_dtypes
@@ -384,6 +384,22 @@ class TestCompile:
         assert dtypes == [mx.float32, F16, mx.float32, BF16, F16, mx.float32]
         with autocast(F16, device="gpu"):  # not this device's scope: the float32 trace
             assert forward(x).dtype == mx.float32
+
+    def test_fixing_the_mode_traces_again(self):
+        model = Chain(Dense(4, 64), Dropout(0.5))
+        forward = fl_compile(lambda x: model(x), inputs=model.state)
+        x = mx.ones((8, 4))
+
+        def drops() -> bool:
+            return (forward(x) == 0).sum().item() > 0
+
+        assert not drops()  # automatic: test mode outside gradient
+        for switch, expected in ((lambda: trainmode(model), True),
+                                 (lambda: trainmode(model, False), False),
+                                 (model.train, True), (model.eval, False),
+                                 (lambda: trainmode(model, "auto"), False)):
+            switch()
+            assert drops() is expected
 
     @pytest.mark.parametrize("dtype", [None, BF16, F16])
     def test_shapeless_trace_replays_at_other_batch_sizes(self, dtype):
