@@ -24,23 +24,53 @@ from .precision.state import HALF, current_dtype
 
 
 def identity(x: mx.array) -> mx.array:
-    """Return ``x`` unchanged (the default activation of every layer)."""
+    """Return ``x`` unchanged (the default activation of every layer).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import identity
+    >>> identity(mx.array([-1.0, 2.0]))
+    array([-1, 2], dtype=float32)
+    """
     return x
 
 
 def relu(x: mx.array) -> mx.array:
-    """``max(x, 0)``."""
+    """``max(x, 0)``, in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import relu
+    >>> relu(mx.array([-1.0, 0.0, 2.0]))
+    array([0, 0, 2], dtype=float32)
+    >>> relu(mx.ones(2, dtype=mx.float16)).dtype
+    mlx.core.float16
+    """
     return nn.relu(x)
 
 
 def leakyrelu(x: mx.array, a: float = 0.01) -> mx.array:
-    """``x`` where positive, ``a * x`` elsewhere."""
+    """``x`` where positive, ``a * x`` elsewhere, in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import leakyrelu
+    >>> leakyrelu(mx.array([-1.0, 2.0])), leakyrelu(mx.array([-1.0, 2.0]), 0.5)
+    (array([-0.01, 2], dtype=float32), array([-0.5, 2], dtype=float32))
+    >>> leakyrelu(mx.ones(2, dtype=mx.bfloat16)).dtype
+    mlx.core.bfloat16
+    """
     # not nn.leaky_relu: its max(a * x, x) is wrong for a > 1
     return mx.where(x > 0, x, a * x)
 
 
 def elu(x: mx.array, alpha: float = 1.0) -> mx.array:
-    """``x`` where positive, ``alpha * (exp(x) - 1)`` elsewhere."""
+    """``x`` where positive, ``alpha * (exp(x) - 1)`` elsewhere, in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import elu
+    >>> elu(mx.array([-1.0, 0.0, 2.0]))
+    array([-0.6321, 0, 2], dtype=float32)
+    >>> elu(mx.ones(2, dtype=mx.float16), alpha=2.0).dtype
+    mlx.core.float16
+    """
     # not nn.elu: exp of a large positive x overflows (above ~11 in float16) in the branch
     # where() discards, and its gradient there is 0 * inf = NaN. minimum(0, x), not
     # minimum(x, 0): MLX gives a tie's gradient to the second operand, and the slope at
@@ -49,27 +79,67 @@ def elu(x: mx.array, alpha: float = 1.0) -> mx.array:
 
 
 def gelu(x: mx.array) -> mx.array:
-    """Gaussian error linear unit, exact form ``x * Φ(x)``."""
+    """Gaussian error linear unit, exact form ``x * Φ(x)``, in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import gelu
+    >>> gelu(mx.array([-1.0, 0.0, 2.0]))
+    array([-0.1587, 0, 1.9545], dtype=float32)
+    >>> gelu(mx.ones(2, dtype=mx.float16)).dtype
+    mlx.core.float16
+    """
     return nn.gelu(x)
 
 
 def sigmoid(x: mx.array) -> mx.array:
-    """``1 / (1 + exp(-x))``."""
+    """``1 / (1 + exp(-x))``, in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import sigmoid
+    >>> sigmoid(mx.array([-1.0, 0.0, 2.0]))
+    array([0.2689, 0.5, 0.8808], dtype=float32)
+    >>> sigmoid(mx.ones(2, dtype=mx.float16)).dtype
+    mlx.core.float16
+    """
     return mx.sigmoid(x)
 
 
 def tanh(x: mx.array) -> mx.array:
-    """Hyperbolic tangent."""
+    """Hyperbolic tangent, in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import tanh
+    >>> tanh(mx.array([-1.0, 0.0, 2.0]))
+    array([-0.7616, 0, 0.964], dtype=float32)
+    >>> tanh(mx.ones(2, dtype=mx.float16)).dtype
+    mlx.core.float16
+    """
     return mx.tanh(x)
 
 
 def swish(x: mx.array) -> mx.array:
-    """``x * sigmoid(x)`` (also called SiLU)."""
+    """``x * sigmoid(x)`` (also called SiLU), in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import swish
+    >>> swish(mx.array([-1.0, 0.0, 2.0]))
+    array([-0.2689, 0, 1.7616], dtype=float32)
+    >>> swish(mx.ones(2, dtype=mx.float16)).dtype
+    mlx.core.float16
+    """
     return nn.silu(x)
 
 
 def softplus(x: mx.array) -> mx.array:
-    """``log(1 + exp(x))``, computed stably."""
+    """``log(1 + exp(x))``, computed stably, in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import softplus
+    >>> softplus(mx.array([-1.0, 0.0, 2.0]))
+    array([0.3133, 0.6931, 2.1269], dtype=float32)
+    >>> softplus(mx.ones(2, dtype=mx.float16)).dtype
+    mlx.core.float16
+    """
     return mx.logaddexp(x, mx.zeros_like(x))
 
 
@@ -82,17 +152,52 @@ def _in_float32(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
 
 
 def softmax(x: mx.array, axis: int = -1) -> mx.array:
-    """``exp(x) / sum(exp(x))`` along ``axis``, in at least float32."""
+    """``exp(x) / sum(exp(x))`` along ``axis``.
+
+    Half-precision input is computed in float32 and returned in its own dtype outside an
+    :func:`~fluxlike.autocast` scope, in float32 inside one; float32 and float64 input is
+    computed and returned in its dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import autocast, softmax
+    >>> softmax(mx.log(mx.array([1.0, 3.0])))
+    array([0.25, 0.75], dtype=float32)
+    >>> half = mx.zeros((2, 3), dtype=mx.float16)
+    >>> softmax(half).dtype
+    mlx.core.float16
+    >>> with autocast(mx.float16):
+    ...     softmax(half).dtype
+    mlx.core.float32
+    """
     return _in_float32(lambda v: mx.softmax(v, axis=axis, precise=True), x)
 
 
 def logsoftmax(x: mx.array, axis: int = -1) -> mx.array:
-    """``x - logsumexp(x)`` along ``axis``, in at least float32."""
+    """``x - logsumexp(x)`` along ``axis``; precision as in :func:`softmax` (half input:
+    computed in float32, returned in its dtype outside a scope and in float32 inside one).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import logsoftmax
+    >>> logsoftmax(mx.array([0.0, 0.0]))
+    array([-0.6931, -0.6931], dtype=float32)
+    >>> logsoftmax(mx.zeros(2, dtype=mx.bfloat16)).dtype
+    mlx.core.bfloat16
+    """
     return _in_float32(lambda v: v - mx.logsumexp(v, axis=axis, keepdims=True), x)
 
 
 def logsumexp(x: mx.array, axis: int | None = -1, keepdims: bool = False) -> mx.array:
-    """``log(sum(exp(x)))`` along ``axis`` (all axes for ``None``), in at least float32."""
+    """``log(sum(exp(x)))`` along ``axis`` (all axes for ``None``); precision as in
+    :func:`softmax` (half input: computed in float32, returned in its dtype outside a scope
+    and in float32 inside one).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import logsumexp
+    >>> logsumexp(mx.zeros((2, 4)), axis=None)
+    array(2.0794, dtype=float32)
+    >>> logsumexp(mx.zeros((2, 4), dtype=mx.float16)).dtype, logsumexp(mx.zeros((2, 4))).shape
+    (mlx.core.float16, (2,))
+    """
     return _in_float32(lambda v: mx.logsumexp(v, axis=axis, keepdims=keepdims), x)
 
 
@@ -104,7 +209,16 @@ ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
 
 
 def resolve(act: Callable | str | None, layer: str) -> Callable[[mx.array], mx.array]:
-    """The activation function named or given by ``act`` (``None`` is ``identity``)."""
+    """The activation function named or given by ``act`` (``None`` is ``identity``);
+    ``layer`` names the layer in errors.
+
+    >>> from fluxlike.activations import identity, relu, resolve
+    >>> resolve("relu", "Dense") is relu, resolve(None, "Dense") is identity
+    (True, True)
+    >>> resolve("rleu", "Dense")
+    Traceback (most recent call last):
+    ValueError: [Dense] unknown activation 'rleu'; expected a callable or one of [...]
+    """
     if act is None:
         return identity
     if isinstance(act, str):

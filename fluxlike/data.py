@@ -17,8 +17,10 @@ array([[0, 1, 0],
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -35,6 +37,39 @@ def _as_array(x: Any, path: str) -> mx.array:
     raise TypeError(
         f"[DataLoader] data{path} must be an mx.array or a numpy array, got {type(x).__name__}"
     )
+
+
+_KEYWORDS = {  # other libraries' spellings of DataLoader's keywords
+    "batch_size": "the keyword is batchsize: DataLoader(data, batchsize=32)",
+    "drop_last": "the keyword is partial: partial=False drops a last short batch",
+}
+
+
+def _clear_call_errors(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` with clear errors for other libraries' calls: the arrays given separately
+    (Flux 0.12's ``DataLoader(X, Y)``), a positional batch size, PyTorch's keywords. Its
+    signature (``inspect``, ``help``) stays ``init``'s."""
+    known = [name for name in inspect.signature(init).parameters if name not in ("self", "data")]
+
+    @functools.wraps(init)
+    def checked(self: DataLoader, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 1:
+            if all(isinstance(a, (mx.array, np.ndarray)) for a in args):
+                raise TypeError(
+                    f"[DataLoader] takes the data as one argument, got {len(args)} arrays; "
+                    f"pass the data as one tuple: DataLoader((X, Y), batchsize=32)"
+                )
+            raise TypeError(
+                f"[DataLoader] takes one positional argument (the data), got {len(args)}; "
+                f"the options are keywords: DataLoader(data, batchsize=32)"
+            )
+        for name in kwargs:
+            if name not in known and name != "data":
+                fix = _KEYWORDS.get(name, f"the keywords are {', '.join(known)}")
+                raise TypeError(f"[DataLoader] unknown keyword {name!r}; {fix}")
+        init(self, *args, **kwargs)
+
+    return checked
 
 
 class DataLoader:
@@ -65,6 +100,7 @@ class DataLoader:
     DataLoader(dict of 2 arrays, 6 observations, batchsize=4, shuffle=True)
     """
 
+    @_clear_call_errors
     def __init__(
         self,
         data: Any,

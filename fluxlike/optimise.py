@@ -28,6 +28,8 @@ PyTorch's ``clip_grad_norm_`` and ``mlx.optimizers.clip_grad_norm`` do).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +76,37 @@ def _nonnegative(value: Any, name: str, rule: str, strict: bool = False) -> floa
     return float(value)
 
 
+# mlx.optimizers' and PyTorch's keywords, as fluxlike spells them
+_ALIASES = {"learning_rate": "lr", "momentum": "rho", "alpha": "rho", "clip_value": "delta",
+            "max_grad_norm": "max_norm"}
+# ... and where a rule lacks one: the rules that take it
+_ELSEWHERE = {"weight_decay": "; AdamW and Lion take weight_decay",
+              "momentum": "; Momentum and Nesterov take it as rho",
+              "beta1": "; give betas=(beta1, beta2)", "beta2": "; give betas=(beta1, beta2)"}
+
+
+def _clear_keywords(cls: type) -> type:
+    """Give a dataclass rule an ``__init__`` that names fluxlike's keyword when given another
+    library's (``Adam(learning_rate=1e-3)``); its signature, repr and equality stay the
+    dataclass's."""
+    init = cls.__init__
+    fields = [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name, value in kwargs.items():
+            if name not in fields:
+                alias = _ALIASES.get(name)
+                fix = f"fluxlike's name is {alias}: {cls.__name__}({alias}={value!r})" \
+                    if alias in fields else \
+                    f"the keywords are {', '.join(fields)}{_ELSEWHERE.get(name, '')}"
+                raise TypeError(f"[{cls.__name__}] unknown keyword {name!r}; {fix}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked
+    return cls
+
+
 class Rule:
     """Base class of optimisation rules: :meth:`build` makes a fresh mlx optimizer."""
 
@@ -96,6 +129,7 @@ class _Descent(optim.SGD):
         pass
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class Descent(Rule):
     """Plain gradient descent: ``w -= lr * g``.
@@ -114,6 +148,7 @@ class Descent(Rule):
         return _Descent(self.lr)
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class Momentum(Rule):
     """Gradient descent with momentum: ``v = rho * v + g``, ``w -= lr * v``.
@@ -134,6 +169,7 @@ class Momentum(Rule):
         return optim.SGD(self.lr, momentum=self.rho)
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class Nesterov(Rule):
     """Nesterov momentum: ``v = rho * v + g``, ``w -= lr * (g + rho * v)``.
@@ -157,6 +193,7 @@ class Nesterov(Rule):
         return optim.SGD(self.lr, momentum=self.rho, nesterov=True)
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class RMSProp(Rule):
     """RMSProp: ``a = rho * a + (1 - rho) * g**2``, ``w -= lr * g / (sqrt(a) + eps)``.
@@ -179,6 +216,7 @@ class RMSProp(Rule):
         return optim.RMSprop(self.lr, alpha=self.rho, eps=self.eps)
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class Adam(Rule):
     """Adam with bias correction (as in Flux and PyTorch):
@@ -208,6 +246,7 @@ class Adam(Rule):
         return optim.Adam(self.lr, betas=list(self.betas), eps=self.eps, bias_correction=True)
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class AdamW(Adam):
     """Adam with decoupled weight decay: ``w -= lr * (adam_step + weight_decay * w)``.
@@ -231,6 +270,7 @@ class AdamW(Adam):
         )
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class Lion(Rule):
     """Lion: ``w -= lr * (sign(beta1 * m + (1 - beta1) * g) + weight_decay * w)``,
@@ -255,6 +295,7 @@ class Lion(Rule):
         return optim.Lion(self.lr, betas=list(self.betas), weight_decay=self.weight_decay)
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class ClipNorm(GradientTransform):
     """Scale all gradients down together so that their global L2 norm is at most
@@ -276,6 +317,7 @@ class ClipNorm(GradientTransform):
         return optim.clip_grad_norm(grads, self.max_norm)[0]
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class ClipValue(GradientTransform):
     """Clip every gradient entry to ``[-delta, delta]`` (Flux's ``ClipGrad``). Use it in an

@@ -188,3 +188,22 @@ class TestResolve:
     def test_non_callable_is_a_type_error(self, bad):
         with pytest.raises(TypeError, match=r"\[Dense\] activation must be callable or a name"):
             A.resolve(bad, "Dense")
+
+
+def test_every_public_function_has_a_doctest_example():
+    import doctest
+    import inspect
+
+    finder = doctest.DocTestFinder(recurse=False)
+    public = [f for name, f in vars(A).items()
+              if inspect.isfunction(f) and f.__module__ == A.__name__ and not name.startswith("_")]
+    assert len(public) >= 13
+    missing = [f.__name__ for f in public if not any(t.examples for t in finder.find(f))]
+    assert missing == []
+
+
+@pytest.mark.parametrize("name", sorted(REDUCING))
+def test_reductions_document_the_dtype_they_return(name):
+    doc = REDUCING[name][0].__doc__
+    assert "in at least float32" not in doc
+    assert "returned in its dtype outside" in doc or "returned in its own dtype outside" in doc

@@ -261,3 +261,39 @@ class TestOneHot:
             onecold(mx.array(1.0))
         with pytest.raises(TypeError, match=r"\[onecold\] expected an mx.array"):
             onecold([0.1, 0.9])
+
+
+class TestOtherLibrariesCalls:
+    X, Y = mx.zeros((10, 2)), mx.zeros(10)
+
+    @pytest.mark.parametrize("y", [Y, np.zeros(10)])
+    def test_arrays_given_separately_say_pass_one_tuple(self, y):
+        with pytest.raises(TypeError, match=r"^\[DataLoader\] takes the data as one argument, "
+                                            r"got 2 arrays; pass the data as one tuple: "
+                                            r"DataLoader\(\(X, Y\), batchsize=32\)$"):
+            DataLoader(self.X, y, batchsize=4)
+
+    def test_positional_batchsize_says_options_are_keywords(self):
+        with pytest.raises(TypeError, match=r"takes one positional argument \(the data\), got 2; "
+                                            r"the options are keywords"):
+            DataLoader(self.X, 32)
+
+    @pytest.mark.parametrize("keyword, fix", [
+        ("batch_size", r"the keyword is batchsize"),
+        ("drop_last", r"the keyword is partial: partial=False drops"),
+        ("shufle", r"the keywords are batchsize, shuffle, partial, rng"),
+    ])
+    def test_other_keywords_name_fluxlikes(self, keyword, fix):
+        with pytest.raises(TypeError, match=rf"^\[DataLoader\] unknown keyword '{keyword}'; {fix}"):
+            DataLoader(self.X, **{keyword: 2})
+
+    def test_the_signature_and_plain_calls_are_unchanged(self):
+        import inspect
+
+        assert list(inspect.signature(DataLoader).parameters) == \
+            ["data", "batchsize", "shuffle", "partial", "rng"]
+        assert len(DataLoader(data=self.X, batchsize=4)) == 3
+        with pytest.raises(TypeError, match=r"^\[DataLoader\] unknown keyword 'batch_size'"):
+            DataLoader(data=self.X, batch_size=4)
+        with pytest.raises(TypeError, match="multiple values for argument 'data'"):
+            DataLoader(self.X, data=self.X)

@@ -235,3 +235,44 @@ def test_positional_and_keyword_construction():
 def test_bad_arguments(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+RULES = [Descent, Momentum, Nesterov, RMSProp, Adam, AdamW, Lion]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_mlx_learning_rate_keyword_names_lr(rule):
+    name = rule.__name__
+    with pytest.raises(TypeError, match=rf"^\[{name}\] unknown keyword 'learning_rate'; "
+                                        rf"fluxlike's name is lr: {name}\(lr=0\.001\)$"):
+        rule(learning_rate=1e-3)
+    assert rule(lr=1e-3) == rule(1e-3)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Momentum(momentum=0.8), r"^\[Momentum\] .*name is rho: Momentum\(rho=0\.8\)$"),
+    (lambda: RMSProp(alpha=0.8), r"^\[RMSProp\] .*name is rho: RMSProp\(rho=0\.8\)$"),
+    (lambda: Adam(weight_decay=0.1), r"^\[Adam\] unknown keyword 'weight_decay'; the keywords "
+                                     r"are lr, betas, eps; AdamW and Lion take weight_decay$"),
+    (lambda: Lion(beta1=0.9), r"the keywords are lr, betas, weight_decay; give betas="),
+    (lambda: Descent(momentum=0.9), r"Momentum and Nesterov take it as rho$"),
+    (lambda: ClipNorm(max_grad_norm=1.0), r"name is max_norm: ClipNorm\(max_norm=1\.0\)$"),
+    (lambda: ClipValue(clip_value=1.0), r"name is delta: ClipValue\(delta=1\.0\)$"),
+])
+def test_other_keywords_name_fluxlikes(make, message):
+    with pytest.raises(TypeError, match=message):
+        make()
+
+
+def test_keyword_checks_keep_signature_repr_equality_and_replace():
+    import dataclasses
+    import inspect
+
+    assert list(inspect.signature(AdamW).parameters) == ["lr", "betas", "eps", "weight_decay"]
+    with pytest.raises(TypeError, match=r"^\[AdamW\] unknown keyword 'learning_rate'"):
+        AdamW(0.1, learning_rate=0.2)
+    rule = dataclasses.replace(Adam(), lr=0.1)
+    assert rule == Adam(0.1) and hash(rule) == hash(Adam(0.1))
+    assert repr(rule) == "Adam(lr=0.1, betas=(0.9, 0.999), eps=1e-08)"
+    with pytest.raises(TypeError, match="multiple values"):  # Python's own check still runs
+        Adam(0.1, lr=0.2)

@@ -50,6 +50,29 @@ class _Container(Layer):
         """A container of the same kind holding ``layers`` (for ``c[1:]``)."""
         raise NotImplementedError
 
+    def __getattr__(self, key: str) -> Any:
+        """``c.enc`` for a layer named ``enc``. Python calls this only when normal lookup
+        fails (never for the calls' own reads, which go by item)."""
+        value = dict.get(self, key)  # nn.Module.__getattr__'s own lookup, kept first
+        if value is not None:
+            return value
+        layers = dict.get(self, "layers")
+        if isinstance(layers, dict) and key in layers:
+            return layers[key]
+        return super().__getattr__(key)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        """``c.enc = layer`` replaces the layer named ``enc`` (rather than adding an entry
+        the container would never call)."""
+        layers = dict.get(self, "layers")
+        if isinstance(layers, dict) and key in layers:
+            if not callable(value):
+                raise TypeError(f"[{type(self).__name__}] layer {key!r} must be callable, "
+                                f"got {value!r}")
+            layers[key] = value
+            return
+        super().__setattr__(key, value)
+
     def __len__(self) -> int:
         return len(self.layers)
 
@@ -81,8 +104,9 @@ class Chain(_Container):
     """Call layers in sequence: ``Chain(f, g, h)(x) == h(g(f(x)))``.
 
     Layers may be given by position or by name (``Chain(enc=Dense(2, 3), dec=Dense(3, 2))``)
-    but not both. A chain can be indexed (``c[0]``, ``c["enc"]``) and sliced (``c[1:]``,
-    another ``Chain`` sharing the same layers). Elements may be plain functions.
+    but not both. A chain can be indexed (``c[0]``, ``c["enc"]``, or ``c.enc`` where no
+    method has that name) and sliced (``c[1:]``, another ``Chain`` sharing the same
+    layers). Elements may be plain functions.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Chain, Dense, relu
@@ -94,6 +118,9 @@ class Chain(_Container):
       Dense(5 => 3, relu),  # 18 parameters
       Dense(3 => 2),  # 8 parameters
     )  # Total: 4 arrays, 26 parameters, 104 bytes.
+    >>> named = Chain(enc=Dense(5, 3), dec=Dense(3, 2))
+    >>> named.enc
+    Dense(5 => 3)  # 18 parameters
     """
 
     def __init__(self, *layers: Callable, **named: Callable):
@@ -161,7 +188,10 @@ class Dense(Layer):
         try:
             return ops.linear(x, weight, self.get("bias"), self.act)
         except ValueError:  # MLX checks shapes eagerly; name the layer and the sizes
-            check_features(x, weight.shape[1], "Dense")
+            in_dims = weight.shape[1]
+            image = isinstance(x, mx.array) and x.ndim > 2 and math.prod(x.shape[1:]) == in_dims
+            hint = "; flatten it first: flatten(x) or x.reshape(x.shape[0], -1)" if image else ""
+            check_features(x, in_dims, "Dense", hint=hint)
             raise
 
     def signature(self) -> str:
@@ -404,7 +434,8 @@ class Parallel(_Container):
     - several inputs and a single layer: that layer is applied to each input.
 
     The outputs are combined by ``connection(*outputs)``; ``connection=None`` returns the
-    tuple of outputs. Layers can be indexed like a :class:`Chain` (``p[0]``, ``p["a"]``).
+    tuple of outputs. Layers can be indexed like a :class:`Chain` (``p[0]``, ``p["a"]``,
+    ``p.a``).
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, Parallel

@@ -92,8 +92,9 @@ def check_real(value: Any, layer: str, name: str, ok: Callable[[float], bool], w
     return float(value)
 
 
-def check_features(x: Any, expected: int, layer: str, axis: int = -1) -> None:
-    """Raise unless ``x`` is an array with ``expected`` entries on ``axis``.
+def check_features(x: Any, expected: int, layer: str, axis: int = -1, hint: str = "") -> None:
+    """Raise unless ``x`` is an array with ``expected`` entries on ``axis``; ``hint`` (the
+    fix, e.g. ``"; flatten it first"``) ends the message.
 
     >>> import mlx.core as mx
     >>> check_features(mx.ones((2, 3)), 4, "Dense")
@@ -105,8 +106,42 @@ def check_features(x: Any, expected: int, layer: str, axis: int = -1) -> None:
     if x.ndim == 0 or x.shape[axis] != expected:
         raise ValueError(
             f"[{layer}] expected input with {expected} features on axis {axis}, "
-            f"got shape {tuple(x.shape)}"
+            f"got shape {tuple(x.shape)}{hint}"
         )
+
+
+_CHANNELS_LAST = {3: "sequences are channels last (NLC)", 4: "images are channels last (NHWC)",
+                  5: "volumes are channels last (NDHWC)"}
+
+
+def channels_last_fix(ndim: int, maybe: bool = False) -> str:
+    """The message ending that tells how to move the channels of an ``ndim``-d
+    channels-first input (PyTorch's and Flux's habit) to the last axis; ``maybe`` where the
+    input only might be channels first.
+
+    >>> channels_last_fix(4)
+    '; images are channels last (NHWC) in MLX: x.transpose(0, 2, 3, 1)'
+    >>> channels_last_fix(3, maybe=True)
+    '; if it is channels first: sequences are channels last (NLC) in MLX: x.transpose(0, 2, 1)'
+    """
+    layout = _CHANNELS_LAST.get(ndim, "inputs are channels last")
+    condition = "if it is channels first: " if maybe else ""
+    return f"; {condition}{layout} in MLX: x.transpose{(0, *range(2, ndim), 1)}"
+
+
+def channels_first_hint(shape: tuple[int, ...], channels: int) -> str:
+    """:func:`channels_last_fix` for an input of ``shape`` that looks channels first: axis 1
+    has ``channels`` entries and the last axis does not; else ``""``. For error branches
+    only (it is not free).
+
+    >>> channels_first_hint((8, 3, 32, 32), 3)
+    '; images are channels last (NHWC) in MLX: x.transpose(0, 2, 3, 1)'
+    >>> channels_first_hint((8, 32, 32, 4), 3)
+    ''
+    """
+    if len(shape) < 3 or shape[1] != channels or shape[-1] == channels:
+        return ""
+    return channels_last_fix(len(shape))
 
 
 def initialise(init: Any, shape: tuple[int, ...], layer: str) -> mx.array:

@@ -29,7 +29,14 @@ from ..init import glorot_uniform
 from ..precision import castcache, ops
 from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
-from .checks import check_flag, check_size, initialise, is_int
+from .checks import (
+    channels_first_hint,
+    channels_last_fix,
+    check_flag,
+    check_size,
+    initialise,
+    is_int,
+)
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -113,7 +120,7 @@ def check_input(x: Any, n: int, layer: str, kind: str, channels: int | None = No
     if channels is not None and x.shape[-1] != channels:
         raise ValueError(
             f"[{layer}] expected input with {channels} channels (last axis), "
-            f"got shape {tuple(x.shape)}"
+            f"got shape {tuple(x.shape)}{channels_first_hint(x.shape, channels)}"
         )
 
 
@@ -121,9 +128,14 @@ def check_fits(x: mx.array, extent: Sequence[int], pads: Pairs, layer: str, what
     """Raise unless every padded spatial size of ``x`` holds a window of ``extent``."""
     padded = tuple(s + lo + hi for s, (lo, hi) in zip(x.shape[1:-1], pads, strict=True))
     if any(p < e for p, e in zip(padded, extent, strict=True)):
+        # A channels-first input puts its few channels among the spatial sizes (a pool knows
+        # no channel count to tell): hint when its true spatial axes would fit.
+        spatial = (s + lo + hi for s, (lo, hi) in zip(x.shape[2:], pads, strict=True))
+        fits = all(p >= e for p, e in zip(spatial, extent, strict=True))
         raise ValueError(
             f"[{layer}] input of shape {tuple(x.shape)} is too small: padded spatial size "
             f"{padded} is smaller than the {what} {tuple(extent)}"
+            f"{channels_last_fix(x.ndim, maybe=True) if fits else ''}"
         )
 
 

@@ -34,7 +34,14 @@ from ..modes import is_active
 from ..precision.convert import keep_float32
 from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
-from .checks import check_active, check_flag, check_real, check_size, is_int
+from .checks import (
+    channels_first_hint,
+    check_active,
+    check_flag,
+    check_real,
+    check_size,
+    is_int,
+)
 
 Dims = int | tuple[int, ...]
 
@@ -68,9 +75,13 @@ def _check_input(x: Any, layer: str, trailing: tuple[int, ...], min_ndim: int, f
         raise ValueError(f"[{layer}] expected input of at least {min_ndim} dimensions {form}, "
                          f"got shape {tuple(x.shape)}")
     if tuple(x.shape[x.ndim - len(trailing):]) != trailing:
-        what = f"{trailing[0]} channels on the last axis (channels last, e.g. NHWC)" \
-            if len(trailing) == 1 else f"trailing shape {trailing}"
-        raise ValueError(f"[{layer}] expected input with {what}, got shape {tuple(x.shape)}")
+        if len(trailing) == 1:
+            what = f"{trailing[0]} channels on the last axis (channels last, e.g. NHWC)"
+            hint = channels_first_hint(x.shape, trailing[0])
+        else:
+            what, hint = f"trailing shape {trailing}", ""
+        raise ValueError(f"[{layer}] expected input with {what}, got shape "
+                         f"{tuple(x.shape)}{hint}")
 
 
 def _compute_dtype(x: mx.array, *params: mx.array | None) -> mx.Dtype:
@@ -349,8 +360,10 @@ class GroupNorm(_Norm):
         groups = check_size(groups, "GroupNorm", "groups")
         affine = check_flag(affine, "GroupNorm", "affine")
         if channels % groups:
+            swapped = "; fluxlike's order is GroupNorm(channels, groups) (mlx.nn's is " \
+                "(groups, dims))" if groups > channels else ""
             raise ValueError(f"[GroupNorm] channels ({channels}) must be divisible by groups "
-                             f"({groups})")
+                             f"({groups}){swapped}")
         self.channels, self.groups = channels, groups
         self.act = resolve(act, "GroupNorm")
         self.eps = _check_eps(eps, "GroupNorm")

@@ -42,8 +42,12 @@ def _check_dtype(dtype: Any, where: str) -> mx.Dtype:
         return mx.bfloat16
     if isinstance(dtype, mx.Dtype) and dtype in HALF:
         return dtype
+    # float32 is what layers compute in outside a scope: say so instead of just refusing.
+    full = "; to compute in float32, leave the scope or use autocast(enabled=False)" \
+        if dtype in (mx.float32, mx.float64) else ""
     raise ValueError(
-        f"{where}: dtype must be mx.float16 or mx.bfloat16 (None means mx.bfloat16), got {dtype!r}"
+        f"{where}: dtype must be mx.float16 or mx.bfloat16 (None means mx.bfloat16), "
+        f"got {dtype!r}{full}"
     )
 
 

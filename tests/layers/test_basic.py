@@ -518,3 +518,64 @@ def test_container_index_errors_name_the_container_and_the_range():
     with pytest.raises(IndexError, match=r"\[Chain\] index 2 out of range for 2 layers"):
         named[2]
     assert named[1] is b and list(named[1:]) == [b]
+
+
+
+@pytest.mark.parametrize("shape", [(8, 28, 28), (8, 28, 28, 1), (8, 1, 28, 28), (8, 784, 1)])
+def test_dense_given_an_unflattened_batch_says_to_flatten_it(shape):
+    layer = Dense(784, 10)
+    before = np64(layer.weight)
+    with pytest.raises(ValueError, match=r"^\[Dense\] expected input with 784 features on axis "
+                                         r"-1, got shape .*; flatten it first: flatten\(x\) or "
+                                         r"x\.reshape\(x\.shape\[0\], -1\)$"):
+        layer(mx.ones(shape))
+    np.testing.assert_array_equal(np64(layer.weight), before)
+    assert layer(flatten(mx.ones(shape))).shape == (8, 10)
+
+
+def test_dense_gives_the_flatten_hint_only_when_flattening_would_fit():
+    with pytest.raises(ValueError, match=r"flatten it first"):
+        Dense(784, 10)(mx.ones((8, 28, 28)))
+    for shape in [(8, 28, 27, 1), (28, 28), (8, 28)]:
+        with pytest.raises(ValueError, match=r"got shape \([0-9, ]*\)$"):
+            Dense(784, 10)(mx.ones(shape))
+
+
+def test_dense_flatten_hint_under_autocast_in_a_chain():
+    with autocast(mx.float16), pytest.raises(ValueError, match=r"flatten it first"):
+        Chain(Dense(784, 10), Dense(10, 2))(mx.ones((8, 28, 28)))
+
+
+@pytest.mark.parametrize("make", [Chain, lambda **named: Parallel(None, **named)])
+def test_named_layers_are_attributes(make):
+    a, b = Dense(2, 3), Dense(2, 3)
+    c = make(enc=a, dec=b)
+    assert c.enc is a and c.dec is b
+    assert not hasattr(c, "nope")
+    with pytest.raises(AttributeError, match="nope"):
+        _ = c.nope
+    assert callable(c.parameters)  # methods still come first
+
+
+@pytest.mark.parametrize("container", ["Chain", "Parallel"])
+def test_setting_a_named_layer_replaces_it(container):
+    a, b, new = Dense(2, 2), Dense(2, 2), Dense(2, 2, relu)
+    c = Chain(enc=a, dec=b) if container == "Chain" else Parallel(None, enc=a, dec=b)
+    keys = sorted(c.keys())
+    c.enc = new
+    assert c["enc"] is new and c.enc is new and sorted(c.keys()) == keys  # no extra entry
+    x = mx.random.normal((1, 2))
+    expected = b(new(x)) if container == "Chain" else new(x)
+    out = c(x) if container == "Chain" else c(x)[0]
+    np.testing.assert_array_equal(np64(out), np64(expected))
+    with pytest.raises(TypeError, match=rf"^\[{container}\] layer 'enc' must be callable, got 3$"):
+        c.enc = 3
+    assert c["enc"] is new
+
+
+def test_only_named_layers_are_attributes():
+    assert hasattr(Chain(enc=Dense(2, 2)), "enc")
+    c = Chain(Dense(2, 2))
+    assert not hasattr(c, "enc")
+    c.extra = Dense(2, 2)  # an ordinary new entry, as in mlx.nn
+    assert sorted(c.keys()) == ["extra", "layers"]

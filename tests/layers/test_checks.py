@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 
 from fluxlike.layers.checks import (
+    channels_first_hint,
+    channels_last_fix,
     check_active,
+    check_features,
     check_flag,
     check_real,
     check_size,
@@ -75,3 +78,25 @@ def test_checked_init_names_the_outer_layer():
         init((2, 2))
     with pytest.raises(TypeError, match=r"\[MultiHeadAttention\] init must be a function"):
         checked_init("glorot", "MultiHeadAttention")
+
+
+@pytest.mark.parametrize("shape, fix", [
+    ((2, 3, 10), "sequences are channels last (NLC) in MLX: x.transpose(0, 2, 1)"),
+    ((2, 3, 10, 10), "images are channels last (NHWC) in MLX: x.transpose(0, 2, 3, 1)"),
+    ((2, 3, 4, 5, 6), "volumes are channels last (NDHWC) in MLX: x.transpose(0, 2, 3, 4, 1)"),
+    ((2, 3, 4, 5, 6, 7), "inputs are channels last in MLX: x.transpose(0, 2, 3, 4, 5, 1)"),
+])
+def test_channels_first_hint_gives_the_permutation_for_the_rank(shape, fix):
+    assert channels_first_hint(shape, 3) == "; " + fix
+    assert channels_last_fix(len(shape), maybe=True) == "; if it is channels first: " + fix
+
+
+def test_channels_first_hint_only_when_axis_1_alone_matches():
+    assert channels_first_hint((2, 3, 5, 5), 3) != ""
+    for shape in [(2, 3), (2, 5, 5, 4), (2, 3, 5, 3), (3,)]:
+        assert channels_first_hint(shape, 3) == ""
+
+
+def test_check_features_ends_with_the_hint():
+    with pytest.raises(ValueError, match=r"got shape \(2, 3\); do this$"):
+        check_features(mx.ones((2, 3)), 4, "Dense", hint="; do this")

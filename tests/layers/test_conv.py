@@ -1,4 +1,5 @@
 import math
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -522,3 +523,29 @@ def test_docstrings_name_the_repr_keywords():
     assert "``pad=`` for ``padding``" in " ".join(Conv.__doc__.split())
     doc = " ".join(ConvTranspose.__doc__.split())
     assert "``pad=`` for ``padding``" in doc and "``outpad=`` for ``output_padding``" in doc
+
+
+@pytest.mark.parametrize("cls", [Conv, ConvTranspose])
+@pytest.mark.parametrize("kernel, shape, perm", [
+    ((3,), (2, 3, 16), "(0, 2, 1)"),
+    ((3, 3), (2, 3, 16, 16), "(0, 2, 3, 1)"),
+    ((3, 3, 3), (2, 3, 8, 8, 8), "(0, 2, 3, 4, 1)"),
+])
+def test_channels_first_input_gets_the_transpose_that_fixes_it(cls, kernel, shape, perm):
+    layer = cls(kernel, 3, 4)
+    before = snapshot(layer)
+    fix = re.escape(f"x.transpose{perm}")
+    with pytest.raises(ValueError, match=rf"expected input with 3 channels .*channels last "
+                                         rf"\(N.*C\) in MLX: {fix}$"):
+        layer(mx.ones(shape))
+    assert_unchanged(layer, before)
+    channels_last = (shape[0], *shape[2:], 3)
+    assert layer(mx.ones(channels_last)).shape[-1] == 4
+
+
+def test_transpose_hint_only_for_input_that_looks_channels_first():
+    layer = Conv((3, 3), 3, 4)
+    with pytest.raises(ValueError, match=r"x\.transpose\(0, 2, 3, 1\)$"):
+        layer(mx.ones((2, 3, 8, 5)))
+    with pytest.raises(ValueError, match=r"got shape \(2, 8, 8, 5\)$"):
+        layer(mx.ones((2, 8, 8, 5)))

@@ -678,3 +678,33 @@ def test_f16mix_keeps_only_the_statistics_norms_in_float32():
     for layer in half[3:]:
         reference = layer.__class__(4)(x.astype(mx.float32))
         np.testing.assert_allclose(np64(layer(x)), np64(reference), atol=2e-3)
+
+
+@pytest.mark.parametrize("make", [lambda: BatchNorm(3), lambda: InstanceNorm(3),
+                                  lambda: GroupNorm(3, 1)])
+@pytest.mark.parametrize("shape, perm", [((4, 3, 7), r"\(0, 2, 1\)"),
+                                         ((4, 3, 5, 5), r"\(0, 2, 3, 1\)"),
+                                         ((4, 3, 2, 5, 5), r"\(0, 2, 3, 4, 1\)")])
+def test_channels_first_input_gets_the_transpose_that_fixes_it(make, shape, perm):
+    layer = make()
+    before = snapshot(layer)
+    with pytest.raises(ValueError, match=rf"channels last.*in MLX: x\.transpose{perm}$"):
+        trainmode(layer)(mx.ones(shape))
+    assert_unchanged(layer, before)
+    assert layer(mx.ones((shape[0], *shape[2:], 3))).shape[-1] == 3
+
+
+def test_transpose_hint_only_for_input_that_looks_channels_first():
+    with pytest.raises(ValueError, match=r"x\.transpose\(0, 2, 3, 1\)$"):
+        BatchNorm(3)(mx.ones((4, 3, 5, 2)))
+    with pytest.raises(ValueError, match=r"got shape \(4, 5, 5, 2\)$"):
+        BatchNorm(3)(mx.ones((4, 5, 5, 2)))
+
+
+def test_groupnorm_with_mlx_argument_order_says_fluxlikes():
+    with pytest.raises(ValueError, match=r"^\[GroupNorm\] channels \(2\) must be divisible by "
+                                         r"groups \(8\); fluxlike's order is GroupNorm\(channels, "
+                                         r"groups\) \(mlx.nn's is \(groups, dims\)\)$"):
+        GroupNorm(2, 8)
+    with pytest.raises(ValueError, match=r"divisible by groups \(4\)$"):  # not swapped
+        GroupNorm(6, 4)

@@ -1,4 +1,5 @@
 import math
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -381,3 +382,20 @@ def test_global_pools_take_any_number_of_spatial_axes(cls):
     with pytest.raises(ValueError, match=rf"\[{cls.__name__}\] expected input of shape "
                                          r"\(N, \*spatial, C\) with at least one spatial axis"):
         cls()(mx.ones((2, 3)))
+
+
+@pytest.mark.parametrize("pool", [MaxPool((2, 2)), MeanPool((2, 2)), MaxPool((3,), stride=1)])
+def test_channels_first_input_too_small_for_the_window_gets_the_transpose(pool):
+    shape = (2, 1, 28, 28)[: len(pool.window) + 2]
+    perm = "(0, 2, 3, 1)" if len(shape) == 4 else "(0, 2, 1)"
+    with pytest.raises(ValueError, match=r"is too small: .*; if it is channels first: .*"
+                                         + re.escape(f"x.transpose{perm}") + "$"):
+        pool(mx.ones(shape))
+    assert pool(mx.ones((2, *shape[2:], 1))).shape[-1] == 1
+
+
+def test_transpose_hint_only_when_the_channels_first_reading_would_fit():
+    with pytest.raises(ValueError, match=r"x\.transpose\(0, 2, 3, 1\)$"):
+        MaxPool((2, 2))(mx.ones((2, 1, 2, 28)))
+    with pytest.raises(ValueError, match=r"smaller than the window \(2, 2\)$"):
+        MaxPool((2, 2))(mx.ones((2, 1, 1, 28)))

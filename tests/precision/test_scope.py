@@ -62,6 +62,14 @@ class TestArguments:
         with pytest.raises(ValueError, match=r"mx\.float16 or mx\.bfloat16"):
             autocast(bad)
 
+    @pytest.mark.parametrize("full", [mx.float32, mx.float64])
+    def test_full_precision_dtype_says_how_to_compute_in_float32(self, full):
+        with pytest.raises(ValueError, match=r"; to compute in float32, leave the scope or use "
+                                             r"autocast\(enabled=False\)$"):
+            autocast(full)
+        with pytest.raises(ValueError, match=r"got mlx.core.int8$"):
+            autocast(mx.int8)
+
     @pytest.mark.parametrize(
         "device, slot",
         [("cpu", 0), ("gpu", 1), (mx.cpu, 0), (mx.gpu, 1), (mx.Device(mx.cpu), 0),
