@@ -38,6 +38,7 @@ from dataclasses import dataclass
 __all__ = ["BlasInfo", "BlasWarning", "blas_info"]
 
 DISABLED = ("0", "off", "none", "false", "no")
+DEFAULT = ("1", "on", "true", "yes", "auto")  # the search, as when FLUXLIKE_BLAS is unset
 SYMBOL = "cblas_sgemm"
 # Path fragments of optimised implementations; anything else named libblas is a reference build.
 OPTIMISED = ("openblas", "mkl", "blis", "flame", "atlas", "armpl", "accelerate")
@@ -104,6 +105,8 @@ def load() -> None:
     if _loaded is not None:
         return
     choice = os.environ.get("FLUXLIKE_BLAS", "").strip()
+    if choice.lower() in DEFAULT:
+        choice = ""
     if choice.lower() in DISABLED and choice:
         _reason = f"disabled by FLUXLIKE_BLAS={choice}"
         return
@@ -129,7 +132,8 @@ def load() -> None:
     if failure is not None:
         _reason = f"FLUXLIKE_BLAS={choice} could not be used ({failure}); {_reason}"
         _warn(f"FLUXLIKE_BLAS={choice!r} could not be used: {failure}. "
-              f"Set it to the path of an optimised BLAS (e.g. libopenblas.so.0) or to 'off'.")
+              f"Set it to an optimised BLAS (a path, or a name such as libopenblas.so.0) or "
+              f"to 'off'.")
     _check(fix=INSTALL_FIX)
 
 
@@ -172,11 +176,35 @@ def _open(path: str) -> tuple[str | None, str | None]:
         return None, str(error)
     if not hasattr(lib, SYMBOL):
         return None, f"{path} has no {SYMBOL}"
+    path = _file_of(lib) or path  # a bare soname (from ldconfig's cache) as the loader found it
     try:
         why = _point_mlx_at(lib, path)
     except OSError as error:  # /proc/self/maps unreadable, mprotect refused
         why = str(error)
     return (path, None) if why is None else (None, why)
+
+
+class _LinkMap(ctypes.Structure):
+    """The start of the loader's ``struct link_map``: the object's load bias and file."""
+
+    _fields_ = [("l_addr", ctypes.c_void_p), ("l_name", ctypes.c_char_p)]
+
+
+_RTLD_DI_LINKMAP = 2
+
+
+def _file_of(lib: ctypes.CDLL) -> str | None:
+    """The file the dynamic loader opened for ``lib`` (``dlinfo``), or ``None``."""
+    dlinfo = getattr(ctypes.CDLL(None), "dlinfo", None)
+    if dlinfo is None:
+        return None
+    found = ctypes.POINTER(_LinkMap)()
+    if dlinfo(ctypes.c_void_p(lib._handle), _RTLD_DI_LINKMAP, ctypes.byref(found)) != 0 or (
+        not found
+    ):
+        return None
+    name = found.contents.l_name
+    return os.path.abspath(os.fsdecode(name)) if name else None
 
 
 def _check(fix: str) -> None:

@@ -94,6 +94,21 @@ def test_disabled_leaves_mlx_alone_silently(value):
     assert "disabled" in report["reason"] and report["warnings"] == []
 
 
+@needs_blas
+def test_a_bare_library_name_is_found_as_the_loader_finds_it():
+    # what ldconfig's cache (ctypes.util.find_library) and the warning's example give
+    report = run(FLUXLIKE_BLAS=os.path.basename(FOUND[-1]))
+    assert report["optimised"] and report["warnings"] == []
+    assert os.path.isabs(report["loaded"]) and "FLUXLIKE_BLAS" in report["reason"]
+
+
+@pytest.mark.parametrize("value", ["on", "1", "TRUE", "auto"])
+def test_switched_on_is_the_search(value):
+    report = run(FLUXLIKE_BLAS=value)
+    assert report["warnings"] == [] if FOUND else len(report["warnings"]) == 1
+    assert report["optimised"] == bool(FOUND) and "FLUXLIKE_BLAS" not in report["reason"]
+
+
 def test_a_bogus_path_warns_once_and_falls_back_to_the_search():
     report = run(FLUXLIKE_BLAS="/no/such/libblas.so")
     assert len(report["warnings"]) == 1
