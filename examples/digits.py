@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -105,8 +107,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("epochs", "batchsize"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.save and not args.save.endswith(".safetensors"):  # known before training, not after
-        parser.error(f"--save names a safetensors file (x.safetensors), got {args.save!r}")
+    if not 0 < args.lr < math.inf:
+        parser.error(f"--lr must be a positive finite number, got {args.lr}")
+    if args.save:  # known before training, not after it
+        if not args.save.endswith(".safetensors"):
+            parser.error(f"--save names a safetensors file (x.safetensors), got {args.save!r}")
+        folder = os.path.dirname(args.save) or "."
+        if not os.path.isdir(folder):
+            parser.error(f"--save: no folder {folder!r} to write {args.save!r} in")
     return args
 
 

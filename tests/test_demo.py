@@ -79,7 +79,8 @@ def test_half_precision_run(capsys):
 
 @pytest.mark.parametrize(
     "argv", [["--epochs", "0"], ["--batchsize", "0"], ["--precision", "float64"],
-             ["--save", "model.npz"]]
+             ["--save", "model.npz"], ["--save", "/no/such/folder/x.safetensors"],
+             ["--lr", "-1"], ["--lr", "nan"]]
 )
 def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit):
