@@ -122,6 +122,39 @@ class GradientTransform:
         raise NotImplementedError
 
 
+# The smallest eps a float16 parameter's step uses, as Optimisers.jl's _eps: 1e-8 is 0 in
+# float16, and a zero gradient then divides 0 by 0 (NaN in an f16mix model's first steps).
+FLOAT16_EPS = 1e-7
+
+
+class _HalfEps:
+    """For an mlx optimiser with ``eps``: the step of a float16 parameter uses at least
+    ``FLOAT16_EPS``. (eps is restored at once: a compiled step sees no Python change.)"""
+
+    eps: float
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        if parameter.dtype != mx.float16 or self.eps >= FLOAT16_EPS:
+            return super().apply_single(gradient, parameter, state)  # type: ignore[misc]
+        eps, self.eps = self.eps, FLOAT16_EPS
+        try:
+            return super().apply_single(gradient, parameter, state)  # type: ignore[misc]
+        finally:
+            self.eps = eps
+
+
+class _Adam(_HalfEps, optim.Adam):
+    pass
+
+
+class _AdamW(_HalfEps, optim.AdamW):
+    pass
+
+
+class _RMSprop(_HalfEps, optim.RMSprop):
+    pass
+
+
 class _Descent(optim.SGD):
     """Plain SGD that keeps no (unused) momentum buffer."""
 
@@ -213,7 +246,7 @@ class RMSProp(Rule):
         object.__setattr__(self, "eps", _nonnegative(self.eps, "eps", "RMSProp", strict=True))
 
     def build(self) -> optim.Optimizer:
-        return optim.RMSprop(self.lr, alpha=self.rho, eps=self.eps)
+        return _RMSprop(self.lr, alpha=self.rho, eps=self.eps)
 
 
 @_clear_keywords
@@ -226,6 +259,10 @@ class Adam(Rule):
     and Optimisers.jl count each parameter's: a parameter updated only on some steps (a part
     thawed later, alternating updates of two parts) gets a smaller correction than there,
     and larger first steps. Give parts updated on their own their own ``setup``.
+
+    A float16 parameter's step uses ``max(eps, 1e-7)`` (``FLOAT16_EPS``, as Optimisers.jl):
+    the default 1e-8 is 0 in float16, where a zero gradient would divide 0 by 0. The same
+    holds for :class:`AdamW` and :class:`RMSProp`.
 
     >>> from fluxlike import Adam
     >>> Adam(1e-3)
@@ -243,7 +280,7 @@ class Adam(Rule):
         object.__setattr__(self, "eps", _nonnegative(self.eps, "eps", name))
 
     def build(self) -> optim.Optimizer:
-        return optim.Adam(self.lr, betas=list(self.betas), eps=self.eps, bias_correction=True)
+        return _Adam(self.lr, betas=list(self.betas), eps=self.eps, bias_correction=True)
 
 
 @_clear_keywords
@@ -264,7 +301,7 @@ class AdamW(Adam):
         object.__setattr__(self, "weight_decay", wd)
 
     def build(self) -> optim.Optimizer:
-        return optim.AdamW(
+        return _AdamW(
             self.lr, betas=list(self.betas), eps=self.eps,
             weight_decay=self.weight_decay, bias_correction=True,
         )

@@ -22,6 +22,7 @@ from fluxlike import (
     setup,
     update,
 )
+from fluxlike.optimise import FLOAT16_EPS
 
 STEPS = 3
 
@@ -276,3 +277,37 @@ def test_keyword_checks_keep_signature_repr_equality_and_replace():
     assert repr(rule) == "Adam(lr=0.1, betas=(0.9, 0.999), eps=1e-08)"
     with pytest.raises(TypeError, match="multiple values"):  # Python's own check still runs
         Adam(0.1, lr=0.2)
+
+
+@pytest.mark.parametrize("rule", [Adam(0.01), AdamW(0.01), RMSProp(0.01),
+                                  OptimiserChain(ClipNorm(1.0), Adam(0.01))],
+                         ids=["Adam", "AdamW", "RMSProp", "chain"])
+def test_float16_parameters_with_zero_gradients_stay_finite(rule):
+    # eps=1e-8 is 0 in float16: a zero gradient gave 0/0, NaN in an f16mix model's first step
+    model = Dense(3, 2)
+    model.weight = model.weight.astype(mx.float16)  # float16 weight, float32 bias
+    before = np.array(model.weight)
+    opt_state = setup(rule, model)
+    grads = {"weight": mx.zeros((2, 3), mx.float16), "bias": mx.ones(2)}
+    for _ in range(3):
+        update(opt_state, model, grads)
+    weight = np.array(model.weight)
+    assert model.weight.dtype == mx.float16 and np.isfinite(weight).all()
+    if not isinstance(rule, AdamW):  # (AdamW's decay moves it)
+        np.testing.assert_array_equal(weight, before)
+    optimizer = getattr(opt_state.optimizer, "inner", opt_state.optimizer)
+    assert optimizer.eps < FLOAT16_EPS  # its own eps, restored after each float16 step
+
+
+def test_float32_steps_are_mlx_adams_exactly():
+    model = Dense(3, 2)
+    twin = Dense(3, 2)
+    twin.update(model.parameters())
+    mine, theirs = setup(Adam(0.01), model).optimizer, optim.Adam(0.01, bias_correction=True)
+    theirs.init(twin.trainable_parameters())
+    g = {"weight": mx.ones((2, 3)), "bias": mx.full((2,), -2.0)}
+    for _ in range(3):
+        mine.update(model, g)
+        theirs.update(twin, g)
+    assert mx.array_equal(model.weight, twin.weight).item()
+    assert mx.array_equal(model.bias, twin.bias).item()
