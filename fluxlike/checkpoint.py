@@ -244,8 +244,9 @@ def _optimizer_kind(opt_state: Any) -> dict[str, Any] | None:
         return None
     rule = getattr(opt_state, "rule", optimizer)
     rule = getattr(rule, "parts", (rule,))[-1]
-    classes = [c.__name__ for c in type(optimizer).__mro__
-               if issubclass(c, optim.Optimizer) and c is not optim.Optimizer]
+    classes = [c.__name__ for c in type(optimizer).__mro__  # fluxlike's private ones left out
+               if issubclass(c, optim.Optimizer) and c is not optim.Optimizer
+               and not c.__name__.startswith("_")]
     return {"rule": type(rule).__name__, "classes": classes}
 
 
