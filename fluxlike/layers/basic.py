@@ -243,7 +243,10 @@ def flatten(x: mx.array) -> mx.array:
         raise TypeError(f"[flatten] expected an mx.array input, got {type(x).__name__}")
     if x.ndim == 0:
         raise ValueError("[flatten] expected an input with a batch axis, got a 0-d array")
-    return x.reshape(x.shape[0], math.prod(x.shape[1:]))
+    if x.ndim == 1:
+        return x[:, None]
+    # mx.flatten, not a reshape to x.shape[0]: a shapeless trace then replays at any batch size
+    return mx.flatten(x, start_axis=1)
 
 
 @autocast_policy("down")

@@ -42,8 +42,12 @@ def compile(
     ``outputs=`` for what it changes) when the model will be updated.
 
     With ``shapeless=True`` the CPU's half-precision layers trace as plain casts around their
-    float32 kernels (same forward values; MLX cannot infer the output shapes of the custom
-    gradients they use otherwise, so ``mx.compile(shapeless=True)`` of them fails).
+    float32 kernels (MLX cannot infer the output shapes of the custom gradients they use
+    otherwise), and linear layers add their bias after the GEMM (MLX's shapeless ``addmm``
+    crashes on a smaller batch): the same computation, up to float32 rounding. As with
+    ``mx.compile``, a shapeless trace replays correctly only where the function's Python did
+    not depend on the shapes: Dense, Conv, the norms and ``flatten`` do not; the window
+    pools, attention's head split and the recurrent layers' time steps do.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, autocast, compile

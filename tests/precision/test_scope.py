@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from mlx.utils import tree_flatten
 
-from fluxlike import Chain, Dense, Dropout, autocast, gradient, relu, trainmode
+from fluxlike import Chain, Conv, Dense, Dropout, autocast, flatten, gradient, relu, trainmode
 from fluxlike import compile as fl_compile
 from fluxlike.precision.scope import _entries
 from fluxlike.precision.state import OFF, compute_dtypes
@@ -408,6 +408,16 @@ class TestCompile:
                                  (lambda: trainmode(model, "auto"), False)):
             switch()
             assert drops() is expected
+
+    def test_shapeless_trace_of_conv_flatten_dense(self):
+        mx.random.seed(0)
+        model = Chain(Conv((3, 3), 1, 4, relu, padding=1), flatten, Dense(4 * 5 * 5, 3))
+        mx.eval(model.parameters())
+        forward = fl_compile(lambda x: model(x), inputs=model.state, shapeless=True)
+        for rows in (6, 9, 2):
+            x = mx.random.normal((rows, 5, 5, 1))
+            np.testing.assert_allclose(np.array(forward(x)), np.array(model(x)), rtol=1e-5,
+                                       atol=1e-6)
 
     @pytest.mark.parametrize("dtype", [None, BF16, F16])
     def test_shapeless_trace_replays_at_other_batch_sizes(self, dtype):
