@@ -223,6 +223,15 @@ def _value_and_grad(
         # Trainable entries back to the original arrays (no tracer stays in the model),
         # frozen entries to their values after the call.
         m.update(tree_map_with_path(lambda k, v, new=dict(new): new.get(k, v), p) if new else p)
+    fresh = [v for entry in state for _, v in entry]
+    if fresh:
+        # New running statistics feed no loss: left unevaluated, each step's would build on
+        # the last, and every later gradient would walk the whole chain (a loop that reads
+        # only the loss got slower step by step).
+        try:
+            mx.async_eval(fresh)
+        except ValueError:  # inside mx.compile (train(compile=True)): its caller evaluates
+            pass
     by_module = {id(m): g for m, g in zip(modules, g_params, strict=True)}
     by_index = dict(zip(arrays, g_arrays, strict=True))
     grads = tuple(

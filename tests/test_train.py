@@ -759,3 +759,19 @@ def test_update_with_another_models_opt_state():
                                          r"\(1, 3\); setup\(\) the optimiser for this model"):
         update(opt_state, other, g)
     assert _leaves(opt_state.state).keys() == before.keys()
+
+
+def test_running_statistics_do_not_chain_across_steps():
+    # a hand-written loop reading only the loss: BatchNorm's new statistics feed no loss, and
+    # unevaluated they chained onto the last step's, so each gradient walked all earlier ones
+    model = Chain(Dense(2, 4), BatchNorm(4), Dense(4, 1))
+    opt_state = setup(Adam(0.01), model)
+    x = mx.array(np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32))
+    for _ in range(5):
+        loss, (g,) = withgradient(lambda m: (m(x) ** 2).mean(), model)
+        update(opt_state, model, g)
+        loss.item()
+    mx.synchronize()  # the statistics' evaluation was queued, not awaited
+    dot = io.StringIO()
+    mx.export_to_dot(dot, model[1].running_mean)
+    assert dot.getvalue().count("->") == 0  # evaluated: no graph behind it
