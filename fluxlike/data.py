@@ -234,9 +234,9 @@ def _labels_list(labels: Any, where: str) -> list:
                 f"[{where}] labels must be one-dimensional, got shape {tuple(labels.shape)}"
             )
         return labels.tolist()
-    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__iter__"):
+    if isinstance(labels, bytes) or not hasattr(labels, "__iter__"):
         raise TypeError(f"[{where}] labels must be a sequence, got {type(labels).__name__}")
-    return list(labels)
+    return list(labels)  # a str is its characters, as in Flux (onehotbatch("abca", "abc"))
 
 
 def _class_index(classes: Sequence[Hashable], where: str) -> dict:
@@ -263,6 +263,10 @@ def onehotbatch(labels: Any, classes: Sequence[Hashable], default: Any = _NO_DEF
     >>> onehotbatch(["b", "z"], ["a", "b", "c"], default="c")
     array([[0, 1, 0],
            [0, 0, 1]], dtype=float32)
+    >>> onehotbatch("aba", "ab")  # a string is a sequence of characters, as in Flux
+    array([[1, 0],
+           [0, 1],
+           [1, 0]], dtype=float32)
     >>> onehotbatch([3], [0, 1, 2])
     Traceback (most recent call last):
     ...

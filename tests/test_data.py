@@ -232,8 +232,15 @@ class TestOneHot:
             onehotbatch([1], [])
         with pytest.raises(ValueError, match=r"labels must be one-dimensional"):
             onehotbatch(mx.zeros((2, 2), dtype=mx.int32), [0])
-        with pytest.raises(TypeError, match=r"labels must be a sequence"):
-            onehotbatch("abc", ["a", "b", "c"])
+        with pytest.raises(TypeError, match=r"labels must be a sequence, got int"):
+            onehotbatch(3, [0, 1, 2, 3])
+        with pytest.raises(TypeError, match=r"labels must be a sequence, got bytes"):
+            onehotbatch(b"ab", [97, 98])
+
+    def test_a_string_is_its_characters_as_in_flux(self):
+        expected = onehotbatch(["a", "b", "c", "a"], ["a", "b", "c"])
+        assert mx.array_equal(onehotbatch("abca", "abc"), expected).item()
+        assert onecold(onehotbatch("cab", "abc"), "abc") == ["c", "a", "b"]
 
     def test_onecold_indices(self):
         y = mx.array([[0.1, 0.5, 0.4], [3.0, -1.0, 0.0]])
