@@ -230,8 +230,8 @@ def _value_and_grad(
         # only the loss got slower step by step).
         try:
             mx.async_eval(fresh)
-        except ValueError:  # inside mx.compile (train(compile=True)): its caller evaluates
-            pass
+        except (ValueError, RuntimeError):  # inside a transformation (mx.compile, as in
+            pass  # train(compile=True)), which refuses evaluation: its caller evaluates
     by_module = {id(m): g for m, g in zip(modules, g_params, strict=True)}
     by_index = dict(zip(arrays, g_arrays, strict=True))
     grads = tuple(
