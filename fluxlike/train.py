@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from .modes import differentiating
 from .optimise import Rule
@@ -117,6 +117,31 @@ def _has_array(tree: Any) -> bool:
     return False
 
 
+def _floating(value: Any) -> bool:
+    return isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating)
+
+
+def _differentiable(value: Any) -> bool:
+    """A floating array, or a list, tuple or dict holding one (not a model: ``nn.Module``
+    is a dict, and models are differentiated on their own)."""
+    if isinstance(value, nn.Module):
+        return False
+    if isinstance(value, (list, tuple, dict)):
+        return any(_floating(v) for _, v in tree_flatten(value))
+    return _floating(value)
+
+
+def _floating_leaves(tree: Any) -> list[mx.array]:
+    return [v for _, v in tree_flatten(tree) if _floating(v)]
+
+
+def _refill(tree: Any, values: list, other: Any = ...) -> Any:
+    """``tree`` with its floating arrays replaced, in order, by ``values``, and its other
+    leaves by ``other`` (kept as they are by default)."""
+    it = iter(values)
+    return tree_map(lambda v: next(it) if _floating(v) else (v if other is ... else other), tree)
+
+
 def _floating_or_tree(value: Any) -> bool:
     """Not an integer or boolean array."""
     return not isinstance(value, mx.array) or value.dtype in _INEXACT
@@ -172,10 +197,11 @@ def _value_and_grad(
             )
     if len(modules) > 1:
         _distinct(modules, where)
-    arrays = [
-        i for i, a in enumerate(args)
-        if wrt_arrays and isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
-    ]
+    # Floating arrays are differentiated, alone or in lists, tuples and dicts (as Zygote does):
+    # for a container, the primal is the list of its floating arrays.
+    arrays = [i for i, a in enumerate(args) if wrt_arrays and _differentiable(a)]
+    primals = [args[i] if isinstance(args[i], mx.array) else _floating_leaves(args[i])
+               for i in arrays]
     walked = [_trainable_parameters(m) for m in modules]
     trainable, has_frozen = [t for t, _ in walked], [has for _, has in walked]
     # Modules with frozen entries (running statistics...) keep all their parameters to be
@@ -194,7 +220,7 @@ def _value_and_grad(
             m.update(p)
         call = list(args)
         for i, x in zip(arrays, xs, strict=True):
-            call[i] = x
+            call[i] = x if isinstance(x, mx.array) else _refill(args[i], x)
         out = f(*call)
         loss, rest = _split_output(out, where)
         # Running statistics (BatchNorm) are frozen parameters: return them as outputs so
@@ -211,7 +237,7 @@ def _value_and_grad(
         with differentiating(), scope:
             if arrays or any(map(_has_array, trainable)):
                 (_, (loss, rest, state)), (g_params, g_arrays) = mx.value_and_grad(inner)(
-                    (trainable, [args[i] for i in arrays])
+                    (trainable, primals)
                 )
             else:  # nothing to differentiate: no gradient arrays (MLX's grad would refuse)
                 (_, (loss, rest, state)), g_params, g_arrays = inner((trainable, [])), trainable, []
@@ -233,7 +259,8 @@ def _value_and_grad(
         except (ValueError, RuntimeError):  # inside a transformation (mx.compile, as in
             pass  # train(compile=True)), which refuses evaluation: its caller evaluates
     by_module = {id(m): g for m, g in zip(modules, g_params, strict=True)}
-    by_index = dict(zip(arrays, g_arrays, strict=True))
+    by_index = {i: g if isinstance(g, mx.array) else _refill(args[i], g, None)
+                for i, g in zip(arrays, g_arrays, strict=True)}
     grads = tuple(
         by_module[id(a)] if isinstance(a, nn.Module) else by_index.get(i)
         for i, a in enumerate(args)
@@ -275,9 +302,12 @@ def gradient(
 
     Returns a tuple with one entry per argument: for a model (an ``mlx.nn.Module``) a
     nested dict shaped like ``model.trainable_parameters()``; for a floating ``mx.array``
-    an array of its shape; for anything else (integer arrays, numbers, functions)
-    ``None``. While ``f`` runs (and while MLX re-runs checkpointed blocks for the backward
-    pass), fluxlike's Dropout and BatchNorm are in training mode (``mlx.nn``'s follow
+    an array of its shape; for a list, tuple or dict holding floating arrays (an LSTM's
+    ``(h, c)``), the same container with their gradients and ``None`` for its other
+    entries; for anything else (integer arrays, numbers, functions) ``None``.
+
+    While ``f`` runs (and while MLX re-runs checkpointed blocks for the backward pass),
+    fluxlike's Dropout and BatchNorm are in training mode (``mlx.nn``'s follow
     ``model.train()``/``model.eval()``); BatchNorm's running statistics are updated in the
     model, its trainable parameters are left as they were.
 

@@ -671,9 +671,31 @@ def test_models_inside_a_container_argument_are_refused(wrap):
                                         r"arguments"):
         gradient(lambda x, ms: x.sum(), x, wrap([a, b]))
     assert a.weight is weight
-    # containers of arrays and other values are arguments as before
+    # containers of arrays and other values are differentiated (their arrays), as in Zygote
     gx, gl = gradient(lambda x, xs: (x * xs[0]).sum(), x, [mx.ones(2), {"n": 1}])
-    assert gx.shape == (3, 2) and gl is None
+    assert gx.shape == (3, 2) and gl[0].tolist() == [3.0, 3.0] and gl[1] == {"n": None}
+
+
+def test_arrays_in_tuples_and_dicts_get_gradients_of_the_same_structure():
+    # an LSTM's (h, c) state, a dict of inputs: as Zygote's gradient
+    model = Dense(2, 1)
+    state = (mx.array([1.0, 2.0]), mx.array([3.0, 4.0]))
+    inputs = {"x": mx.array([[1.0, 1.0]]), "labels": mx.array([1]), "name": "batch"}
+
+    def f(m, hc, d):
+        h, c = hc
+        return (m(d["x"]) * (h * c).sum()).sum()
+
+    g_model, g_state, g_inputs = gradient(f, model, state, inputs)
+    out = model(inputs["x"]).sum()
+    assert isinstance(g_state, tuple) and len(g_state) == 2
+    np.testing.assert_allclose(np.array(g_state[0]), np.array(state[1] * out), rtol=1e-6)
+    np.testing.assert_allclose(np.array(g_state[1]), np.array(state[0] * out), rtol=1e-6)
+    assert set(g_inputs) == {"x", "labels", "name"}
+    assert g_inputs["labels"] is None and g_inputs["name"] is None
+    np.testing.assert_allclose(np.array(g_inputs["x"]),
+                               np.array(model.weight * (state[0] * state[1]).sum()), rtol=1e-6)
+    assert set(g_model) == {"weight", "bias"}
 
 
 def test_assigning_the_learning_rate_with_and_without_a_schedule():
