@@ -55,6 +55,7 @@ from .optimise import (
     Nesterov,
     OptimiserChain,
     RMSProp,
+    WeightDecay,
 )
 from .precision.lossscale import DynamicLossScale, StaticLossScale, all_finite
 from .train import OptState, gradient, setup, train, update, withgradient

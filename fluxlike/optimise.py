@@ -116,7 +116,11 @@ class Rule:
 
 
 class GradientTransform:
-    """Base class of gradient transforms (clipping), placed before a rule in a chain."""
+    """Base class of gradient transforms (clipping, weight decay), placed before a rule in a
+    chain. ``transform(grads)`` returns the new gradients; a transform that needs the
+    parameters too sets ``uses_params = True`` and is called ``transform(grads, params)``."""
+
+    uses_params = False
 
     def __call__(self, grads: Tree) -> Tree:
         raise NotImplementedError
@@ -381,6 +385,34 @@ class ClipValue(GradientTransform):
         return tree_map(clip, grads)
 
 
+@_clear_keywords
+@dataclass(frozen=True)
+class WeightDecay(GradientTransform):
+    """Add ``decay * w`` to each parameter's gradient (L2 regularisation; Flux's
+    ``WeightDecay``): ``OptimiserChain(WeightDecay(5e-4), Momentum())``. Before Adam this
+    is Adam's coupled decay; :class:`AdamW` decouples it.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import WeightDecay
+    >>> WeightDecay(0.5)({"w": mx.array([1.0, -1.0])}, {"w": mx.array([2.0, 4.0])})["w"]
+    array([2, 1], dtype=float32)
+    """
+
+    decay: float = 5e-4
+    uses_params = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decay", _nonnegative(self.decay, "decay", "WeightDecay"))
+
+    def __call__(self, grads: Tree, params: Tree) -> Tree:  # type: ignore[override]
+        def decayed(g: Any, w: Any) -> Any:
+            if isinstance(g, mx.array) and mx.issubdtype(g.dtype, mx.floating):
+                return g + (self.decay * w).astype(g.dtype)
+            return g
+
+        return tree_map(decayed, grads, params)
+
+
 class _Chained(optim.Optimizer):
     """An mlx optimizer applying gradient transforms, then an inner optimizer. Its state is
     the inner optimizer's state (the transforms are stateless)."""
@@ -395,7 +427,10 @@ class _Chained(optim.Optimizer):
 
     def apply_gradients(self, gradients: dict, parameters: dict) -> dict:
         for transform in self.transforms:
-            gradients = transform(gradients)
+            if transform.uses_params:
+                gradients = transform(gradients, parameters)
+            else:
+                gradients = transform(gradients)
         return self.inner.apply_gradients(gradients, parameters)
 
     @property
@@ -416,8 +451,8 @@ class _Chained(optim.Optimizer):
 
 
 class OptimiserChain(Rule):
-    """Gradient transforms (:class:`ClipNorm`, :class:`ClipValue`) applied in order, then one
-    rule last: ``OptimiserChain(ClipNorm(1.0), Adam(1e-3))``.
+    """Gradient transforms (:class:`ClipNorm`, :class:`ClipValue`, :class:`WeightDecay`) applied
+    in order, then one rule last: ``OptimiserChain(ClipNorm(1.0), Adam(1e-3))``.
 
     >>> from fluxlike import Adam, ClipNorm, OptimiserChain
     >>> OptimiserChain(ClipNorm(1.0), Adam())
@@ -433,7 +468,7 @@ class OptimiserChain(Rule):
             if not isinstance(part, GradientTransform):
                 raise ValueError(
                     f"[OptimiserChain] parts before the rule must be gradient transforms "
-                    f"(ClipNorm, ClipValue), got {part!r}"
+                    f"(ClipNorm, ClipValue, WeightDecay), got {part!r}"
                 )
         self.parts = parts
 

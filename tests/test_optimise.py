@@ -19,6 +19,7 @@ from fluxlike import (
     Nesterov,
     OptimiserChain,
     RMSProp,
+    WeightDecay,
     setup,
     update,
 )
@@ -311,3 +312,22 @@ def test_float32_steps_are_mlx_adams_exactly():
         theirs.update(twin, g)
     assert mx.array_equal(model.weight, twin.weight).item()
     assert mx.array_equal(model.bias, twin.bias).item()
+
+
+def test_weight_decay_adds_decay_times_the_weight_before_the_rule():
+    # Flux's OptimiserChain(WeightDecay(λ), Descent(η)): w -= η * (g + λ * w)
+    model = Dense(3, 2)
+    w, b = np.array(model.weight), np.array(model.bias)
+    opt_state = setup(OptimiserChain(WeightDecay(0.1), Descent(0.5)), model)
+    g = {"weight": mx.ones((2, 3)), "bias": mx.full((2,), 2.0)}
+    update(opt_state, model, g)
+    np.testing.assert_allclose(np.array(model.weight), w - 0.5 * (1 + 0.1 * w), rtol=1e-6)
+    np.testing.assert_allclose(np.array(model.bias), b - 0.5 * (2 + 0.1 * b), rtol=1e-6)
+    # with part of the model frozen: only the gradients given are decayed
+    model.freeze(keys=["bias"])
+    opt_state = setup(OptimiserChain(WeightDecay(0.1), Momentum(0.5)), model)
+    update(opt_state, model, {"weight": mx.zeros((2, 3))})
+    assert np.isfinite(np.array(model.weight)).all()
+    assert repr(WeightDecay()) == "WeightDecay(decay=0.0005)"
+    with pytest.raises(ValueError, match=r"\[WeightDecay\] decay"):
+        WeightDecay(-1.0)
