@@ -64,10 +64,10 @@ def attend(
 
 
 def _finite(x: mx.array) -> mx.array:
-    """``x`` with ``-inf`` raised to its dtype's lowest finite value: scores or an additive mask
-    blocking a whole row then average it, as a boolean mask does, instead of giving NaN (which
-    would reach every gradient of the batch). A float32 mask of ``-1e9`` is ``-inf`` once
-    autocast has cast it to float16."""
+    """``x`` with ``-inf`` raised to its dtype's lowest finite value: a row that an additive
+    mask blocks everywhere then gives a finite result instead of NaN (which would reach every
+    gradient of the batch); with ``-inf`` it averages, as a boolean mask does. A float32 mask
+    of ``-1e9`` is ``-inf`` once autocast has cast it to float16."""
     return mx.maximum(x, mx.array(mx.finfo(x.dtype).min, x.dtype))
 
 
@@ -102,7 +102,8 @@ class MultiHeadAttention(Layer):
       the usual causal mask when ``Lq == Lk``);
     - a boolean array, ``True`` where attention is allowed;
     - a floating array added to the scores (``-inf`` or a large negative number blocks; a
-      row blocked everywhere averages, as with a boolean mask, rather than giving NaN),
+      row blocked everywhere gives a finite result rather than NaN, and with ``-inf`` the
+      average of the values, as a boolean mask does),
 
     and an array mask must broadcast to ``(batch, nheads, Lq, Lk)``. Attention dropout with
     probability ``dropout`` is applied to the weights only in training mode (see

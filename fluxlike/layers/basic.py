@@ -28,9 +28,10 @@ class _Container(Layer):
         owner = type(self).__name__
         if layers and named:
             raise ValueError(f"[{owner}] give layers either by position or by name, not both")
-        taken = sorted(set(self._reserved) & set(named))
+        taken = sorted(k for k in named if k in self._reserved or k.startswith("_"))
         if taken:
-            raise ValueError(f"[{owner}] {taken} cannot name a layer (reserved)")
+            raise ValueError(f"[{owner}] {taken} cannot name a layer (reserved, or private to "
+                             f"mlx.nn.Module: names starting with '_')")
         for key, layer in [*enumerate(layers), *named.items()]:
             if not callable(layer):
                 raise TypeError(f"[{owner}] layer {key!r} must be callable, got {layer!r}")

@@ -89,6 +89,8 @@ def check_real(value: Any, layer: str, name: str, ok: Callable[[float], bool], w
     ok_type = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     if not ok_type or not ok(value):
         raise ValueError(f"[{layer}] {name} must be {want}, got {value!r}")
+    if isinstance(value, np.floating) and value.dtype.itemsize < 8:
+        return float(str(value))  # np.float32(0.1) is 0.1, not 0.10000000149011612, in reprs
     return float(value)
 
 

@@ -105,6 +105,9 @@ class TestChain:
             Chain(a=Dense(2, 2))["x"]
         with pytest.raises(ValueError, match=r"\[Chain\] \['layers'\] cannot name a layer"):
             Chain(layers=Dense(2, 2))
+        with pytest.raises(ValueError, match=r"\['_training'\] cannot name a layer \(reserved, "
+                                             r"or private to mlx.nn.Module"):
+            Chain(_training=Dense(2, 2))  # model.train() assigns that attribute
 
     def test_repr_expands_containers(self):
         text = repr(Chain(Dense(5, 3, relu), Chain(a=Dense(3, 2))))

@@ -100,3 +100,9 @@ def test_channels_first_hint_only_when_axis_1_alone_matches():
 def test_check_features_ends_with_the_hint():
     with pytest.raises(ValueError, match=r"got shape \(2, 3\); do this$"):
         check_features(mx.ones((2, 3)), 4, "Dense", hint="; do this")
+
+
+def test_narrow_numpy_floats_are_stored_as_they_print():
+    assert check_real(np.float32(0.1), "BatchNorm", "momentum", lambda v: 0 <= v <= 1,
+                      "in [0, 1]") == 0.1
+    assert check_real(np.float16(0.5), "Dropout", "p", lambda v: 0 <= v <= 1, "in [0, 1]") == 0.5
