@@ -51,13 +51,13 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
     if isinstance(inner, optim.Optimizer):
         init_missing(inner, params)
         return
-    if not getattr(optimizer, "_initialized", True):
-        optimizer.init(params)
-        return
-    if isinstance(optimizer, optim.MultiOptimizer):
+    if isinstance(optimizer, optim.MultiOptimizer):  # (which never sets _initialized)
         parts = optimizer._split_dictionary(params)
         for sub, part in zip(optimizer.optimizers, parts, strict=False):
             init_missing(sub, part)
+        return
+    if not getattr(optimizer, "_initialized", True):
+        optimizer.init(params)
         return
 
     def walk(p: Any, s: Any, path: str) -> None:

@@ -625,6 +625,9 @@ def _restore(model: nn.Module, opt_state: OptState, scale_state: dict, before: t
     params, optimizer_state, scale, key = before
     model.update(params)
     assign(opt_state.optimizer.state, optimizer_state, prune=True)
+    compiled = COMPILED.get(opt_state)
+    if compiled is not None:  # state made for thawed parts may be gone: let update look again
+        compiled.initialised.clear()
     scale_state.update(scale)
     if mx.random.state[0] is not key:  # mx.random.state takes no assignment: seed to the key
         hi, lo = key.tolist()

@@ -797,3 +797,25 @@ def test_running_statistics_do_not_chain_across_steps():
     dot = io.StringIO()
     mx.export_to_dot(dot, model[1].running_mean)
     assert dot.getvalue().count("->") == 0  # evaluated: no graph behind it
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_failed_first_batch_after_a_thaw_leaves_training_possible(compile):
+    # the thawed part's state, made by that batch's update, goes with the rollback; the next
+    # update must make it again
+    x, y = mx.ones((2, 3)), mx.zeros((2, 1))
+    model = Chain(Dense(3, 4), Dense(4, 1))
+    model[1].freeze()
+    opt_state = setup(Adam(0.01), model)
+    model.unfreeze()
+    nan = [True]
+
+    def loss(m, x, y):
+        value = _mse(m, x, y)
+        return value * math.nan if nan[0] else value
+
+    with pytest.raises(FloatingPointError):
+        train(loss, model, [(x, y)], opt_state, progress=False, compile=compile)
+    nan[0] = False
+    assert train(loss, model, [(x, y)], opt_state, progress=False, compile=compile) >= 0
+    assert "m" in opt_state.state["optimizer"]["layers"][1]["weight"]

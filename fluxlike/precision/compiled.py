@@ -47,7 +47,8 @@ def compile(
     crashes on a smaller batch): the same computation, up to float32 rounding. As with
     ``mx.compile``, a shapeless trace replays correctly only where the function's Python did
     not depend on the shapes: Dense, Conv, the norms and ``flatten`` do not; the window
-    pools, attention's head split and the recurrent layers' time steps do.
+    pools, attention's head split and the recurrent layers' time steps do. (MLX 0.32 also
+    crashes differentiating a training-mode BatchNorm in a shapeless trace.)
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, autocast, compile
