@@ -484,8 +484,8 @@ class Dropout(Layer):
     as in Flux and PyTorch, and passes zero gradients back). ``dims`` (an axis or a
     tuple of axes, negative allowed) restricts which axes get independent draws: the mask is
     shared (broadcast) along every other axis, e.g. ``dims=(0, -1)`` on ``NHWC`` input drops
-    whole channels of each sample. Active only inside gradient computations or under
-    ``trainmode``. Runs in the input dtype (no precision policy).
+    whole channels of each sample. Active only inside gradient computations, or when fixed
+    by ``trainmode`` or ``model.train()``. Runs in the input dtype (no precision policy).
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dropout, trainmode
