@@ -407,13 +407,25 @@ class ConvTranspose(_ConvBase):
         # shifts its output): pad by the smaller side within that, then crop the rest.
         dims = zip(padding, self.kernel, self["dilation"], strict=True)
         sym = tuple(min(lo, hi, d * (k - 1)) for (lo, hi), k, d in dims)
-        options = (self["stride"], sym, self["dilation"], self["output_padding"], self.groups)
-        if _split(x, self.groups):
-            y = self._finish(_grouped(ops.conv_transpose, x, weight, *options))
+        # MLX's output_padding beyond its padding gives a short input gradient (wrong, with no
+        # error): ask it for at most its padding; positions past its output are zeros, added
+        # below (before the bias and activation).
+        out_pad = tuple(min(op, p) for op, p in zip(self["output_padding"], sym, strict=True))
+        extra = [max(0, op - o - (hi - p)) for op, o, (_, hi), p
+                 in zip(self["output_padding"], out_pad, padding, sym, strict=True)]
+        options = (self["stride"], sym, self["dilation"], out_pad, self.groups)
+        if _split(x, self.groups) or any(extra):
+            if _split(x, self.groups):
+                y = _grouped(ops.conv_transpose, x, weight, *options)
+            else:
+                y = ops.conv_transpose(x, weight, *options)
+            if any(extra):
+                y = mx.pad(y, [(0, 0), *((0, e) for e in extra), (0, 0)])
+            y = self._finish(y)
         else:  # bias and activation are elementwise: applied before the crop below
             y = ops.conv_transpose(x, weight, *options, self.get("bias"), self.act)
-        if any((lo, hi) != (p, p) for (lo, hi), p in zip(padding, sym, strict=True)):
-            starts = [lo - p for (lo, _), p in zip(padding, sym, strict=True)]
+        starts = [lo - p for (lo, _), p in zip(padding, sym, strict=True)]
+        if any(starts) or tuple(y.shape[1:-1]) != size:
             y = y[(slice(None), *(slice(a, a + n) for a, n in zip(starts, size, strict=True)))]
         return y
 

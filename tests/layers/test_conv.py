@@ -549,3 +549,28 @@ def test_transpose_hint_only_for_input_that_looks_channels_first():
         layer(mx.ones((2, 3, 8, 5)))
     with pytest.raises(ValueError, match=r"got shape \(2, 8, 8, 5\)$"):
         layer(mx.ones((2, 8, 8, 5)))
+
+
+@pytest.mark.parametrize("kernel, stride, padding, output_padding", [
+    ((1,), 2, 0, 1),
+    ((3,), 2, 0, 1),
+    ((2, 3), 2, ((0, 0), (1, 0)), (1, 1)),
+    ((1, 1), 2, "same", 0),  # "same" picks output_padding 1 itself
+])
+def test_output_padding_beyond_padding_gives_the_true_input_gradient(kernel, stride, padding,
+                                                                     output_padding):
+    # MLX's input gradient is short there, with no error, and flows on into earlier layers
+    layer = ConvTranspose(kernel, 2, 3, stride=stride, padding=padding,
+                          output_padding=output_padding)
+    x = normal(1, *(3,) * len(kernel), 2)
+    r = normal(*layer(x).shape, seed=3)
+    dx = mx.grad(lambda v: (layer(v) * r).sum())(x)
+    assert dx.shape == x.shape
+    # the layer is affine in x: each entry of the gradient is a difference of two calls
+    base = (layer(mx.zeros_like(x)) * r).sum()
+    flat = np.zeros(x.size, dtype=np.float32)
+    for i in range(x.size):
+        e = np.zeros(x.size, dtype=np.float32)
+        e[i] = 1
+        flat[i] = ((layer(mx.array(e.reshape(x.shape))) * r).sum() - base).item()
+    np.testing.assert_allclose(np64(dx).ravel(), flat, rtol=1e-4, atol=1e-4)
