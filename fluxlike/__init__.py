@@ -58,4 +58,6 @@ from .optimise import (
     WeightDecay,
 )
 from .precision.lossscale import DynamicLossScale, StaticLossScale, all_finite
-from .train import OptState, gradient, setup, train, update, withgradient
+from .gradients import gradient, withgradient
+from .optstate import OptState, setup, update
+from .training import train

@@ -1,4 +1,4 @@
-"""Tests of fluxlike/train.py: gradient, withgradient, setup, update, train."""
+"""Tests of fluxlike/training.py: the train loop (and gradient/update as train uses them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten
 
 from fluxlike import (
     Adam,
@@ -21,20 +21,16 @@ from fluxlike import (
     Descent,
     Dropout,
     DynamicLossScale,
-    Momentum,
     OptimiserChain,
-    OptState,
     StaticLossScale,
     gradient,
     relu,
     setup,
     train,
-    trainmode,
     update,
     withgradient,
 )
-from fluxlike.modes import is_active
-from fluxlike.train import _trainable_parameters
+from fluxlike.gradients import _trainable_parameters
 
 
 def _mse(m, x, y):
@@ -50,332 +46,6 @@ def _dense(w, b):
 def _leaves(tree):
     return dict(tree_flatten(tree))
 
-
-# ---------------------------------------------------------------- gradient / withgradient
-
-
-def test_gradient_of_a_module_matches_numpy():
-    w = np.array([[1.0, -2.0, 0.5], [0.0, 1.5, -1.0]], dtype=np.float32)
-    b = np.array([0.1, -0.2], dtype=np.float32)
-    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
-    y = np.random.default_rng(1).normal(size=(4, 2)).astype(np.float32)
-    model = _dense(w, b)
-    (g,) = gradient(lambda m: _mse(m, mx.array(x), mx.array(y)), model)
-    err = x @ w.T + b - y
-    np.testing.assert_allclose(np.array(g["weight"]), 2 * err.T @ x / err.size, rtol=1e-5)
-    np.testing.assert_allclose(np.array(g["bias"]), 2 * err.sum(0) / err.size, rtol=1e-5)
-    assert sorted(g) == sorted(model.trainable_parameters())
-
-
-def test_gradient_of_arrays_and_other_arguments():
-    model = Dense(3, 2)
-    x = mx.array([[1.0, 2.0, 3.0]])
-    labels = mx.array([1, 0])
-
-    def f(m, x, scale, labels, name):
-        assert name == "tag" and labels.dtype == mx.int32
-        return (m(x) * scale).sum() + (x**2).sum()
-
-    g_m, g_x, g_scale, g_labels, g_name = gradient(f, model, x, 2.0, labels, "tag")
-    assert g_scale is None and g_labels is None and g_name is None
-    expected_x = 2 * np.array(model.weight).sum(0) + 2 * np.array(x)
-    np.testing.assert_allclose(np.array(g_x), expected_x, rtol=1e-5)
-    np.testing.assert_allclose(np.array(g_m["weight"]), 2 * np.ones((2, 1)) * np.array(x))
-
-
-def test_gradient_of_two_modules():
-    a, b = Dense(2, 2), Dense(2, 1)
-    x = mx.ones((3, 2))
-    ga, gb = gradient(lambda a, b: b(a(x)).sum(), a, b)
-    ref_a, ref_b = gradient(lambda m: m(x).sum(), Chain(a, b))[0]["layers"]
-    for got, ref in ((ga, ref_a), (gb, ref_b)):
-        for k in ("weight", "bias"):
-            np.testing.assert_allclose(np.array(got[k]), np.array(ref[k]), rtol=1e-6)
-
-
-def test_withgradient_value_and_aux():
-    x = mx.array([1.0, 2.0])
-    value, (g,) = withgradient(lambda x: (x**2).sum(), x)
-    assert value.dtype == mx.float32 and value.item() == 5.0
-    assert g.tolist() == [2.0, 4.0]
-    (loss, aux), (g,) = withgradient(lambda x: ((x**2).sum(), x * 3), x)
-    assert loss.item() == 5.0 and aux.tolist() == [3.0, 6.0] and g.tolist() == [2.0, 4.0]
-
-
-def test_half_loss_is_returned_as_float32():
-    x = mx.array([1.0, 2.0], dtype=mx.float16)
-    value, (g,) = withgradient(lambda x: (x**2).sum(), x)
-    assert value.dtype == mx.float32 and g.dtype == mx.float16
-
-
-def test_model_keeps_its_arrays():
-    model = Dense(3, 2)
-    weight, bias = model.weight, model.bias
-    gradient(lambda m: m(mx.ones((2, 3))).sum(), model)
-    assert model.weight is weight and model.bias is bias
-
-
-def test_dropout_is_active_only_inside_gradient():
-    drop = Dropout(0.5)
-    model = Chain(Dense(4, 64), drop)
-    seen = []
-
-    def f(m):
-        seen.append(is_active(drop))
-        out = m(mx.ones((8, 4)))
-        seen.append((out == 0).sum().item())
-        return out.sum()
-
-    gradient(f, model)
-    assert seen[0] is True and seen[1] > 0
-    assert not is_active(drop)
-    assert (model(mx.ones((8, 4))) == 0).sum().item() == 0
-
-
-@pytest.mark.parametrize("container", [Chain, nn.Sequential])
-def test_mlx_train_and_eval_fix_the_mode(container):
-    # mlx.nn's idiom: model.train() + nn.value_and_grad, model.eval() for inference
-    bn, drop = BatchNorm(4), Dropout(0.5)
-    model = container(Dense(4, 4), bn, drop)
-    x = mx.array(np.random.default_rng(1).normal(3.0, 2.0, size=(16, 4)).astype(np.float32))
-    model.train()
-    assert bn.active is True and drop.active is True
-    nn.value_and_grad(model, lambda x: model(x).sum())(x)
-    assert np.all(np.array(bn.running_mean) != 0)
-    assert (model(x) == 0).sum().item() > 0  # dropping outside gradient too, as in mlx
-    model.eval()
-    assert bn.active is False and drop.active is False
-    assert mx.array_equal(model(x), model(x))
-    trainmode(model, "auto")
-    assert bn.active is None and drop.active is None
-
-
-def test_batchnorm_running_stats_persist_as_concrete_arrays():
-    bn = BatchNorm(3, momentum=0.5)
-    model = Chain(Dense(2, 3), bn)
-    x = mx.array(np.random.default_rng(0).normal(size=(16, 2)).astype(np.float32))
-    weight, bn_weight = model[0].weight, bn.weight
-    h = np.array(model[0](x))
-    gradient(lambda m: m(x).sum(), model)
-    assert model[0].weight is weight and bn.weight is bn_weight
-    np.testing.assert_allclose(np.array(bn.running_mean), 0.5 * h.mean(0), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.array(bn.running_var), 0.5 + 0.5 * h.var(0, ddof=1), rtol=1e-5)
-    assert "running_mean" not in _leaves(model.trainable_parameters()).get("layers.1", {})
-    # A second call starts from the stored statistics (they are ordinary arrays now).
-    gradient(lambda m: m(x).sum(), model)
-    np.testing.assert_allclose(np.array(bn.running_mean), 0.75 * h.mean(0), rtol=1e-5, atol=1e-6)
-
-
-def test_batchnorm_stats_inside_compile():
-    model = Chain(Dense(2, 3), BatchNorm(3))
-    x = mx.ones((4, 2)) * mx.arange(4).reshape(4, 1)
-
-    def step(x):
-        return gradient(lambda m: m(x).sum(), model)[0]["layers"][0]["weight"]
-
-    compiled = mx.compile(step, inputs=model.state, outputs=model.state)
-    mx.eval(compiled(x))
-    assert model[1].running_mean.sum().item() != 0.0
-
-
-def test_gradient_errors_leave_model_unchanged():
-    model = Chain(Dense(2, 3), BatchNorm(3))
-    before = _leaves(model.parameters())
-    with pytest.raises(ValueError, match="floating scalar"):
-        gradient(lambda m: m(mx.ones((4, 2))), model)
-    with pytest.raises(TypeError, match="scalar mx.array"):
-        gradient(lambda m: 1.0, model)
-
-    def fails(m):
-        m(mx.ones((4, 2)))
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        gradient(fails, model)
-    after = _leaves(model.parameters())
-    assert all(after[k] is v for k, v in before.items())
-
-
-@pytest.mark.parametrize("bad", [mx.float32, mx.float64, "float16", 16])
-def test_bad_autocast(bad):
-    with pytest.raises(ValueError, match="autocast must be None, mx.float16 or mx.bfloat16"):
-        gradient(lambda x: x.sum(), mx.ones(2), autocast=bad)
-    with pytest.raises(ValueError, match="autocast must be"):
-        train(_mse, Dense(1, 1), [], setup(Descent(), Dense(1, 1)), autocast=bad)
-
-
-def test_nothing_to_differentiate():
-    value, grads = withgradient(lambda n, s: mx.array(2.0) * n, 3, "s")
-    assert value.item() == 6.0 and grads == (None, None)
-    assert gradient(lambda: mx.array(1.0)) == ()
-
-
-def test_not_callable():
-    with pytest.raises(TypeError, match="callable"):
-        gradient(Dense(1, 1).weight, mx.ones(2))
-
-
-# ---------------------------------------------------------------- setup / OptState
-
-
-def test_setup_state_and_repr():
-    model = Chain(Dense(2, 3, relu), BatchNorm(3), Dense(3, 1))
-    opt_state = setup(Adam(), model)
-    assert isinstance(opt_state, OptState)
-    assert repr(opt_state) == (
-        "OptState(Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08), loss_scale=None)"
-    )
-    keys = sorted(_leaves(opt_state.state))
-    assert "optimizer.layers.1.weight.m" in keys and "optimizer.step" in keys
-    assert not any("running" in k for k in keys)
-
-
-def test_setup_accepts_mlx_optimizer_and_loss_scales():
-    opt = optim.SGD(0.1, momentum=0.5)
-    opt_state = setup(opt, Dense(2, 1), loss_scale=256)
-    assert opt_state.optimizer is opt and "v" in opt.state["weight"]
-    assert isinstance(opt_state.loss_scale, StaticLossScale)
-    assert setup(Adam(), Dense(2, 1), loss_scale="auto").loss_scale is None
-    ls = DynamicLossScale()
-    assert setup(Adam(), Dense(2, 1), loss_scale=ls).loss_scale is ls
-
-
-@pytest.mark.parametrize("rule, model, kwargs, error, message", [
-    ("adam", Dense(1, 1), {}, TypeError, "rule must be a fluxlike rule"),
-    (Adam(), "model", {}, TypeError, "model must be an mlx.nn.Module"),
-    (Adam(), Dense(1, 1), {"loss_scale": "dynamic"}, ValueError, "loss_scale must be None"),
-    (Adam(), Dense(1, 1), {"loss_scale": -2.0}, ValueError, "positive number"),
-])
-def test_setup_errors(rule, model, kwargs, error, message):
-    with pytest.raises(error, match=message):
-        setup(rule, model, **kwargs)
-
-
-def test_load_state_round_trip_nested_and_flat():
-    def make():
-        return Chain(Dense(2, 3), relu, BatchNorm(3), Dense(3, 1))  # sparse list indices
-
-    model = make()
-    opt_state = setup(Adam(0.1), model, loss_scale=DynamicLossScale(scale=8.0))
-    x, y = mx.ones((4, 2)) * mx.arange(4).reshape(4, 1), mx.zeros((4, 1))
-    for _ in range(3):
-        update(opt_state, model, gradient(lambda m: _mse(m, x, y), model)[0])
-    saved = {k: mx.array(v) for k, v in _leaves(opt_state.state).items()}
-
-    fresh = setup(Adam(0.1), make())
-    fresh.load_state(saved)  # flat form, and it creates the dynamic loss scale
-    assert isinstance(fresh.loss_scale, DynamicLossScale)
-    for k, v in _leaves(fresh.state).items():
-        assert mx.array_equal(v, saved[k]).item() and v.dtype == saved[k].dtype, k
-
-    again = setup(Adam(0.1), make(), loss_scale=DynamicLossScale())
-    again.load_state(tree_unflatten(list(saved.items())))  # nested form
-    assert again.loss_scale.loss_scale.item() == opt_state.loss_scale.loss_scale.item()
-    assert again.optimizer.step.item() == 3
-    assert set(_leaves(again.state)) == set(saved)
-
-
-def test_load_state_mismatch_changes_nothing():
-    opt_state = setup(Momentum(), Chain(Dense(2, 3), Dense(3, 1)), loss_scale=4.0)
-    before = _leaves(opt_state.state)
-    good = dict(before)
-    cases = [
-        ({k: v for k, v in good.items() if k != "optimizer.layers.1.bias.v"},
-         "missing entry 'optimizer.layers.1.bias.v'"),
-        ({**good, "optimizer.layers.0.weight.v": mx.zeros((3, 3))},
-         r"'optimizer.layers.0.weight.v' must be a float32 array of shape \(3, 2\)"),
-        ({**good, "optimizer.step": mx.array(1, mx.int32)}, "'optimizer.step' must be a uint64"),
-        ({**good, "optimizer.extra": mx.zeros(1)}, "unexpected entry 'optimizer.extra'"),
-        ({**good, "loss_scale.loss_scale": mx.zeros(2)}, "loss_scale"),
-    ]
-    for tree, message in cases:
-        with pytest.raises(ValueError, match=message):
-            opt_state.load_state(tree)
-        after = _leaves(opt_state.state)
-        assert all(after[k] is v for k, v in before.items())
-
-
-# ---------------------------------------------------------------- update
-
-
-def test_update_errors_leave_model_unchanged():
-    model = Dense(2, 1)
-    opt_state = setup(Descent(), model)
-    weight = model.weight
-    grads = gradient(lambda m: m(mx.ones((1, 2))).sum(), model)
-    with pytest.raises(TypeError, match=r"grads\[0\]"):
-        update(opt_state, model, grads)
-    with pytest.raises(ValueError, match=r"'weight' must be an array of shape \(1, 2\)"):
-        update(opt_state, model, {"weight": mx.zeros((2, 1))})
-    with pytest.raises(ValueError, match="no trainable parameter 'kernel'"):
-        update(opt_state, model, {"kernel": mx.zeros((2, 1))})
-    with pytest.raises(TypeError, match="OptState"):
-        update(opt_state.optimizer, model, grads[0])
-    assert model.weight is weight and opt_state.optimizer.step.item() == 0
-
-
-def test_update_rejects_gradients_of_frozen_parameters():
-    model = Chain(Dense(2, 3), BatchNorm(3))
-    model.layers[0].freeze(keys=["bias"])
-    opt_state = setup(Descent(), model)
-    before = model.parameters()
-    with pytest.raises(ValueError, match="no trainable parameter 'layers.0.bias'"):
-        update(opt_state, model, {"layers": [{"bias": mx.zeros((3,))}]})
-    with pytest.raises(ValueError, match="no trainable parameter 'layers.1.running_mean'"):
-        update(opt_state, model, {"layers": [{}, {"running_mean": mx.zeros((3,))}]})
-    with pytest.raises(ValueError, match="no trainable parameter 'layers.2'"):
-        update(opt_state, model, {"layers": [{}, {}, {"weight": mx.zeros((3,))}]})
-    after = model.parameters()
-    assert all(a is b for (_, a), (_, b) in zip(tree_flatten(before), tree_flatten(after),
-                                                   strict=True))
-
-
-class _Nested(nn.Module):
-    """Parameters in a dict and a list, one of them frozen, beside a child module."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = {"a": mx.ones((2,)), "b": [mx.ones((3,)), mx.ones((1,))], "n": 3}
-        self.child = Dense(2, 2)
-        self._hidden = mx.ones((4,))
-        self.freeze(keys=["blocks.b"], recurse=False)
-
-
-@pytest.mark.parametrize("make", [
-    lambda: Dense(2, 3),
-    lambda: Chain(Dense(2, 3), BatchNorm(3), Dense(3, 1)),
-    lambda: Chain(Dense(2, 3), Dense(3, 1)).freeze(keys=["weight"]),
-    _Nested,
-    lambda: nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3)),
-])
-def test_trainable_parameter_walk_matches_mlx(make):
-    # withgradient's one walk gives what mlx.nn's trainable_parameters() gives, and knows
-    # whether parameters() holds more (frozen entries to restore).
-    model = make()
-    tree, has_frozen = _trainable_parameters(model)
-    expected = model.trainable_parameters()
-    assert [(k, id(v)) for k, v in tree_flatten(tree)] == [
-        (k, id(v)) for k, v in tree_flatten(expected)]
-    assert tree_map(lambda _: 0, tree) == tree_map(lambda _: 0, expected)  # same {} placeholders
-    assert has_frozen == (len(tree_flatten(model.parameters())) != len(tree_flatten(expected)))
-
-
-def test_update_takes_gradients_of_parameters_in_dicts_and_lists():
-    model = _Nested()
-    (grads,) = gradient(lambda m: m.blocks["a"].sum() + m.child(mx.ones((1, 2))).sum(), model)
-    assert grads["blocks"]["b"] == {} and grads["blocks"]["n"] == {}
-    frozen = model.blocks["b"][0]
-    update(setup(Descent(1.0), model), model, grads)
-    np.testing.assert_allclose(np.array(model.blocks["a"]), np.zeros(2))
-    assert model.blocks["b"][0] is frozen
-
-
-def test_update_with_partial_grads():
-    model = Dense(2, 1)
-    bias = model.bias
-    opt_state = setup(Descent(1.0), model)
-    update(opt_state, model, {"weight": mx.ones((1, 2))})
-    assert model.bias is bias
 
 
 # ---------------------------------------------------------------- train

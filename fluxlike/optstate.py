@@ -1,0 +1,288 @@
+"""The optimiser state of one model: ``OptState``, ``setup`` and ``update``.
+
+``setup`` builds the optimiser for a rule and initialises it for the model's trainable
+parameters; ``update`` takes one step, through the compiled step of :mod:`.optstep`, with the
+loss scale's unscaling, finite check and adjustment when ``opt_state`` has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+
+from .gradients import _floating_or_tree, _trainable, _trainable_parameters
+from .optimise import Rule
+from .optstep import COMPILED, Compiled, assign, init_missing, step
+from .precision import lossscale
+from .precision.lossscale import DynamicLossScale, LossScale
+
+
+class OptState:
+    """The state of training one model: the optimiser and the loss scale.
+
+    Made by :func:`setup`. Attributes: ``rule`` (what ``setup`` was given), ``optimizer``
+    (the initialised ``mlx.optimizers.Optimizer``) and ``loss_scale`` (a
+    :class:`~fluxlike.DynamicLossScale`/:class:`~fluxlike.StaticLossScale`, or ``None``).
+
+    :attr:`state` is a nested dict of arrays for checkpoints and :meth:`load_state` puts
+    one back.
+
+    >>> from fluxlike import Adam, Dense, setup
+    >>> opt_state = setup(Adam(), Dense(2, 1), loss_scale=1024)
+    >>> opt_state
+    OptState(Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08), loss_scale=StaticLossScale(1024.0))
+    >>> sorted(opt_state.state), sorted(opt_state.state["optimizer"])
+    (['loss_scale', 'optimizer'], ['bias', 'learning_rate', 'step', 'weight'])
+    """
+
+    def __init__(
+        self, rule: Rule | optim.Optimizer, optimizer: optim.Optimizer,
+        loss_scale: LossScale | None = None,
+    ):
+        self.rule = rule
+        self.optimizer = optimizer
+        self.loss_scale = loss_scale
+
+    def __repr__(self) -> str:
+        return f"OptState({self.rule!r}, loss_scale={self.loss_scale!r})"
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """``{"optimizer": <optimizer state>, "loss_scale": <loss-scale state>}``, the second
+        entry only when there is a loss scale. The inner dicts are the live ones."""
+        tree: dict[str, Any] = {"optimizer": self.optimizer.state}
+        if self.loss_scale is not None:
+            tree["loss_scale"] = self.loss_scale.state
+        return tree
+
+    def load_state(self, tree: dict[str, Any]) -> None:
+        """Restore a tree saved from :attr:`state`, in place.
+
+        ``tree`` may be nested or flat (``{"optimizer.step": ...}``, as from
+        ``mlx.utils.tree_flatten``). The optimiser entries must match this state's names,
+        shapes and dtypes exactly. A ``"loss_scale"`` entry is loaded into
+        ``self.loss_scale``; if there is none yet, a ``DynamicLossScale()`` (the entry has a
+        ``counter``; its period, factor and min_scale are loaded too, or stay the defaults
+        for an entry saved without them) or a ``StaticLossScale`` is made for it. Without a
+        ``"loss_scale"`` entry, ``self.loss_scale`` is left as it is. On any mismatch,
+        raises ``ValueError`` naming the first mismatched entry and changes nothing.
+        """
+        if not isinstance(tree, dict):
+            raise ValueError(f"OptState.load_state: expected a dict, got {type(tree).__name__}")
+        given = dict(tree_flatten(tree))
+        current = tree_flatten(self.optimizer.state)
+        for key, value in current:
+            name = f"optimizer.{key}"
+            if name not in given:
+                raise ValueError(f"OptState.load_state: missing entry {name!r}")
+            new = given[name]
+            if not isinstance(new, mx.array) or new.shape != value.shape or (
+                new.dtype != value.dtype
+            ):
+                found = (
+                    f"{_name(new.dtype)} array of shape {tuple(new.shape)}"
+                    if isinstance(new, mx.array) else type(new).__name__
+                )
+                raise ValueError(
+                    f"OptState.load_state: entry {name!r} must be a {_name(value.dtype)} "
+                    f"array of shape {tuple(value.shape)}, got a {found}"
+                )
+        scale_tree = {k[len("loss_scale."):]: v for k, v in given.items()
+                      if k.startswith("loss_scale.")}
+        known = {f"optimizer.{k}" for k, _ in current}
+        for key in given:
+            if key not in known and not key.startswith("loss_scale."):
+                raise ValueError(f"OptState.load_state: unexpected entry {key!r}")
+        scale = self.loss_scale
+        if scale_tree:
+            if scale is None:
+                scale = DynamicLossScale() if "counter" in scale_tree else (
+                    lossscale.StaticLossScale(1.0)
+                )
+            try:
+                scale.load_state(scale_tree)  # validates before changing anything
+            except ValueError as e:
+                raise ValueError(f"OptState.load_state: loss_scale: {e}") from None
+        assign(self.optimizer.state, {k[len("optimizer."):]: v for k, v in given.items()
+                                       if k.startswith("optimizer.")})
+        self.loss_scale = scale
+
+
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).rpartition(".")[2]
+
+
+def _resolve_scale(loss_scale: Any, where: str) -> LossScale | None:
+    return None if isinstance(loss_scale, str) and loss_scale == "auto" else (
+        lossscale.resolve(loss_scale, where)
+    )
+
+
+def setup(
+    rule: Rule | optim.Optimizer, model: nn.Module, *, loss_scale: Any = None
+) -> OptState:
+    """Prepare to train ``model`` with ``rule``: returns an :class:`OptState`.
+
+    ``rule`` is a fluxlike rule (``Adam(1e-3)``, ``OptimiserChain(ClipNorm(1.0),
+    Descent())``, ...) or an ``mlx.optimizers.Optimizer``, which is used as it is. The
+    optimiser is initialised for the model's trainable parameters, so ``opt_state.state``
+    is complete before the first step.
+
+    ``loss_scale``: ``None`` (none), a positive number (a :class:`~fluxlike.StaticLossScale`),
+    a loss-scale object, or ``"auto"``, which is the same as ``None`` here: :func:`train`
+    then chooses (a dynamic scale for float16 autocast).
+
+    >>> from fluxlike import Dense, Descent, DynamicLossScale, setup
+    >>> opt_state = setup(Descent(0.1), Dense(2, 1), loss_scale=DynamicLossScale())
+    >>> type(opt_state.optimizer).__mro__[1].__name__, opt_state.loss_scale.loss_scale
+    ('SGD', array(32768, dtype=float32))
+    """
+    if isinstance(rule, Rule):
+        optimizer = rule.build()
+    elif isinstance(rule, optim.Optimizer):
+        optimizer = rule
+    else:
+        raise TypeError(
+            f"setup: rule must be a fluxlike rule such as Adam() or an mlx.optimizers "
+            f"Optimizer, got {rule!r}"
+            + ("; put a gradient transform in OptimiserChain(..., Adam())"
+               if callable(rule) else "")
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"setup: model must be an mlx.nn.Module, got {type(model).__name__}")
+    scale = _resolve_scale(loss_scale, "setup")
+    optimizer.init(_trainable_parameters(model)[0])
+    return OptState(rule, optimizer, scale)
+
+
+def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any]:
+    """Validate ``grads`` against ``model``'s trainable parameters, in one walk of both.
+    Returns ``(signature, params)``: each gradient's path, shape and dtype (which key the
+    compiled steps), and the parameters, in the structure of ``grads``."""
+    if not isinstance(grads, dict):
+        hint = "; gradient() returns a tuple, pass its model entry (grads[0])" if isinstance(
+            grads, tuple) else ""
+        raise TypeError(
+            f"update: grads must be a dict shaped like model.trainable_parameters(), "
+            f"got {type(grads).__name__}{hint}"
+        )
+    signature = []
+
+    def walk(g: Any, value: Any, owner: nn.Module, key: str, path: str) -> Any:
+        # ``value``: the model's entry at ``path``; ``owner``, ``key``: the module holding it
+        # and its key there (dotted inside plain containers), as mlx.nn's filters take them.
+        if isinstance(g, (dict, list, tuple)):
+            found = []
+            for k, sub in g.items() if isinstance(g, dict) else enumerate(g):
+                if isinstance(sub, (dict, list, tuple)) and not sub:  # no gradient in here
+                    found.append((k, sub))
+                    continue
+                where = f"{path}.{k}" if path else str(k)
+                o, kk = (value, str(k)) if isinstance(value, nn.Module) else (owner, f"{key}.{k}")
+                v = _entry(value, k)
+                if v is _MISSING or not _trainable(o, kk, v):
+                    raise ValueError(f"update: the model has no trainable parameter {where!r}")
+                if not _floating_or_tree(v):
+                    raise ValueError(f"update: {where!r} is a {_name(v.dtype)} array of the "
+                                     f"model: integer and boolean arrays are not trained")
+                found.append((k, walk(sub, v, o, kk, where)))
+            return dict(found) if isinstance(g, dict) else type(g)(v for _, v in found)
+        if not isinstance(value, mx.array):
+            raise ValueError(f"update: the model has no trainable parameter {path!r}")
+        if not isinstance(g, mx.array) or g.shape != value.shape:
+            found = tuple(g.shape) if isinstance(g, mx.array) else type(g).__name__
+            raise ValueError(
+                f"update: gradient {path!r} must be an array of shape "
+                f"{tuple(value.shape)}, got {found}"
+            )
+        signature.append((path, g.shape, g.dtype))
+        return value
+
+    params = walk(grads, model, model, "", "")
+    return tuple(signature), params
+
+
+_MISSING = object()
+
+
+def _entry(container: Any, key: Any) -> Any:
+    """``container[key]`` for a dict or list, else ``_MISSING``."""
+    if isinstance(container, dict):
+        return container.get(key, _MISSING)
+    if isinstance(container, list) and isinstance(key, int) and 0 <= key < len(container):
+        return container[key]
+    return _MISSING
+
+
+def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
+    """One optimiser step: change ``model`` and ``opt_state`` in place; returns ``None``.
+
+    ``grads`` is the model's gradient (``gradient(loss, model)[0]``). With a loss scale in
+    ``opt_state`` (given to :func:`setup`, or made by ``train(..., autocast=mx.float16)``)
+    ``grads`` must be the gradient of the scaled loss (``gradient(loss, model,
+    loss_scale=opt_state.loss_scale)[0]``): the gradients are first divided by the scale;
+    if any is then inf or nan the step is skipped (weights and optimiser state stay exactly
+    as they were) and the scale is lowered, else the step is taken and the scale adjusted.
+    These decisions are ``mx.where`` selections on arrays: ``update`` never waits for the
+    device and can run inside ``mx.compile`` (capture ``opt_state.state`` and
+    ``model.state``).
+
+    The step (the optimiser's ``apply_gradients`` and, with a loss scale, the unscaling,
+    finite check and scale adjustment) runs as one ``mx.compile``-d function per
+    ``opt_state``, with the optimiser and loss-scale state captured, so that MLX fuses each
+    parameter's arithmetic into one kernel (the first step on a machine builds those
+    kernels, about a second each; MLX keeps them on disk). It is traced again when the
+    gradients' structure, shapes or dtypes change, or when a Python setting of the
+    optimiser or loss scale (``betas``, ``eps``, a schedule function, ...) is reassigned.
+    Array state (learning rate, step count, moments, the loss scale and its period, factor
+    and minimum) is read afresh at every step, so ``opt_state.optimizer.learning_rate =
+    1e-4`` takes effect at once; with a schedule (a callable ``lr``), though, MLX sets the
+    learning rate from the schedule before every step, so such an assignment has no effect.
+    An optimiser whose step cannot be traced (a schedule that reads an array's value), that
+    changes its own Python attributes while stepping, or whose ``state`` is not one live
+    dict, is updated eagerly.
+
+    On the CPU the first step also raises MLX's buffer-cache limit from its default
+    (32 MiB) to twice the bytes of the parameters, gradients and optimiser state (at most
+    1/8 of MLX's memory limit), so that each step reuses the buffers the previous one
+    freed instead of faulting in fresh pages. A limit set with ``mx.set_cache_limit`` is
+    left as it is.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, Descent, gradient, setup, update
+    >>> model = Dense(2, 1, bias=False)
+    >>> model.weight = mx.array([[1.0, 2.0]])
+    >>> opt_state = setup(Descent(0.5), model)
+    >>> update(opt_state, model, {"weight": mx.array([[2.0, 2.0]])})
+    >>> model.weight
+    array([[0, 1]], dtype=float32)
+    """
+    if not isinstance(opt_state, OptState):
+        raise TypeError(f"update: expected an OptState from setup(), got {opt_state!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"update: model must be an mlx.nn.Module, got {type(model).__name__}")
+    signature, params = _check_grads(grads, model)
+    compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
+    optimizer, scale = opt_state.optimizer, opt_state.loss_scale
+    if signature not in compiled.initialised:
+        init_missing(optimizer, params)  # thawed since setup(): no state yet
+        compiled.initialised.add(signature)
+    reason = compiled.eager or compiled.step(opt_state, model, grads, params, signature)
+    if reason is None:
+        return
+    trees = [optimizer.state] if scale is None else [optimizer.state, scale.state]
+    before = [dict(tree_flatten(tree)) for tree in trees]
+    try:
+        if scale is None:
+            optimizer.update(model, grads)
+        else:
+            model.update(step(optimizer, scale, grads, params))
+    except BaseException:
+        for tree, values in zip(trees, before, strict=True):  # no half-taken step
+            assign(tree, values, prune=True)
+        raise
+    compiled.fall_back(reason)  # only once the eager step worked: else it was the input
