@@ -36,12 +36,12 @@ from .layers.pooling import AdaptiveMeanPool, GlobalMaxPool, GlobalMeanPool, Max
 from .layers.attention import MultiHeadAttention
 from .layers.normalise import BatchNorm, Dropout, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
 from .modes import testmode, trainmode
-from .precision.policy import autocast_policy, policy_of
+from .precision.policy import autocast_policy, keep_float32, policy_of
 from .precision.scope import autocast
 from .precision import stock as _stock  # noqa: F401  (registers mlx.nn's layers)
 from .precision.compiled import compile
 from .precision.castcache import clear_cast_cache
-from .precision.convert import bf16, bf16mix, f16, f16mix, f32, f64, keep_float32
+from .precision.convert import bf16, bf16mix, f16, f16mix, f32, f64
 from .data import DataLoader, onecold, onehot, onehotbatch
 from .checkpoint import loadcheckpoint, loadmodel, savemodel, state
 from .optimise import (

@@ -38,7 +38,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .layers.basic import index_range
+from .activations import max_shifted, stable_logsoftmax
+from .checks import index_range
 
 AGGREGATIONS = ("mean", "sum", "none")
 
@@ -68,10 +69,22 @@ def _check_prediction(yhat: Any, name: str) -> None:
         raise TypeError(
             f"[{name}] expected the prediction ŷ as an mx.array, got {type(yhat).__name__}"
         )
+    _check_real(yhat, name, "prediction ŷ")
+
+
+def _check_real(x: mx.array, name: str, what: str) -> None:
+    """Refuse complex arrays: the losses compute in a real dtype, and a cast to it would
+    drop the imaginary part without a word."""
+    if mx.issubdtype(x.dtype, mx.complexfloating):
+        raise TypeError(
+            f"[{name}] expected a real {what}, got {x.dtype}; losses are defined on real "
+            f"values: pass mx.abs(z), or z.real and z.imag as separate terms"
+        )
 
 
 def _check_target(y: Any, name: str) -> None:
     if isinstance(y, mx.array):
+        _check_real(y, name, "target y")
         return
     if not isinstance(y, numbers.Real):
         raise TypeError(
@@ -305,10 +318,11 @@ def logitcrossentropy(
     1.410038
     """
     yhat, y, indices, axis, reduce = _prepare_classes(yhat, y, "logitcrossentropy", agg, axis)
-    lse = mx.logsumexp(yhat, axis=axis, keepdims=True)
-    if indices:
-        return reduce(lse.squeeze(axis) - _pick(yhat, y, axis))
-    return reduce(-mx.sum(y * (yhat - lse), axis=axis))
+    if indices:  # max-shifted: logsumexp(ŷ) - ŷ[y] = log(sum(exp(ŷ - m))) - (ŷ[y] - m)
+        shifted, _ = max_shifted(yhat, axis)
+        lse = mx.log(mx.sum(mx.exp(shifted), axis=axis))
+        return reduce(lse - _pick(shifted, y, axis))
+    return reduce(-mx.sum(y * stable_logsoftmax(yhat, axis), axis=axis))
 
 
 def binarycrossentropy(
@@ -338,7 +352,10 @@ def logitbinarycrossentropy(yhat: mx.array, y: mx.array | float, *, agg: Agg = "
     0.160832
     """
     yhat, y, reduce = _prepare(yhat, y, "logitbinarycrossentropy", agg)
-    return reduce((1 - y) * yhat + mx.logaddexp(mx.zeros_like(yhat), -yhat))
+    # Two non-negative terms, each exact: (1 - y) * ŷ + log(1 + exp(-ŷ)) cancels for large
+    # negative ŷ (-20 + 20.000000002 is 0 in float32).
+    zero = mx.zeros_like(yhat)
+    return reduce(y * mx.logaddexp(zero, -yhat) + (1 - y) * mx.logaddexp(zero, yhat))
 
 
 def kldivergence(

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import mlx.nn as nn
 
-_differentiating: ContextVar[bool] = ContextVar("fluxlike_differentiating", default=False)
-_fixed = [0]  # how many times a mode was fixed: fluxlike.compile traces again after a change
+from .precision.state import differentiating as _differentiating
+from .precision.state import mode_fixes
 
 
 def fixed_modes() -> int:
     """A number that changes whenever ``trainmode``/``testmode`` or ``model.train()``/
     ``model.eval()`` fix the mode of fluxlike's layers (a compiled trace bakes modes in)."""
-    return _fixed[0]
+    return mode_fixes.value
 
 
 def mode_changed() -> None:
-    _fixed[0] += 1
+    mode_fixes.value += 1
 
 
 @contextmanager

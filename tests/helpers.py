@@ -125,3 +125,22 @@ def assert_unchanged(layer: nn.Module, before: dict[str, np.ndarray]) -> None:
     assert after.keys() == before.keys()
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+def half_copy(layer, dtype):
+    """A shallow copy of ``layer`` whose own floating parameters (arrays, and arrays in its
+    lists and dicts; not its child modules) are cast to ``dtype``: the reference a down
+    layer's forward computes in under autocast."""
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+
+    def cast(x):
+        if isinstance(x, mx.array) and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
+            return x.astype(dtype)
+        return x
+
+    copy = type(layer).__new__(type(layer))
+    copy.__dict__.update(layer.__dict__)
+    for key, value in layer.items():
+        dict.__setitem__(copy, key, tree_map(cast, value, is_leaf=nn.Module.is_module))
+    return copy

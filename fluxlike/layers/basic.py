@@ -9,12 +9,11 @@ from typing import Any
 import mlx.core as mx
 
 from ..activations import identity, resolve
+from ..checks import check_features, check_flag, check_size, index_range, initialise, is_int
 from ..init import glorot_uniform
-from ..precision import castcache, ops
+from ..precision import ops
 from ..precision.policy import autocast_policy
-from ..precision.state import OFF, compute_dtypes
 from .base import Layer, signature_of
-from .checks import check_features, check_flag, check_size, initialise, is_int
 
 
 class _Container(Layer):
@@ -129,8 +128,6 @@ class Chain(_Container):
         self._set_layers(layers, named)
 
     def __call__(self, x: Any) -> Any:
-        if compute_dtypes.get() is not OFF:
-            return castcache.hand_over(self._layers(), x)
         for layer in self._layers():
             x = layer(x)
         return x
@@ -145,8 +142,7 @@ class Chain(_Container):
         return self._items()
 
 
-@castcache.sealed
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class Dense(Layer):
     """A fully connected layer: ``act(x @ weight.T + bias)``.
 
@@ -181,13 +177,12 @@ class Dense(Layer):
         bias = check_flag(bias, "Dense", "bias")
         self.act = resolve(act, "Dense")
         self.weight = initialise(init, (out_dims, in_dims), "Dense")
-        self.bias = mx.zeros((out_dims,)) if bias else None
+        self.bias = mx.zeros((out_dims,), self.weight.dtype) if bias else None
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]  # item access: `self.weight` goes through a slow __getattr__
-        x = ops.match_input(x, weight, "Dense")
         try:
-            return ops.linear(x, weight, self.get("bias"), self.act)
+            return ops.linear(x, weight, self.get("bias"), self.act, "Dense")
         except ValueError:  # MLX checks shapes eagerly; name the layer and the sizes
             in_dims = weight.shape[1]
             image = isinstance(x, mx.array) and x.ndim > 2 and math.prod(x.shape[1:]) == in_dims
@@ -199,29 +194,6 @@ class Dense(Layer):
         out_dims, in_dims = self.weight.shape
         options = {} if self.bias is not None else {"bias": False}
         return signature_of([f"{in_dims} => {out_dims}"], "Dense", self.act, **options)
-
-
-def index_range(x: mx.array) -> tuple[int, int] | None:
-    """``(min, max)`` of an integer array, read back to the host (one synchronisation).
-
-    ``None`` for an empty array, and inside ``mx.compile``/``mx.vmap``, where nothing can
-    be read back. MLX's gathers do not check bounds (an index past the end reads arbitrary
-    memory or crashes), so index-taking code checks with this before gathering.
-
-    >>> import mlx.core as mx
-    >>> from fluxlike.layers.basic import index_range
-    >>> index_range(mx.array([[3, 1], [7, 2]]))
-    (1, 7)
-    """
-    if x.size == 0:
-        return None
-    try:
-        low, high = mx.stack([mx.min(x), mx.max(x)]).tolist()
-    except ValueError as error:
-        if "function transformations" not in str(error):  # MLX's message for a traced eval
-            raise
-        return None
-    return low, high
 
 
 def _standard_normal(shape: tuple[int, ...]) -> mx.array:
@@ -250,7 +222,7 @@ def flatten(x: mx.array) -> mx.array:
     return mx.flatten(x, start_axis=1)
 
 
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class Bilinear(Layer):
     """A bilinear map of two inputs: ``y[..., k] = act(x1 @ weight[k] @ x2 + bias[k])``.
 
@@ -289,7 +261,7 @@ class Bilinear(Layer):
         bias = check_flag(bias, "Bilinear", "bias")
         self.act = resolve(act, "Bilinear")
         self.weight = initialise(init, (out, in1, in2), "Bilinear")
-        self.bias = mx.zeros((out,)) if bias else None
+        self.bias = mx.zeros((out,), self.weight.dtype) if bias else None
 
     def __call__(self, x1: mx.array | tuple[mx.array, mx.array], x2: mx.array | None = None):
         weight, bias = self["weight"], self.get("bias")  # item access: see Dense.__call__
@@ -297,7 +269,8 @@ class Bilinear(Layer):
         out, in1, in2 = weight.shape
         batch = x1.shape[:-1]
         n = math.prod(batch)
-        x1 = ops.match_input(x1, weight, "Bilinear").reshape(n, in1, 1)
+        x1, weight, bias = ops.operands(x1, weight, bias, layer="Bilinear")
+        x1 = x1.reshape(n, in1, 1)
         x2 = ops.match_input(x2, weight, "Bilinear").reshape(n, in2)
         # (x2 contracted with W) then with x1: two GEMMs, no (n, out, in1, in2) temporary
         wx2 = ops.linear(x2, weight.reshape(out * in1, in2)).reshape(n, out, in1)
@@ -370,7 +343,7 @@ class Scale(Layer):
         bias = check_flag(bias, "Scale", "bias")
         self.act = resolve(act, "Scale")
         self.weight = initialise(init, shape, "Scale")
-        self.bias = mx.zeros(shape) if bias else None
+        self.bias = mx.zeros(shape, self.weight.dtype) if bias else None
 
     def __call__(self, x: mx.array) -> mx.array:
         if not isinstance(x, mx.array):

@@ -25,11 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..activations import identity, resolve
-from ..init import glorot_uniform
-from ..precision import castcache, ops
-from ..precision.policy import autocast_policy
-from .base import Layer, signature_of
-from .checks import (
+from ..checks import (
     channels_first_hint,
     channels_last_fix,
     check_flag,
@@ -37,6 +33,10 @@ from .checks import (
     initialise,
     is_int,
 )
+from ..init import glorot_uniform
+from ..precision import ops
+from ..precision.policy import autocast_policy
+from .base import Layer, signature_of
 
 Pairs = tuple[tuple[int, int], ...]
 
@@ -220,7 +220,7 @@ class _ConvBase(Layer):
         # int(): out_channels comes from the caller unconverted (validated by _setup)
         shape = (int(out_channels), *kernel, self.in_channels // self.groups)
         self.weight = initialise(init, shape, name)
-        self.bias = mx.zeros((int(out_channels),)) if bias else None
+        self.bias = mx.zeros((int(out_channels),), self.weight.dtype) if bias else None
 
     @property
     def kernel(self) -> tuple[int, ...]:
@@ -230,8 +230,7 @@ class _ConvBase(Layer):
     def _check(self, x: Any, weight: mx.array) -> None:
         check_input(x, weight.ndim - 2, type(self).__name__, self.kind, self.in_channels)
 
-    def _finish(self, y: mx.array) -> mx.array:
-        bias = self.get("bias")
+    def _finish(self, y: mx.array, bias: mx.array | None) -> mx.array:
         return self.act(y if bias is None else y + bias)
 
     def _signature(self, in_ch: int, out_ch: int, extra: dict[str, str] | None = None) -> str:
@@ -240,8 +239,7 @@ class _ConvBase(Layer):
         return signature_of(args, name, self.act, **_options(self, extra))
 
 
-@castcache.sealed
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class Conv(_ConvBase):
     """A convolution: ``act(conv(x, weight) + bias)``, channels last.
 
@@ -299,19 +297,18 @@ class Conv(_ConvBase):
         self._check(x, weight)
         extent = [d * (k - 1) + 1 for k, d in zip(weight.shape[1:-1], dilation, strict=True)]
         check_fits(x, extent, padding, "Conv", "dilated kernel")
-        x = ops.match_input(x, weight, "Conv")
+        x, weight, bias = ops.operands(x, weight, self.get("bias"), layer="Conv")
         lo, hi = zip(*padding, strict=True)
         options = (self["stride"], (lo, hi), dilation, self.groups)
         if _split(x, self.groups):
-            return self._finish(_grouped(ops.conv, x, weight, *options))
-        return ops.conv(x, weight, *options, self.get("bias"), self.act)
+            return self._finish(_grouped(ops.conv, x, weight, *options), bias)
+        return ops.conv(x, weight, *options, bias, self.act)
 
     def signature(self) -> str:
         return self._signature(self.in_channels, self.weight.shape[0])
 
 
-@castcache.sealed
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class ConvTranspose(_ConvBase):
     """A transposed convolution (the adjoint of ``Conv``'s map of ``x``), channels last.
 
@@ -402,7 +399,7 @@ class ConvTranspose(_ConvBase):
                 f"[ConvTranspose] padding {padding} crops the output for input shape "
                 f"{tuple(x.shape)} to nothing (spatial size {size}); use less padding"
             )
-        x = ops.match_input(x, weight, "ConvTranspose")
+        x, weight, bias = ops.operands(x, weight, self.get("bias"), layer="ConvTranspose")
         # MLX pads symmetrically, and only up to dilation * (k - 1) (more, with stride > 1,
         # shifts its output): pad by the smaller side within that, then crop the rest.
         dims = zip(padding, self.kernel, self["dilation"], strict=True)
@@ -421,9 +418,9 @@ class ConvTranspose(_ConvBase):
                 y = ops.conv_transpose(x, weight, *options)
             if any(extra):
                 y = mx.pad(y, [(0, 0), *((0, e) for e in extra), (0, 0)])
-            y = self._finish(y)
+            y = self._finish(y, bias)
         else:  # bias and activation are elementwise: applied before the crop below
-            y = ops.conv_transpose(x, weight, *options, self.get("bias"), self.act)
+            y = ops.conv_transpose(x, weight, *options, bias, self.act)
         starts = [lo - p for (lo, _), p in zip(padding, sym, strict=True)]
         if any(starts) or tuple(y.shape[1:-1]) != size:
             y = y[(slice(None), *(slice(a, a + n) for a, n in zip(starts, size, strict=True)))]

@@ -30,11 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..activations import identity, resolve
-from ..modes import is_active
-from ..precision.convert import keep_float32
-from ..precision.policy import autocast_policy
-from .base import Layer, signature_of
-from .checks import (
+from ..checks import (
     channels_first_hint,
     check_active,
     check_flag,
@@ -42,6 +38,9 @@ from .checks import (
     check_size,
     is_int,
 )
+from ..modes import is_active
+from ..precision.policy import autocast_policy, keep_float32
+from .base import Layer, signature_of
 
 Dims = int | tuple[int, ...]
 

@@ -15,11 +15,11 @@ from typing import Any
 import mlx.core as mx
 
 from ..activations import resolve, tanh
+from ..checks import check_features, check_flag, check_size, checked_init, initialise
 from ..init import glorot_uniform
 from ..precision import ops
-from ..precision.policy import autocast_policy, compute_view
+from ..precision.policy import autocast_policy
 from .base import Layer, act_name, signature_of
-from .checks import check_features, check_flag, check_size, checked_init, initialise
 
 State = mx.array | tuple[mx.array, mx.array]
 Init = Callable[[tuple[int, ...]], mx.array]
@@ -49,8 +49,8 @@ class _Cell(Layer):
         rows = self.gates * out_dims
         self.weight_ih = initialise(init, (rows, in_dims), name)
         self.weight_hh = initialise(init, (rows, out_dims), name)
-        self.bias_ih = mx.zeros((rows,)) if bias else None
-        self.bias_hh = mx.zeros((rows,)) if bias else None
+        self.bias_ih = mx.zeros((rows,), self.weight_ih.dtype) if bias else None
+        self.bias_hh = mx.zeros((rows,), self.weight_hh.dtype) if bias else None
 
     @property
     def in_dims(self) -> int:
@@ -84,7 +84,7 @@ class _Cell(Layer):
         """A checked ``state`` in the compute dtype, or zeros of ``(*batch, out_dims)``."""
         if state is None:
             return mx.zeros((*batch, self.out_dims), dtype=dtype)
-        return ops.match_input(state, self["weight_hh"], layer)
+        return ops.operands(state, self["weight_hh"], layer=layer)[0]
 
     def __call__(self, x: mx.array, state: State | None = None) -> State:
         name, in_dims = type(self).__name__, self.in_dims
@@ -95,7 +95,7 @@ class _Cell(Layer):
                 f"({in_dims},), got shape {tuple(x.shape)}; use {name[:-4]} for sequences"
             )
         self.check_state(state, (*x.shape[:-1], self.out_dims), name)
-        x = ops.match_input(x, self["weight_ih"], name)
+        x = ops.operands(x, self["weight_ih"], layer=name)[0]
         return self.step(self.project(x), self.prepare_state(state, x.shape[:-1], x.dtype, name))
 
     def _options(self) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def _check_array_state(state: Any, shape: tuple[int, ...], layer: str, what: str
                          f"{tuple(state.shape)}; pass None for a zero initial state")
 
 
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class RNNCell(_Cell):
     """One step of an Elman RNN::
 
@@ -161,7 +161,7 @@ class RNNCell(_Cell):
         return signature_of(args, type(self).__name__, **self._options())
 
 
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class LSTMCell(_Cell):
     """One step of a long short-term memory, with PyTorch's gates ``i, f, g, o``::
 
@@ -219,10 +219,10 @@ class LSTMCell(_Cell):
             return zeros, zeros
         h, c = state
         weight = self["weight_hh"]
-        return ops.match_input(h, weight, layer), ops.match_input(c, weight, layer)
+        return (ops.operands(h, weight, layer=layer)[0], ops.operands(c, weight, layer=layer)[0])
 
 
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class GRUCell(_Cell):
     """One step of a gated recurrent unit, with PyTorch's gates ``r, z, n``::
 
@@ -285,9 +285,7 @@ class _Recurrent(Layer):
     def __call__(self, x: mx.array, state: State | None = None) -> Any:
         name, cell = type(self).__name__, self["cell"]
         self._check(x, state, cell, name)
-        # The steps call the cell's parts, not the cell: view it as its own policy would.
-        cell = compute_view(cell)
-        x = ops.match_input(x, cell["weight_ih"], name)
+        x = ops.operands(x, cell["weight_ih"], layer=name)[0]
         state = cell.prepare_state(state, x.shape[:-2], x.dtype, name)
         xp = cell.project(x)  # the input part of every step in one matmul
         outputs = []
@@ -318,7 +316,7 @@ class _Recurrent(Layer):
         return f"{type(self).__name__}{cell[cell.index('('):-1]}{options})"
 
 
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class RNN(_Recurrent):
     """An Elman RNN over a sequence: :class:`RNNCell` applied at each time step.
 
@@ -355,7 +353,7 @@ class RNN(_Recurrent):
         super().__init__(in_dims, out_dims, act, bias=bias, init=init, return_state=return_state)
 
 
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class LSTM(_Recurrent):
     """A long short-term memory over a sequence: :class:`LSTMCell` applied at each time step.
 
@@ -383,7 +381,7 @@ class LSTM(_Recurrent):
         super().__init__(in_dims, out_dims, bias=bias, init=init, return_state=return_state)
 
 
-@autocast_policy("down")
+@autocast_policy("down", forward="ops")
 class GRU(_Recurrent):
     """A gated recurrent unit over a sequence: :class:`GRUCell` applied at each time step.
 

@@ -19,14 +19,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..modes import _differentiating, fixed_modes
-from .state import compute_dtypes, device_index, shapeless_trace
+from .state import compute_dtypes, device_index, differentiating, mode_fixes, shapeless_trace
 
 
 def trace_key() -> tuple:
     """The Python state a trace depends on: the default device type (it picks which slot of
     the autocast state layers read), the autocast dtypes and the automatic train mode."""
-    return device_index(), compute_dtypes.get(), _differentiating.get()
+    return device_index(), compute_dtypes.get(), differentiating.get()
 
 
 def compile(
@@ -61,13 +60,13 @@ def compile(
     mlx.core.float16
     """
     traces: dict[tuple, Callable] = {}
-    modes = [fixed_modes()]
+    modes = [mode_fixes.value]
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if fixed_modes() != modes[0]:  # trainmode/testmode, train()/eval(): trace again
+        if mode_fixes.value != modes[0]:  # trainmode/testmode, train()/eval(): trace again
             traces.clear()
-            modes[0] = fixed_modes()
+            modes[0] = mode_fixes.value
         key = trace_key()
         compiled = traces.get(key)
         if compiled is None:

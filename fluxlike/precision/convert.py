@@ -26,42 +26,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from .policy import policy_record
+
 T = TypeVar("T")
-C = TypeVar("C", bound=type)
-
-_keep: dict[type, bool] = {}
-
-
-def keep_float32(cls: C, keep: bool = True) -> C:
-    """Declare that ``cls`` keeps its parameters in float32 under ``f16mix``/``bf16mix``.
-
-    The one-line trait of Flux's ``_keep_f32_under_halfprec``; works as a class decorator
-    (``@keep_float32``) and on existing classes. Subclasses inherit it; a subclass can opt
-    out with ``keep_float32(Sub, False)``. Children of a layer that keeps float32 stay
-    float32 too. Returns ``cls``.
-
-    >>> import mlx.core as mx
-    >>> import mlx.nn as nn
-    >>> from fluxlike import f16mix, keep_float32
-    >>> @keep_float32
-    ... class Scale(nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.gain = mx.ones((3,))
-    >>> f16mix(Scale()).gain.dtype
-    mlx.core.float32
-    """
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(f"keep_float32: expected an mlx.nn.Module subclass, got {cls!r}")
-    if not isinstance(keep, bool):
-        raise TypeError(f"keep_float32: keep must be a bool, got {keep!r}")
-    _keep[cls] = keep
-    return cls
 
 
 def keeps_float32(layer: Any) -> bool:
-    """Whether a layer (or layer class) keeps float32 under mixed conversion: its own
-    declaration, else its nearest declared base's, else ``False``.
+    """Whether a layer (or layer class) keeps float32 under mixed conversion: its record's
+    ``keep_float32`` (see :func:`~fluxlike.keep_float32`).
 
     >>> import mlx.nn as nn
     >>> from fluxlike import BatchNorm, Dense
@@ -69,15 +41,7 @@ def keeps_float32(layer: Any) -> bool:
     >>> keeps_float32(BatchNorm), keeps_float32(nn.GroupNorm(4, 8)), keeps_float32(Dense)
     (True, True, False)
     """
-    cls = layer if isinstance(layer, type) else type(layer)
-    for base in cls.__mro__:
-        if base in _keep:
-            return _keep[base]
-    return False
-
-
-for _cls in (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm):
-    keep_float32(_cls)
+    return policy_record(layer).keep_float32
 
 
 def _convert(tree: T, dtype: mx.Dtype, mixed: bool) -> T:

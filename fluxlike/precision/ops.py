@@ -1,11 +1,16 @@
 """The compute kernels of the down-policy layers, and the one place their dtypes are decided.
 
-Layers call these instead of ``@``/``mx.conv_general`` directly, so that the rules below
-hold everywhere and the CPU can route half precision to fast float32 kernels.
+Layers call these instead of ``@``/``mx.conv_general`` directly, so that the rules below hold
+everywhere and the CPU can route half precision to fast float32 kernels.
 
-Dtype rules (:func:`match_input`): a floating input takes its layer's weight dtype (so a
-``f16mix`` model accepts float32 data), except that float64 data given to a float32 layer is
-converted with a one-time warning; integer and boolean inputs are a ``TypeError``.
+Dtype rules (:func:`operands`): outside an autocast scope a floating input takes its layer's
+weight dtype (so an ``f16mix`` model accepts float32 data), except that float64 data given to
+a float32 layer is converted with a one-time warning; integer and boolean inputs are a
+``TypeError``. Inside a scope with compute dtype ``T`` (on the default device's type) the
+input and the float32/float16/bfloat16 parameters are cast to ``T`` here, at the kernel: this
+is how fluxlike's own down-policy layers compute in ``T`` while running their own forward on
+themselves. A float64 layer is never cast. Weight casts are kept across calls outside
+differentiation (:mod:`.castcache`).
 
 Half precision on the CPU: MLX's CPU float16/bfloat16 GEMM and convolution gradients are
 scalar loops, 5-50x slower than float32 on an optimised BLAS. When the default device is the
@@ -15,18 +20,15 @@ accumulation, the result rounded to the half dtype - but runs the arithmetic in 
 kernels: upcast, float32 GEMM/convolution, cast the result down. It is one
 ``mx.custom_function`` whose backward pass recomputes the float32 upcasts from the saved
 half-precision inputs, so only half-precision activations are kept for the backward pass,
-and whose cotangents come back in the operands' dtypes. It supports ``mx.grad``/``mx.vjp`` and
-``mx.compile`` (not second-order gradients). On a GPU, MLX's native half kernels run.
+and whose cotangents come back in the operands' dtypes. It supports ``mx.grad``/``mx.vjp``
+and ``mx.compile`` (not second-order gradients). On a GPU, MLX's native half kernels run.
+Inference reuses the kept float32 upcasts of the weights instead (:func:`castcache.reused`).
 
-Inference: the float32 upcasts of the weights are kept across calls (:mod:`.castcache`), so
-a model called again under autocast, outside differentiation, computes with them directly
-instead of upcasting every weight on every call.
-
-Memory: what the graph retains is about half of float32's (0.55x for an activation-heavy
-MLP). MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to
-about a hundred ops ahead of execution, so a measured peak also counts the float32
-temporaries queued meanwhile (0.7x eager, ~1x compiled for that MLP); ``mx.set_memory_limit``
-makes the scheduler wait and caps that.
+Memory: what the graph retains is about half of float32's for an activation-heavy MLP.
+MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to about a
+hundred ops ahead of execution, so a measured peak also counts the float32 temporaries queued
+meanwhile; ``mx.set_memory_limit`` makes the scheduler wait and caps that. Measured figures
+are in ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -37,21 +39,53 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from .. import activations as _activations
-from ..modes import _differentiating
 from . import castcache
-from .state import HALF, shapeless_trace
+from .state import (
+    CASTABLE,
+    HALF,
+    OFF,
+    compute_dtypes,
+    device_index,
+    differentiating,
+    shapeless_trace,
+)
 
 _warned_float64: set[str] = set()
 _HALF = frozenset(HALF)
-# Activations that commute with rounding to a half dtype: act(round(y)) == round(act(y)).
-_COMMUTING = frozenset((_activations.identity, _activations.relu))
 
 Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]
+Activation = Callable[[mx.array], mx.array]
 
 
-def match_input(x: mx.array, weight: mx.array, layer: str) -> mx.array:
-    """``x`` converted to ``weight``'s dtype, following the module's dtype rules.
+def commutes_with_rounding(kind: str) -> Callable[[Activation], Activation]:
+    """Mark an activation that commutes with rounding to a half dtype,
+    ``act(round(y)) == round(act(y))``: ``"identity"`` or ``"relu"`` (whose gradient is the
+    mask ``y > 0``). CPU half precision then applies it in float32 before the one rounding.
+
+    >>> from fluxlike import relu
+    >>> relu._commutes_with_rounding
+    'relu'
+    """
+    if kind not in ("identity", "relu"):
+        raise ValueError(f"commutes_with_rounding: kind must be 'identity' or 'relu', "
+                         f"got {kind!r}")
+
+    def mark(act: Activation) -> Activation:
+        act._commutes_with_rounding = kind  # type: ignore[attr-defined]
+        return act
+
+    return mark
+
+
+def _commuting(act: Activation | None) -> str | None:
+    """``"identity"`` for no activation, the mark of a commuting one, else ``None``."""
+    return "identity" if act is None else getattr(act, "_commutes_with_rounding", None)
+
+
+def match_input(x: mx.array, weight: mx.array, layer: str,
+                dtype: mx.Dtype | None = None) -> mx.array:
+    """``x`` converted to ``dtype`` (default: ``weight``'s dtype), following the module's
+    dtype rules.
 
     >>> import mlx.core as mx
     >>> match_input(mx.ones((2, 3)), mx.ones((4, 3), dtype=mx.bfloat16), "Dense").dtype
@@ -59,21 +93,63 @@ def match_input(x: mx.array, weight: mx.array, layer: str) -> mx.array:
     """
     if not isinstance(x, mx.array):
         raise TypeError(f"[{layer}] expected an mx.array input, got {type(x).__name__}")
-    if x.dtype == weight.dtype:
+    target = weight.dtype if dtype is None else dtype
+    if x.dtype == target:
         return x
     if not mx.issubdtype(x.dtype, mx.floating):
         raise TypeError(
             f"[{layer}] expected a floating-point input, got {x.dtype}; "
             f"convert it first, e.g. x.astype(mx.float32)"
         )
-    if x.dtype == mx.float64 and layer not in _warned_float64:
+    if x.dtype == mx.float64 and weight.dtype != mx.float64 and layer not in _warned_float64:
         _warned_float64.add(layer)
         warnings.warn(
             f"[{layer}] float64 input converted to the layer's {weight.dtype}; "
             f"use f64(model) to compute in float64",
             stacklevel=3,
         )
-    return x.astype(weight.dtype)
+    return x.astype(target)
+
+
+def scope_dtype(*params: mx.array | None) -> mx.Dtype | None:
+    """The compute dtype of a kernel on ``params`` right now: the autocast scope's on the
+    default device, unless a parameter is float64 (never cast); ``None`` outside a scope.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import autocast
+    >>> with autocast(mx.bfloat16):
+    ...     scope_dtype(mx.ones(2)), scope_dtype(mx.ones(2, mx.float64))
+    (mlx.core.bfloat16, None)
+    """
+    state = compute_dtypes.get()
+    if state is OFF:
+        return None
+    dtype = state[device_index()]
+    if dtype is not None and any(p is not None and p.dtype not in CASTABLE for p in params):
+        return None
+    return dtype
+
+
+def operands(x: mx.array, weight: mx.array, *params: mx.array | None,
+             layer: str) -> tuple[mx.array, ...]:
+    """``(x, weight, *params)`` in the dtype a kernel computes in: inside an autocast scope
+    the scope's compute dtype (weights through the kept casts), else the weight's dtype for
+    ``x`` and the parameters as they are.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import autocast
+    >>> with autocast(mx.float16):
+    ...     x, w, b = operands(mx.ones((1, 2)), mx.ones((3, 2)), None, layer="Dense")
+    >>> x.dtype, w.dtype, b
+    (mlx.core.float16, mlx.core.float16, None)
+    """
+    dtype = scope_dtype(weight)
+    x = match_input(x, weight, layer, dtype)
+    if dtype is None:
+        return (x, weight, *params)
+    cast = castcache.cast
+    return (x, cast(weight, dtype),
+            *(p if p is None or p.dtype not in CASTABLE else cast(p, dtype) for p in params))
 
 
 def emulates(*operands: mx.array | None) -> bool:
@@ -100,20 +176,28 @@ def emulates(*operands: mx.array | None) -> bool:
 
 def linear(
     x: mx.array, weight: mx.array, bias: mx.array | None = None,
-    act: Callable[[mx.array], mx.array] | None = None,
+    act: Activation | None = None, layer: str = "linear",
 ) -> mx.array:
-    """``act(x @ weight.T + bias)`` with ``weight`` of shape ``(out, in)``; ``act`` (an
-    activation, default none) is given here so that CPU half precision can apply a ReLU
-    before rounding, which gives the same result faster.
+    """``act(x @ weight.T + bias)`` with ``weight`` of shape ``(out, in)``, in the compute
+    dtype of :func:`operands`; ``act`` (an activation, default none) is given here so that
+    CPU half precision can apply a ReLU before rounding, which gives the same result faster;
+    ``layer`` names the caller in errors.
 
     >>> import mlx.core as mx
     >>> y = linear(mx.ones((2, 3), mx.bfloat16), mx.ones((4, 3), mx.bfloat16))
     >>> y.shape, y.dtype
     ((2, 4), mlx.core.bfloat16)
     """
+    # The everyday float32 call first: one addmm, no other Python.
+    if compute_dtypes.get() is OFF and weight.itemsize == 4 and isinstance(x, mx.array) \
+            and x.dtype == weight.dtype and not differentiating.get() \
+            and not shapeless_trace.get():
+        y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+        return y if act is None else act(y)
+    x, weight, bias = operands(x, weight, bias, layer=layer)
     # The row-major custom gradients cannot be traced shapeless (MLX cannot infer their
     # output shapes): there the plain ops are differentiated.
-    row_major = _differentiating.get() and not shapeless_trace.get()
+    row_major = differentiating.get() and not shapeless_trace.get()
     if bias is None:
         if emulates(x, weight):
             return _emulated_linear(act, x, weight)
@@ -194,7 +278,7 @@ def _emulated_linear(
     name = "affine" if bias else "linear"
     params32 = castcache.reused((weight, *bias), mx.float32)
     if params32 is not None:
-        y32 = _kernel(name)(castcache.float32_of(x), *params32)
+        y32 = _kernel(name)(x.astype(mx.float32), *params32)
         return rounded(y32, x.dtype, act)
     features = x.shape[-1]
     rows = x.size // features if features else 0
@@ -211,22 +295,58 @@ def rounded(
 ) -> mx.array:
     """``act(y32.astype(dtype))``: a float32 result rounded to the half ``dtype``, then
     activated. When ``act`` commutes with rounding (none, ReLU), the activation runs in
-    float32 first, and the float32 result is noted for a next layer, which takes the rounded
-    values from it in one fused pass (:func:`~fluxlike.precision.castcache.float32_of`); MLX's
-    bfloat16 elementwise kernels are 1.1-3x slower than float32's on the CPU.
+    float32 first: MLX's bfloat16 elementwise kernels are slower than float32's on the CPU.
 
     >>> import mlx.core as mx
-    >>> rounded(mx.array([1.00390625, -2.0]), mx.bfloat16, _activations.relu).tolist()
+    >>> from fluxlike import relu
+    >>> rounded(mx.array([1.00390625, -2.0]), mx.bfloat16, relu).tolist()
     [1.0, 0.0]
     """
-    if act is None or act is _activations.identity:
-        return castcache.remember_float32(y32.astype(dtype), y32)
-    if act not in _COMMUTING:
+    kind = _commuting(act)
+    if kind == "identity":
+        return y32.astype(dtype)
+    if kind is None:
         return act(y32.astype(dtype))
-    # Two independent results: whichever is used is computed, the other never is.
-    out = act(y32).astype(dtype)
-    return castcache.remember_float32(out, y32, act)
+    return act(y32).astype(dtype)
 
+
+def quantized_linear(
+    x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None,
+    bias: mx.array | None = None, *, group_size: int, bits: int, mode: str = "affine",
+    layer: str = "quantized_linear",
+) -> mx.array:
+    """``x @ dequantize(weight).T + bias`` for a quantized ``weight`` (``mx.quantize``'s
+    ``weight``, ``scales``, ``biases``), as ``nn.QuantizedLinear`` computes it. Inside an
+    autocast scope the activations, scales, quantization biases and ``bias`` are in the
+    compute dtype (the packed weight is integer and never cast); on the CPU the product of
+    those half operands runs in float32 and is rounded once, as :func:`linear` does.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import autocast
+    >>> w, s, b = mx.quantize(mx.ones((64, 64)), group_size=64, bits=4)
+    >>> with autocast(mx.bfloat16):
+    ...     quantized_linear(mx.ones((2, 64)), w, s, b, group_size=64, bits=4).dtype
+    mlx.core.bfloat16
+    """
+    if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.floating):
+        got = x.dtype if isinstance(x, mx.array) else type(x).__name__
+        raise TypeError(f"[{layer}] expected a floating-point mx.array input, got {got}")
+    dtype = scope_dtype(scales)
+    if dtype is not None:
+        x = x.astype(dtype) if x.dtype != dtype else x
+        scales, biases, bias = (None if p is None else castcache.cast(p, dtype)
+                                for p in (scales, biases, bias))
+    options = {"transpose": True, "group_size": group_size, "bits": bits, "mode": mode}
+    if emulates(x, scales, biases, bias):
+        half = x.dtype
+        params32 = [None if p is None else castcache.cast(p, mx.float32)
+                    for p in (scales, biases, bias)]
+        y = mx.quantized_matmul(x.astype(mx.float32), weight, params32[0], params32[1],
+                                **options)
+        y = y if bias is None else y + params32[2]
+        return y.astype(half)
+    y = mx.quantized_matmul(x, weight, scales, biases, **options)
+    return y if bias is None else y + bias
 
 
 def matmul(a: mx.array, b: mx.array) -> mx.array:
@@ -296,9 +416,9 @@ def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | N
                act: Callable[[mx.array], mx.array] | None) -> mx.array:
     """What :func:`conv` and :func:`conv_transpose` share: the kernel ``options``, then the
     bias and activation (in float32 before the rounding on CPU half precision)."""
-    operands = (x, weight) if bias is None else (x, weight, bias)
-    if emulates(*operands):
-        return _emulated(options, act, *operands)
+    x, weight, bias = operands(x, weight, bias, layer=options[0])
+    if emulates(x, weight, bias):
+        return _emulated(options, act, x, weight, *(() if bias is None else (bias,)))
     y = _kernel(*options)(x, weight)
     if bias is not None:
         y = y + bias
@@ -315,7 +435,7 @@ def _emulated(options: tuple, act: Callable | None, x: mx.array, weight: mx.arra
         options = (f"{name}+bias", *rest)
     params32 = castcache.reused((weight, *bias), mx.float32)
     if params32 is not None:
-        return rounded(_kernel(*options)(castcache.float32_of(x), *params32), x.dtype, act)
+        return rounded(_kernel(*options)(x.astype(mx.float32), *params32), x.dtype, act)
     return _activated(act, *options)(x, weight, *bias)
 
 
@@ -361,7 +481,7 @@ def _in_float32(
     ``act=relu`` the ReLU is applied too, in float32 before the rounding (it commutes with
     rounding), and its gradient masks the float32 cotangent by the output's sign: fewer
     passes than a ReLU on the half result, none of them in MLX's slow half kernels."""
-    if act not in (None, _activations.relu):
+    if act is not None and _commuting(act) != "relu":
         raise ValueError(f"_in_float32: only relu is applied before rounding, got {act!r}")
     kernel = _kernel(name, *options)
 
@@ -395,10 +515,11 @@ def _in_float32(
 
 def _activated(act: Callable[[mx.array], mx.array] | None, *options) -> Callable[..., mx.array]:
     """``act`` applied to :func:`_in_float32`'s result; a ReLU is folded into it."""
-    if act is _activations.relu:
+    kind = _commuting(act)
+    if kind == "relu":
         return _in_float32(*options, act=act)
     plain = _in_float32(*options)
-    return plain if act is None else lambda *operands: act(plain(*operands))
+    return plain if kind == "identity" else lambda *operands: act(plain(*operands))
 
 
 @functools.cache

@@ -1,25 +1,33 @@
-"""Per-layer precision policies and the dispatch barrier.
+"""Per-layer precision records and the dispatch barrier.
 
-Every layer class has a policy (``"down"``, ``"fp32"`` or ``"none"``) saying what it does
-inside an :func:`~fluxlike.autocast` scope with compute dtype ``T``:
+Every layer class has one :class:`Policy`, set by :func:`autocast_policy` (and
+:func:`keep_float32`) and read through :func:`policy_record`. Its ``kind`` says what the
+layer does inside an :func:`~fluxlike.autocast` scope with compute dtype ``T``:
 
-- ``down``: floating inputs and the layer's own floating parameters are cast to ``T`` for the
-  call (on a shallow view of the layer: the master weights are never touched); output is ``T``.
-- ``fp32``: half-precision inputs are cast up to float32; output is float32.
-- ``none``: the call is left alone.
+- ``"down"``: floating inputs and the layer's own floating parameters are cast to ``T`` for
+  the call; the output is ``T``. How depends on ``forward``: a layer written with
+  :mod:`fluxlike.precision.ops` (fluxlike's own, ``forward="ops"``) casts at its kernels and
+  runs as it is; a function given as ``forward`` runs in place of ``__call__`` (mlx.nn's
+  layers, which fluxlike cannot edit); otherwise (a user's layer) the layer's own
+  ``__call__`` runs on the layer itself with its parameters' casts swapped in for the call
+  (:func:`swapped`), so whatever the forward writes to the layer persists.
+- ``"fp32"``: the body runs with autocast off on its device (layers nested in it compute
+  in float32), half-precision inputs are cast up, and half outputs are returned in float32.
+- ``"none"``: untouched.
 
-The barrier: until :func:`activate` runs (on the first use of autocast in the process) a
-layer's ``__call__`` is its own plain method and no autocast code runs at all. ``activate``
-wraps the ``__call__`` of every registered class (and of their subclasses that define their
-own, including subclasses defined later) once; from then on a call outside any scope costs
-one context-variable read.
+The barrier: until the first use of autocast in the process (:func:`activate`) no class is
+routed and a layer call runs its own plain method. ``activate`` wraps the ``__call__`` of
+every class whose record needs it (and of their subclasses that define their own,
+including subclasses defined later) once; from then on such a call outside any scope costs
+one context-variable read. Layers that cast at their kernels are never wrapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import mlx.core as mx
@@ -27,18 +35,89 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 from . import castcache
-from .state import CASTABLE, HALF, OFF, compute_dtypes, current_dtype, device_index
+from .state import (
+    CASTABLE,
+    HALF,
+    OFF,
+    barrier,
+    compute_dtypes,
+    device_index,
+    without_autocast,
+)
 
-POLICIES = ("down", "fp32", "none")
-
-_registry: dict[type, str] = {}
-_lock = threading.Lock()
-_dispatching = False
-
+KINDS = ("down", "fp32", "none")
 M = TypeVar("M", bound=type)
 
 
-def autocast_policy(policy: str) -> Callable[[M], M]:
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Everything the precision machinery knows about a layer class.
+
+    - ``kind``: ``"down"``, ``"fp32"`` or ``"none"`` (see the module docs);
+    - ``forward``: for ``"down"``: ``None`` (cast the parameters around the class's own
+      ``__call__``), ``"ops"`` (the class's ``__call__`` casts at fluxlike's kernels), or a
+      function ``f(layer, *args, **kwargs)`` run inside a scope in place of ``__call__``;
+    - ``methods``: other methods run inside a scope by a function of their own (a tied
+      embedding's ``as_linear``);
+    - ``keep_float32``: whether ``f16mix``/``bf16mix`` leave its parameters in float32;
+    - ``owner``: the class that declared it (a subclass that defines its own ``__call__``
+      is not covered by the owner's ``forward``).
+    """
+
+    kind: str = "none"
+    forward: Callable | str | None = None
+    methods: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    keep_float32: bool = False
+    owner: type | None = None
+
+
+_NONE = Policy()
+_records: dict[type, Policy] = {}
+
+
+def policy_record(layer: Any) -> Policy:
+    """The record of a layer or layer class: its own, else its nearest declared base's.
+
+    >>> from fluxlike import BatchNorm, Dense
+    >>> policy_record(Dense).kind, policy_record(BatchNorm(3)).keep_float32
+    ('down', True)
+    """
+    cls = layer if isinstance(layer, type) else type(layer)
+    for base in cls.__mro__:
+        record = _records.get(base)
+        if record is not None:
+            return record
+    return _NONE
+
+
+def policy_of(layer: Any) -> str:
+    """The policy kind (``"down"``, ``"fp32"``, ``"none"``) of a layer or layer class.
+
+    >>> import mlx.nn as nn
+    >>> from fluxlike import Dense, policy_of
+    >>> policy_of(Dense), policy_of(nn.LayerNorm(4)), policy_of(nn.Dropout())
+    ('down', 'fp32', 'none')
+    """
+    return policy_record(layer).kind
+
+
+def _check_class(cls: Any, where: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"{where}: expected an mlx.nn.Module subclass, got {cls!r}")
+
+
+def _declare(cls: type, **changes: Any) -> None:
+    """Give ``cls`` a record of its own: the inherited one with ``changes``."""
+    with barrier.lock:
+        _records[cls] = dataclasses.replace(policy_record(cls), owner=cls, **changes)
+        if barrier.crossed:
+            _route_tree(cls)
+
+
+def autocast_policy(
+    kind: str, *, forward: Callable | str | None = None,
+    methods: Mapping[str, Callable] | None = None,
+) -> Callable[[M], M]:
     """Class decorator giving a layer class its precision policy under autocast.
 
     One line opts a user's own layer in::
@@ -46,70 +125,118 @@ def autocast_policy(policy: str) -> Callable[[M], M]:
         @autocast_policy("down")
         class MyProjection(nn.Module): ...
 
-    and it works on existing classes too: ``autocast_policy("fp32")(SomeNorm)``.
-    A subclass inherits its parent's policy unless it declares its own.
+    and it works on existing classes too: ``autocast_policy("fp32")(SomeNorm)``. Inside a
+    scope a ``"down"`` layer's floating inputs and own floating parameters are cast to the
+    compute dtype for the call (its ``__call__`` runs on the layer itself, so state it
+    writes persists); an ``"fp32"`` layer runs with autocast off, in float32. A subclass
+    inherits its parent's policy unless it declares its own. ``forward`` and ``methods``
+    are for layers written with :mod:`fluxlike.precision.ops` (see :class:`Policy`).
+
+    >>> import mlx.core as mx
+    >>> import mlx.nn as nn
+    >>> from fluxlike import autocast, autocast_policy
+    >>> @autocast_policy("down")
+    ... class Project(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.w = mx.ones((3, 2))
+    ...         self.calls = 0
+    ...     def __call__(self, x):
+    ...         self.calls += 1
+    ...         return x @ self.w
+    >>> layer = Project()
+    >>> with autocast(mx.bfloat16):
+    ...     layer(mx.ones((1, 3))).dtype
+    mlx.core.bfloat16
+    >>> layer.w.dtype, layer.calls
+    (mlx.core.float32, 1)
     """
-    if policy not in POLICIES:
-        raise ValueError(f"autocast_policy: policy must be one of {POLICIES}, got {policy!r}")
+    if kind not in KINDS:
+        raise ValueError(f"autocast_policy: policy must be one of {KINDS}, got {kind!r}")
+    if forward is not None and not (forward == "ops" or callable(forward)):
+        raise TypeError(f"autocast_policy: forward must be None, 'ops' or a function, "
+                        f"got {forward!r}")
+    methods = dict(methods or {})
+    for name, fn in methods.items():
+        if not (isinstance(name, str) and callable(fn)):
+            raise TypeError(f"autocast_policy: methods must map method names to functions, "
+                            f"got {name!r}: {fn!r}")
 
     def register(cls: M) -> M:
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise TypeError(f"autocast_policy: expected an mlx.nn.Module subclass, got {cls!r}")
-        with _lock:
-            _registry[cls] = policy
-            if _dispatching:
-                _install_tree(cls)
+        _check_class(cls, "autocast_policy")
+        _declare(cls, kind=kind, forward=forward, methods=methods)
         return cls
 
     return register
 
 
-def policy_of(layer: Any) -> str:
-    """The policy of a layer or layer class: its own, else its nearest registered base's."""
-    cls = layer if isinstance(layer, type) else type(layer)
-    for base in cls.__mro__:
-        if base in _registry:
-            return _registry[base]
-    return "none"
+C = TypeVar("C", bound=type)
+
+
+def keep_float32(cls: C, keep: bool = True) -> C:
+    """Declare that ``cls`` keeps its parameters in float32 under ``f16mix``/``bf16mix``.
+
+    The one-line trait of Flux's ``_keep_f32_under_halfprec``; works as a class decorator
+    (``@keep_float32``) and on existing classes. Subclasses inherit it; a subclass can opt
+    out with ``keep_float32(Sub, False)``. Children of a layer that keeps float32 stay
+    float32 too. Returns ``cls``.
+
+    >>> import mlx.core as mx
+    >>> import mlx.nn as nn
+    >>> from fluxlike import f16mix, keep_float32
+    >>> @keep_float32
+    ... class Gain(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.gain = mx.ones((3,))
+    >>> f16mix(Gain()).gain.dtype
+    mlx.core.float32
+    """
+    _check_class(cls, "keep_float32")
+    if not isinstance(keep, bool):
+        raise TypeError(f"keep_float32: keep must be a bool, got {keep!r}")
+    _declare(cls, keep_float32=keep)
+    return cls
+
+
+def activate() -> None:
+    """Cross the barrier: route every class with a record through its policy. Idempotent."""
+    if barrier.crossed:
+        return
+    with barrier.lock:
+        if barrier.crossed:
+            return
+        # Bases first, so that a subclass's own routing replaces an inherited wrapper.
+        for cls in sorted(_records, key=lambda c: len(c.__mro__)):
+            _route_tree(cls)
+        barrier.crossed = True
 
 
 def is_dispatching() -> bool:
     """Whether the process has crossed the barrier (autocast was used at least once)."""
-    return _dispatching
-
-
-def activate() -> None:
-    """Cross the barrier: route every registered layer class through its policy. Idempotent."""
-    global _dispatching
-    if _dispatching:
-        return
-    with _lock:
-        if _dispatching:
-            return
-        # Bases first, so that a "none" subclass of a wrapped class pins the plain method.
-        for cls in sorted(_registry, key=lambda c: len(c.__mro__)):
-            _install_tree(cls)
-        _dispatching = True
+    return barrier.crossed
 
 
 def _subclasses(cls: type) -> list[type]:
-    """``cls`` and, bases first, its subclasses that need a ``__call__`` of their own: those
-    defining one, and registered ones (their policy may differ from the inherited wrapper's)."""
+    """``cls`` and, bases first, its subclasses that need routing of their own: those
+    defining ``__call__`` (or a routed method), and declared ones."""
+    names = {"__call__", *policy_record(cls).methods}
     found = [cls]
     for sub in cls.__subclasses__():
-        found.extend(s for s in _subclasses(sub) if s in _registry or "__call__" in s.__dict__)
+        found.extend(s for s in _subclasses(sub)
+                     if s in _records or any(n in s.__dict__ for n in names))
     return found
 
 
-def _install_tree(cls: type) -> None:
+def _route_tree(cls: type) -> None:
     """Route ``cls``, its existing subclasses and (via a hook) its future ones."""
     for sub in _subclasses(cls):
-        _install(sub, policy_of(sub))
+        _route(sub)
     _watch_subclasses(cls)
 
 
 def _watch_subclasses(cls: type) -> None:
-    """Wrap the ``__call__`` of subclasses of ``cls`` defined after the barrier was crossed."""
+    """Route subclasses of ``cls`` defined after the barrier was crossed."""
     own = cls.__dict__.get("__init_subclass__")
     if getattr(own, "__fluxlike_watch__", False):
         return
@@ -119,134 +246,227 @@ def _watch_subclasses(cls: type) -> None:
             own.__func__(sub, **kwargs)
         else:
             super(cls, sub).__init_subclass__(**kwargs)
-        call = sub.__dict__.get("__call__")
-        if call is not None and sub not in _registry and not hasattr(call, "__fluxlike_plain__"):
-            with _lock:
-                _install(sub, policy_of(sub))
+        if sub not in _records:
+            with barrier.lock:
+                _route(sub)
 
     hook = classmethod(__init_subclass__)
-    hook.__fluxlike_watch__ = True
-    cls.__init_subclass__ = hook
+    hook.__fluxlike_watch__ = True  # type: ignore[attr-defined]
+    cls.__init_subclass__ = hook  # type: ignore[assignment]
 
 
-# A layer's own forward -> the same computation for use inside a scope (stock.py)
-_scoped_forwards: dict[Callable, Callable] = {}
+def _plain(method: Callable) -> Callable:
+    """A method without fluxlike's routing wrapper."""
+    return getattr(method, "__fluxlike_plain__", method)
 
 
-def scoped_forward(forward: Callable, replacement: Callable) -> None:
-    """Inside an autocast scope, run ``replacement`` wherever a layer's ``__call__`` is
-    ``forward``: the same computation, written with :mod:`.ops` kernels so that CPU half
-    precision takes the float32 kernels. For layers one cannot edit (``mlx.nn``'s); a
-    subclass defining its own ``__call__`` keeps it. Call before the first autocast use."""
-    _scoped_forwards[forward] = replacement
+def _route(cls: type) -> None:
+    """Give ``cls.__call__`` (and the record's methods) the wrapper its record asks for,
+    or pin the plain method where it needs none."""
+    record = policy_record(cls)
+    plain = _plain(cls.__call__)
+    # The owner's forward covers the owner's own __call__ only: a subclass that writes its
+    # own forward gets its parameters cast around it instead.
+    covered = record.owner is not None and plain is _plain(record.owner.__call__)
+    forward = record.forward if covered else None
+    if record.kind == "fp32":
+        _install(cls, "__call__", plain, _fp32_call(plain), "fp32")
+    elif record.kind == "down" and forward == "ops":
+        _install(cls, "__call__", plain, None, None)
+    elif record.kind == "down" and forward is not None:
+        _install(cls, "__call__", plain, _scoped_call(plain, forward), "down")
+    elif record.kind == "down":
+        _install(cls, "__call__", plain, _swapping_call(plain), "down")
+    elif _casts_at_ops(cls, plain):  # "none" over a forward that would cast: as outside
+        _install(cls, "__call__", plain, _unscoped_call(plain), "none")
+    else:
+        _install(cls, "__call__", plain, None, None)
+    for name, scoped in record.methods.items():
+        method = _plain(getattr(cls, name))
+        _install(cls, name, method, _scoped_call(method, scoped), "down")
 
 
-def _install(cls: type, policy: str) -> None:
-    call = cls.__call__
-    plain = getattr(call, "__fluxlike_plain__", call)  # never wrap a wrapper
-    if policy == "none":
-        if plain is not call:  # pin the plain method over an inherited wrapper
-            cls.__call__ = plain
+def _casts_at_ops(cls: type, plain: Callable) -> bool:
+    """Whether ``plain`` is the own ``__call__`` of a class declared ``forward="ops"``."""
+    for base in cls.__mro__:
+        record = _records.get(base)
+        if record is not None and record.forward == "ops" and record.owner is base and (
+            _plain(base.__call__) is plain
+        ):
+            return True
+    return False
+
+
+def _install(cls: type, name: str, plain: Callable, wrapper: Callable | None,
+             kind: str | None) -> None:
+    current = getattr(cls, name)
+    if wrapper is None:
+        if current is not plain:  # pin the plain method over an inherited wrapper
+            setattr(cls, name, plain)
         return
-    own = cls.__dict__.get("__call__")
-    if getattr(own, "__fluxlike_policy__", None) == policy:
+    own = cls.__dict__.get(name)
+    if getattr(own, "__fluxlike_policy__", None) == kind and _plain(own) is plain:
         return  # already routed: keep the one wrapper
-    dispatch = _down if policy == "down" else _fp32
-    scoped = _scoped_forwards.get(plain, plain)
+    wrapper = functools.wraps(plain)(wrapper)
+    wrapper.__fluxlike_plain__ = plain  # type: ignore[attr-defined]
+    wrapper.__fluxlike_policy__ = kind  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
 
-    @functools.wraps(plain)
-    def __call__(self, *args, **kwargs):
+
+def _scoped_call(plain: Callable, scoped: Callable) -> Callable:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = compute_dtypes.get()
+        if state is OFF or state[device_index()] is None:
+            return plain(self, *args, **kwargs)
+        return scoped(self, *args, **kwargs)
+
+    return call
+
+
+def _unscoped_call(plain: Callable) -> Callable:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = compute_dtypes.get()
         if state is OFF:
             return plain(self, *args, **kwargs)
-        dtype = state[device_index()]
-        if dtype is None:
+        slot = device_index()
+        if state[slot] is None:
             return plain(self, *args, **kwargs)
-        return dispatch(scoped, self, dtype, args, kwargs)
+        token = compute_dtypes.set(without_autocast(slot))
+        try:
+            return plain(self, *args, **kwargs)
+        finally:
+            compute_dtypes.reset(token)
 
-    __call__.__fluxlike_plain__ = plain
-    __call__.__fluxlike_policy__ = policy
-    cls.__call__ = __call__
+    return call
+
+
+def _fp32_call(plain: Callable) -> Callable:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = compute_dtypes.get()
+        if state is OFF:
+            return plain(self, *args, **kwargs)
+        slot = device_index()
+        if state[slot] is None:
+            return plain(self, *args, **kwargs)
+        args, kwargs = cast_arguments(mx.float32, HALF, args, kwargs)
+        token = compute_dtypes.set(without_autocast(slot))
+        try:
+            out = plain(self, *args, **kwargs)
+        finally:
+            compute_dtypes.reset(token)
+        up = _to(mx.float32, HALF)
+        return up(out) if isinstance(out, mx.array) else tree_map(up, out)
+
+    return call
+
+
+# Calls that swap casts into a layer hold this lock, and so do plain calls of the same
+# classes: a layer is never seen half-swapped by another thread. (Graph construction holds
+# the GIL anyway; the lock serialises only these classes' calls.)
+_swap_lock = threading.RLock()
+
+
+def _swapping_call(plain: Callable) -> Callable:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = compute_dtypes.get()
+        dtype = None if state is OFF else state[device_index()]
+        with _swap_lock:
+            if dtype is None:
+                return plain(self, *args, **kwargs)
+            args, kwargs = cast_arguments(dtype, CASTABLE, args, kwargs)
+            with swapped(self, dtype):
+                return plain(self, *args, **kwargs)
+
+    return call
 
 
 @functools.cache
-def _to(
-    dtype: mx.Dtype, sources: tuple, astype: Callable = mx.array.astype
-) -> Callable[[Any], Any]:
+def _to(dtype: mx.Dtype, sources: tuple) -> Callable[[Any], Any]:
     def cast(x: Any) -> Any:
         if isinstance(x, mx.array):
             current = x.dtype
             if current != dtype and current in sources:
-                return astype(x, dtype)
+                return x.astype(dtype)
         return x
 
     return cast
 
 
-def _cast_all(cast: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[list, dict]:
-    """``cast`` applied to every array in ``args`` and ``kwargs`` (arrays directly: the common
-    case, and a ``tree_map`` costs microseconds)."""
-    args = [cast(a) if isinstance(a, mx.array) else tree_map(cast, a) for a in args]
+def cast_arguments(dtype: mx.Dtype, sources: tuple, args: tuple,
+                   kwargs: dict) -> tuple[tuple, dict]:
+    """Every array of a dtype in ``sources`` in ``args`` and ``kwargs`` (nested in lists,
+    tuples and dicts too) cast to ``dtype``; everything else as it is."""
+    cast = _to(dtype, sources)
+    args = tuple(cast(a) if isinstance(a, mx.array) else tree_map(cast, a) for a in args)
     return args, (tree_map(cast, kwargs) if kwargs else kwargs)
 
 
-def _down(plain, layer: nn.Module, dtype: mx.Dtype, args: tuple, kwargs: dict):
-    caster = castcache.cast_input if castcache.is_sealed(layer) else mx.array.astype
-    args, kwargs = _cast_all(_to(dtype, CASTABLE, caster), args, kwargs)
-    return plain(half_view(layer, dtype), *args, **kwargs)
-
-
-def _fp32(plain, layer: nn.Module, dtype: mx.Dtype, args: tuple, kwargs: dict):
-    args, kwargs = _cast_all(_to(mx.float32, HALF), args, kwargs)
-    return plain(layer, *args, **kwargs)
-
-
-def half_view(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
-    """A shallow copy of ``layer`` whose own floating parameters are cast to ``dtype``.
-
-    Child modules are shared, not copied: a child with a policy of its own casts itself
-    when it is called. Parameters held in lists or dicts are cast too. The casts are
-    ordinary graph ops, so gradients flow back to the float32 master weights in float32.
-    Outside differentiation the view and its casts are kept across calls while the layer's
-    parameters are the same arrays (:mod:`.castcache`).
+class swapped:
+    """Context manager: ``layer``'s own floating parameters (its arrays, and arrays in its
+    lists and dicts; not its child modules, which have policies of their own) replaced by
+    their casts to ``dtype`` in place, and put back on exit wherever a slot still holds the
+    cast. A value the body assigned stays; so do items it appended. Float64, integer and
+    boolean arrays are never cast. Hold :data:`_swap_lock` around it.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense
     >>> layer = Dense(2, 3)
-    >>> view = half_view(layer, mx.float16)
-    >>> view.weight.dtype, layer.weight.dtype
-    (mlx.core.float16, mlx.core.float32)
+    >>> with swapped(layer, mx.float16):
+    ...     layer.weight.dtype
+    mlx.core.float16
+    >>> layer.weight.dtype
+    mlx.core.float32
     """
-    return castcache.view(layer, dtype, lambda: _make_view(layer, dtype))
 
+    __slots__ = ("layer", "dtype", "originals")
 
-def _make_view(layer: nn.Module, dtype: mx.Dtype) -> nn.Module:
-    view = type(layer).__new__(type(layer))
-    view.__dict__.update(layer.__dict__)
-    cast = _to(dtype, CASTABLE, castcache.cast)
-    for key, value in layer.items():
-        if isinstance(value, (list, tuple, dict)) and not isinstance(value, nn.Module):
-            value = tree_map(cast, value, is_leaf=nn.Module.is_module)
+    def __init__(self, layer: nn.Module, dtype: mx.Dtype):
+        self.layer, self.dtype = layer, dtype
+        self.originals: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def __enter__(self) -> nn.Module:
+        self._walk(self.layer, self._swap_in)
+        return self.layer
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.originals:
+            self._walk(self.layer, self._swap_out)
+
+    def _swap_in(self, value: mx.array) -> mx.array:
+        if value.dtype == self.dtype or value.dtype not in CASTABLE:
+            return value
+        cast = castcache.cast(value, self.dtype)
+        self.originals[id(cast)] = (cast, value)
+        return cast
+
+    def _swap_out(self, value: mx.array) -> mx.array:
+        held = self.originals.get(id(value))
+        return held[1] if held is not None and held[0] is value else value
+
+    @staticmethod
+    def _walk(container: Any, change: Callable[[mx.array], mx.array], depth: int = 0) -> None:
+        """Apply ``change`` to the arrays of ``container`` (the layer, or a list or dict in
+        it) in place; tuples, which cannot change in place, are replaced whole."""
+        if isinstance(container, dict):
+            items: Any = list(container.items())
         else:
-            value = cast(value)
-        dict.__setitem__(view, key, value)
-    return view
-
-
-def compute_view(layer: nn.Module) -> nn.Module:
-    """``layer`` as its down policy would run it right now: a :func:`half_view` in the scope's
-    compute dtype inside an autocast scope, the layer itself outside. For a container that
-    calls a down-policy child's parts directly instead of through its ``__call__`` (a
-    recurrent layer stepping its cell).
-
-    >>> import mlx.core as mx
-    >>> from fluxlike import Dense, autocast
-    >>> layer = Dense(2, 3)
-    >>> compute_view(layer) is layer
-    True
-    >>> with autocast(mx.bfloat16, device="cpu"):
-    ...     compute_view(layer).weight.dtype
-    mlx.core.bfloat16
-    """
-    dtype = current_dtype()
-    return layer if dtype is None else half_view(layer, dtype)
+            items = list(enumerate(container))
+        setitem = dict.__setitem__ if isinstance(container, nn.Module) else type(
+            container).__setitem__
+        for key, value in items:
+            if isinstance(value, mx.array):
+                new = change(value)
+            elif isinstance(value, nn.Module) or depth > 8:
+                continue
+            elif isinstance(value, (list, dict)):
+                swapped._walk(value, change, depth + 1)
+                continue
+            elif isinstance(value, tuple) and any(isinstance(v, mx.array) for v in value):
+                new = type(value)(change(v) if isinstance(v, mx.array) else v for v in value) \
+                    if type(value) is tuple else value
+                if all(a is b for a, b in zip(new, value, strict=True)):
+                    continue
+            else:
+                continue
+            if new is not value:
+                setitem(container, key, new)

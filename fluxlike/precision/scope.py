@@ -5,19 +5,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 import mlx.core as mx
 
 from . import policy
 from .state import HALF, OFF, compute_dtypes, device_index
-
-# Per-context stack of live entries (scope, device slot, that slot's dtype before the entry);
-# each exit removes its own entry.
-_entries: ContextVar[tuple[tuple[autocast, int, mx.Dtype | None], ...]] = ContextVar(
-    "fluxlike_autocast_entries", default=()
-)
+from .state import scope_entries as _entries
 
 _DEVICE_NAMES = {"cpu": mx.cpu, "gpu": mx.gpu}
 
@@ -37,17 +31,16 @@ def _device_slot(device: Any, where: str) -> int | None:
     )
 
 
-def _check_dtype(dtype: Any, where: str) -> mx.Dtype:
+def _check_dtype(dtype: Any, enabled: bool, where: str) -> mx.Dtype:
     if dtype is None:
         return mx.bfloat16
-    if isinstance(dtype, mx.Dtype) and dtype in HALF:
-        return dtype
-    # float32 is what layers compute in outside a scope: say so instead of just refusing.
+    if isinstance(dtype, mx.Dtype) and (dtype in HALF or not enabled):
+        return dtype  # a disabled scope computes in nothing: any dtype is as good
     full = "; to compute in float32, leave the scope or use autocast(enabled=False)" \
         if dtype in (mx.float32, mx.float64) else ""
     raise ValueError(
-        f"{where}: dtype must be mx.float16 or mx.bfloat16 (None means mx.bfloat16), "
-        f"got {dtype!r}{full}"
+        f"{where}: dtype must be mx.float16 or mx.bfloat16 (None means mx.bfloat16, and any "
+        f"dtype is accepted with enabled=False), got {dtype!r}{full}"
     )
 
 
@@ -70,7 +63,9 @@ class autocast:
     - ``device``: ``"cpu"``, ``"gpu"``, ``mx.cpu``, ``mx.gpu`` or an ``mx.Device``; ``None``
       means the type of ``mx.default_device()`` when the scope is entered. The other device
       type's state is never touched.
-    - ``enabled=False`` switches autocast off for the device inside the scope.
+    - ``enabled=False`` switches autocast off for the device inside the scope; ``dtype`` is
+      then not used and may be any mlx dtype, so ``with autocast(cfg.dtype,
+      enabled=cfg.amp):`` works with ``cfg.dtype = mx.float32``.
 
     It is a context manager (``as`` gives the scope itself) and a decorator (each call of the
     decorated function, or each run of a decorated ``async def`` coroutine, is in the scope;
@@ -97,7 +92,7 @@ class autocast:
     def __init__(self, dtype: mx.Dtype | None = None, *, device: Any = None, enabled: bool = True):
         if not isinstance(enabled, bool):
             raise TypeError(f"autocast: enabled must be a bool, got {enabled!r}")
-        self.dtype = _check_dtype(dtype, "autocast")
+        self.dtype = _check_dtype(dtype, enabled, "autocast")
         self._slot = _device_slot(device, "autocast")
         self.device = device
         self.enabled = enabled

@@ -1,10 +1,13 @@
 """Policies for MLX's stock layers, so an unmodified ``mlx.nn`` model runs under autocast.
 
-Inside a scope, ``nn.Linear``, the convolutions and ``nn.MultiHeadAttention`` run the
-forwards below instead of their own: the same computations through :mod:`.ops`, so that half
-precision on the CPU takes the float32 kernels instead of MLX's scalar half-precision GEMM.
-``nn.Bilinear`` and the recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) still run
-MLX's native kernels there.
+Inside a scope, ``nn.Linear``, the convolutions, ``nn.MultiHeadAttention`` and the quantized
+linear layer run the forwards below instead of their own: the same computations through
+:mod:`.ops`, whose kernels cast at the op, so that half precision on the CPU takes the
+float32 kernels instead of MLX's scalar half-precision GEMM. A tied embedding head
+(``nn.Embedding.as_linear``, ``nn.QuantizedEmbedding.as_linear``) computes in the compute
+dtype too; the lookups stay in the weights' dtype, as in PyTorch. ``nn.Bilinear`` and the
+recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) run their own forwards with their
+parameters' casts swapped in, on MLX's native kernels.
 """
 
 from __future__ import annotations
@@ -15,22 +18,9 @@ import numbers
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..layers.attention import attend
 from . import ops
-from .policy import autocast_policy, scoped_forward
-
-for _cls in (
-    nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
-    nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.MultiHeadAttention, nn.RNN, nn.GRU, nn.LSTM,
-):
-    autocast_policy("down")(_cls)
-
-for _cls in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm, nn.BatchNorm):
-    autocast_policy("fp32")(_cls)
-
-for _cls in (nn.Embedding, nn.Dropout):
-    autocast_policy("none")(_cls)
+from .attention import attend
+from .policy import autocast_policy, keep_float32
 
 
 def _per_dim(value: int | tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -47,7 +37,7 @@ def _bias(layer: nn.Module) -> mx.array | None:
 
 
 def _linear(self: nn.Linear, x: mx.array) -> mx.array:
-    return ops.linear(x, self["weight"], _bias(self))
+    return ops.linear(x, self["weight"], _bias(self), None, type(self).__name__)
 
 
 def _conv(self: nn.Module, x: mx.array) -> mx.array:
@@ -81,9 +71,39 @@ def _multi_head_attention(
     return self.out_proj(output.transpose(0, 2, 1, 3).flatten(-2, -1))
 
 
-scoped_forward(nn.Linear.__call__, _linear)
-scoped_forward(nn.MultiHeadAttention.__call__, _multi_head_attention)
+def _quantized(self: nn.Module, x: mx.array, bias: mx.array | None) -> mx.array:
+    return ops.quantized_linear(
+        x, self["weight"], self["scales"], self.get("biases"), bias,
+        group_size=self.group_size, bits=self.bits, mode=getattr(self, "mode", "affine"),
+        layer=type(self).__name__,
+    )
+
+
+def _quantized_linear(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
+    return _quantized(self, x, _bias(self))
+
+
+def _tied_head(self: nn.Embedding, x: mx.array) -> mx.array:
+    return ops.linear(x, self["weight"], None, None, f"{type(self).__name__}.as_linear")
+
+
+def _quantized_tied_head(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
+    return _quantized(self, x, None)
+
+
 for _cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-    scoped_forward(_cls.__call__, _conv)
+    autocast_policy("down", forward=_conv)(_cls)
 for _cls in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
-    scoped_forward(_cls.__call__, _conv_transpose)
+    autocast_policy("down", forward=_conv_transpose)(_cls)
+autocast_policy("down", forward=_linear)(nn.Linear)
+autocast_policy("down", forward=_quantized_linear)(nn.QuantizedLinear)
+autocast_policy("down", forward=_multi_head_attention)(nn.MultiHeadAttention)
+for _cls in (nn.Bilinear, nn.RNN, nn.GRU, nn.LSTM):
+    autocast_policy("down")(_cls)
+for _cls in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm, nn.BatchNorm):
+    autocast_policy("fp32")(_cls)
+autocast_policy("none", methods={"as_linear": _tied_head})(nn.Embedding)
+autocast_policy("none", methods={"as_linear": _quantized_tied_head})(nn.QuantizedEmbedding)
+autocast_policy("none")(nn.Dropout)
+for _cls in (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm):
+    keep_float32(_cls)

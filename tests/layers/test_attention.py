@@ -8,6 +8,7 @@ from helpers import check_layer_gradients, np64, snapshot
 from mlx.utils import tree_flatten
 
 import fluxlike
+import fluxlike.precision.attention
 from fluxlike import Dense, MultiHeadAttention
 from fluxlike.modes import differentiating
 from fluxlike.precision import ops
@@ -231,7 +232,7 @@ class TestMultiHeadAttention:
             def __getattr__(self, name):
                 return (lambda *a: False) if name == "emulates" else getattr(ops, name)
 
-        monkeypatch.setattr(fluxlike.layers.attention, "ops", NativeOps())
+        monkeypatch.setattr(fluxlike.precision.attention, "ops", NativeOps())
         with fluxlike.autocast(mx.bfloat16, device="cpu"):
             native = mha(x, mask=mask)
         assert calls == [1]

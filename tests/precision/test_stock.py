@@ -10,11 +10,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import normal, np64
+from helpers import half_copy, normal, np64
 
 from fluxlike import autocast
 from fluxlike.precision import castcache, ops
-from fluxlike.precision.policy import half_view
 
 TOL = {mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -48,7 +47,7 @@ def close(actual, expected, dtype):
 
 def native(layer, x, dtype):
     """The layer's own forward (MLX's half kernels) on a half view, no scope."""
-    return type(layer).__call__.__fluxlike_plain__(half_view(layer, dtype), x.astype(dtype))
+    return type(layer).__call__.__fluxlike_plain__(half_copy(layer, dtype), x.astype(dtype))
 
 
 def loss_of(layer, weights):
@@ -66,7 +65,7 @@ class TestRouted:
         with autocast(dtype, device="cpu"):
             y = layer(x)
         assert y.dtype == dtype
-        rounded = half_view(layer, dtype)
+        rounded = half_copy(layer, dtype)
         for key, value in rounded.items():  # the float32 layer on the rounded operands
             if isinstance(value, mx.array):
                 dict.__setitem__(rounded, key, value.astype(mx.float32))
@@ -85,7 +84,7 @@ class TestRouted:
 
         with autocast(dtype, device="cpu"):
             _, grads = nn.value_and_grad(layer, loss)(layer, x)
-        view = half_view(layer, dtype)
+        view = half_copy(layer, dtype)
         _, expected = nn.value_and_grad(view, lambda m, x: loss(m, x))(
             view, x.astype(dtype)
         )

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fluxlike.layers.checks import (
+from fluxlike.checks import (
     channels_first_hint,
     channels_last_fix,
     check_active,

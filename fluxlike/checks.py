@@ -1,4 +1,5 @@
-"""Argument checks the layers share: sizes, flags, numbers, train/test mode, initialisers.
+"""Argument checks the layers and losses share: sizes, flags, numbers, train/test mode,
+initialisers, and the range of index arrays.
 
 Each check raises a ``ValueError``/``TypeError`` whose message names the layer, the argument
 and the value given, and returns the value in a plain Python type (a numpy integer, float or
@@ -184,3 +185,26 @@ def checked_init(init: Any, layer: str) -> Callable[[tuple[int, ...]], mx.array]
     if not callable(init):
         raise TypeError(f"[{layer}] init must be a function of a shape, got {init!r}")
     return lambda shape: initialise(init, shape, layer)
+
+
+def index_range(x: mx.array) -> tuple[int, int] | None:
+    """``(min, max)`` of an integer array, read back to the host (one synchronisation).
+
+    ``None`` for an empty array, and inside ``mx.compile``/``mx.vmap``, where nothing can
+    be read back. MLX's gathers do not check bounds (an index past the end reads arbitrary
+    memory or crashes), so index-taking code checks with this before gathering.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.checks import index_range
+    >>> index_range(mx.array([[3, 1], [7, 2]]))
+    (1, 7)
+    """
+    if x.size == 0:
+        return None
+    try:
+        low, high = mx.stack([mx.min(x), mx.max(x)]).tolist()
+    except ValueError as error:
+        if "function transformations" not in str(error):  # MLX's message for a traced eval
+            raise
+        return None
+    return low, high

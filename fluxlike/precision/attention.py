@@ -1,0 +1,73 @@
+"""The core of attention: scaled dot-product attention of heads, with its masks, and the
+one place its dtypes are decided (float32 softmax; CPU half precision in float32 kernels)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from . import ops
+from .state import HALF
+
+Mask = mx.array | str | None
+
+
+def attend(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None,
+    dropout: float = 0.0, return_weights: bool = False,
+) -> tuple[mx.array, mx.array | None]:
+    """Scaled dot-product attention of heads ``(batch, heads, L, d)``, and its weights
+    (``None`` where MLX's fused ``scaled_dot_product_attention`` computed it without them).
+
+    ``mask``: ``None``, ``"causal"``, a boolean array (``True`` = attend) or an additive one.
+    The fused kernel runs unless weights or dropout are asked for, the operands are float64
+    (its softmax is only float32-accurate there) or they are half precision on the CPU, where
+    it would run MLX's scalar half GEMM: then the scores and the weighted sum go through
+    :func:`~fluxlike.precision.ops.matmul` (float32 kernels, the same roundings) and the
+    softmax runs in float32, as in the fused kernel.
+
+    >>> import mlx.core as mx
+    >>> q = mx.ones((1, 2, 3, 4), mx.bfloat16)
+    >>> out, weights = attend(q, q, q, 0.5, "causal", return_weights=True)
+    >>> out.shape, out.dtype, weights.shape
+    ((1, 2, 3, 4), mlx.core.bfloat16, (1, 2, 3, 3))
+    """
+    if not (dropout or return_weights or q.dtype == mx.float64 or ops.emulates(q, k, v)):
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            mask = _finite(mask.astype(q.dtype))  # sdpa wants the scores' dtype
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
+    scores = ops.matmul(q * scale, k.swapaxes(-1, -2))
+    # The softmax runs in float32 at least, as sdpa's does.
+    scores = scores.astype(mx.float32) if scores.dtype in HALF else scores
+    if isinstance(mask, str):
+        lq, lk = scores.shape[-2:]
+        mask = mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None]
+    if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+        # finfo.min rather than -inf: a fully masked row averages, as in sdpa.
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    elif mask is not None:
+        scores = _finite(scores + mask.astype(scores.dtype))
+    weights = _softmax(scores)
+    if dropout:
+        keep = mx.random.bernoulli(1 - dropout, weights.shape)
+        weights = mx.where(keep, weights / (1 - dropout), mx.zeros_like(weights))
+    weights = weights.astype(v.dtype)
+    return ops.matmul(weights, v), weights
+
+
+def _finite(x: mx.array) -> mx.array:
+    """``x`` with ``-inf`` raised to its dtype's lowest finite value: a row that an additive
+    mask blocks everywhere then gives a finite result instead of NaN (which would reach every
+    gradient of the batch); with ``-inf`` it averages, as a boolean mask does. A float32 mask
+    of ``-1e9`` is ``-inf`` once autocast has cast it to float16."""
+    return mx.maximum(x, mx.array(mx.finfo(x.dtype).min, x.dtype))
+
+
+def _softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis. In float64 ``exp`` is ``power(e, .)``: MLX's CPU ``exp``
+    is only float32-accurate in float64, its ``power`` is exact."""
+    if scores.dtype != mx.float64:
+        return mx.softmax(scores, axis=-1, precise=True)
+    e = mx.power(math.e, scores - mx.stop_gradient(mx.max(scores, axis=-1, keepdims=True)))
+    return e / mx.sum(e, axis=-1, keepdims=True)
