@@ -14,8 +14,7 @@ from contextlib import contextmanager
 
 import mlx.nn as nn
 
-from .precision.state import differentiating as _differentiating
-from .precision.state import mode_fixes
+from .precision.state import context, enter, mode_fixes
 
 
 def fixed_modes() -> int:
@@ -31,17 +30,17 @@ def mode_changed() -> None:
 @contextmanager
 def differentiating() -> Iterator[None]:
     """Mark the enclosed code as inside a gradient computation (automatic train mode)."""
-    token = _differentiating.set(True)
+    token = enter(differentiating=True)
     try:
         yield
     finally:
-        _differentiating.reset(token)
+        context.reset(token)
 
 
 def is_active(layer: nn.Module) -> bool:
     """Whether a mode-dependent layer should behave as in training right now."""
     active = getattr(layer, "active", None)
-    return _differentiating.get() if active is None else active
+    return context.get().differentiating if active is None else active
 
 
 def _set_mode(model: nn.Module, active: bool | None, where: str) -> nn.Module:

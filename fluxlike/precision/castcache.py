@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from .state import differentiating
+from .state import context
 
 # One thread's entries: id(source) -> (weak reference to source, {dtype: source.astype(dtype)}).
 _Table = dict[int, tuple[weakref.ref, dict]]
@@ -78,7 +78,7 @@ def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     """
     if source.dtype == dtype:
         return source
-    if differentiating.get():
+    if context.get().differentiating:
         return source.astype(dtype)
     table = _table()
     key = id(source)
@@ -106,7 +106,7 @@ def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | N
     >>> reused((w,), mx.float32)[0].dtype
     mlx.core.float32
     """
-    if differentiating.get():
+    if context.get().differentiating:
         return None
     found = []
     table = _table()

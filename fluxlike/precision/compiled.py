@@ -19,13 +19,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from .state import compute_dtypes, device_index, differentiating, mode_fixes, shapeless_trace
+from .state import context, device_index, enter, mode_fixes
 
 
 def trace_key() -> tuple:
     """The Python state a trace depends on: the default device type (it picks which slot of
     the autocast state layers read), the autocast dtypes and the automatic train mode."""
-    return device_index(), compute_dtypes.get(), differentiating.get()
+    state = context.get()
+    return device_index(), state.cpu, state.gpu, state.differentiating
 
 
 def compile(
@@ -73,11 +74,11 @@ def compile(
             # mx.compile caches traces by the identity of the Python function, so each
             # state gets its own function object.
             def trace(*args: Any, **kwargs: Any) -> Any:
-                token = shapeless_trace.set(shapeless)
+                token = enter(shapeless=shapeless)
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    shapeless_trace.reset(token)
+                    context.reset(token)
 
             compiled = traces[key] = mx.compile(
                 trace, inputs=inputs, outputs=outputs, shapeless=shapeless

@@ -40,18 +40,11 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from . import castcache
-from .state import (
-    CASTABLE,
-    HALF,
-    OFF,
-    compute_dtypes,
-    device_index,
-    differentiating,
-    shapeless_trace,
-)
+from .state import CASTABLE, HALF, PLAIN, context, device_index
 
 _warned_float64: set[str] = set()
 _HALF = frozenset(HALF)
+_F32 = mx.float32
 
 Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]
 Activation = Callable[[mx.array], mx.array]
@@ -121,8 +114,8 @@ def scope_dtype(*params: mx.array | None) -> mx.Dtype | None:
     ...     scope_dtype(mx.ones(2)), scope_dtype(mx.ones(2, mx.float64))
     (mlx.core.bfloat16, None)
     """
-    state = compute_dtypes.get()
-    if state is OFF:
+    state = context.get()
+    if state is PLAIN:
         return None
     dtype = state[device_index()]
     if dtype is not None and any(p is not None and p.dtype not in CASTABLE for p in params):
@@ -189,15 +182,14 @@ def linear(
     ((2, 4), mlx.core.bfloat16)
     """
     # The everyday float32 call first: one addmm, no other Python.
-    if compute_dtypes.get() is OFF and weight.itemsize == 4 and isinstance(x, mx.array) \
-            and x.dtype == weight.dtype and not differentiating.get() \
-            and not shapeless_trace.get():
+    state = context.get()
+    if state is PLAIN and weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
         y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
         return y if act is None else act(y)
     x, weight, bias = operands(x, weight, bias, layer=layer)
     # The row-major custom gradients cannot be traced shapeless (MLX cannot infer their
     # output shapes): there the plain ops are differentiated.
-    row_major = differentiating.get() and not shapeless_trace.get()
+    row_major = state.differentiating and not state.shapeless
     if bias is None:
         if emulates(x, weight):
             return _emulated_linear(act, x, weight)
@@ -212,7 +204,7 @@ def linear(
 def _affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
     """``x @ weight.T + bias``: one ``addmm``, except in a shapeless trace, whose replay at
     a smaller batch crashes in MLX 0.32's ``addmm`` (even for a bare ``nn.Linear``)."""
-    if shapeless_trace.get():
+    if context.get().shapeless:
         return x @ weight.T + bias
     return mx.addmm(bias, x, weight.T)
 
@@ -283,7 +275,7 @@ def _emulated_linear(
     features = x.shape[-1]
     rows = x.size // features if features else 0
     step = max(64, CHUNK_BYTES // (4 * max(weight.shape)))
-    if x.ndim < 1 or rows <= step or shapeless_trace.get():
+    if x.ndim < 1 or rows <= step or context.get().shapeless:
         return _activated(act, name)(x, weight, *bias)
     flat = x.reshape(rows, features)
     y = _in_float32_rows(name, step)(flat, weight, *bias).reshape(*x.shape[:-1], -1)
@@ -510,7 +502,7 @@ def _in_float32(
 
     # In a shapeless trace, differentiated through the casts: the same values and roughly the
     # same gradients, without the saved half operands.
-    return lambda *operands: (plain if shapeless_trace.get() else forward)(*operands)
+    return lambda *operands: (plain if context.get().shapeless else forward)(*operands)
 
 
 def _activated(act: Callable[[mx.array], mx.array] | None, *options) -> Callable[..., mx.array]:

@@ -35,15 +35,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 from . import castcache
-from .state import (
-    CASTABLE,
-    HALF,
-    OFF,
-    barrier,
-    compute_dtypes,
-    device_index,
-    without_autocast,
-)
+from .state import CASTABLE, HALF, PLAIN, barrier, context, device_index, with_dtype
 
 KINDS = ("down", "fp32", "none")
 M = TypeVar("M", bound=type)
@@ -315,8 +307,8 @@ def _install(cls: type, name: str, plain: Callable, wrapper: Callable | None,
 
 def _scoped_call(plain: Callable, scoped: Callable) -> Callable:
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = compute_dtypes.get()
-        if state is OFF or state[device_index()] is None:
+        state = context.get()
+        if state is PLAIN or state[device_index()] is None:
             return plain(self, *args, **kwargs)
         return scoped(self, *args, **kwargs)
 
@@ -325,35 +317,35 @@ def _scoped_call(plain: Callable, scoped: Callable) -> Callable:
 
 def _unscoped_call(plain: Callable) -> Callable:
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = compute_dtypes.get()
-        if state is OFF:
+        state = context.get()
+        if state is PLAIN:
             return plain(self, *args, **kwargs)
         slot = device_index()
         if state[slot] is None:
             return plain(self, *args, **kwargs)
-        token = compute_dtypes.set(without_autocast(slot))
+        token = with_dtype(slot, None)
         try:
             return plain(self, *args, **kwargs)
         finally:
-            compute_dtypes.reset(token)
+            context.reset(token)
 
     return call
 
 
 def _fp32_call(plain: Callable) -> Callable:
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = compute_dtypes.get()
-        if state is OFF:
+        state = context.get()
+        if state is PLAIN:
             return plain(self, *args, **kwargs)
         slot = device_index()
         if state[slot] is None:
             return plain(self, *args, **kwargs)
         args, kwargs = cast_arguments(mx.float32, HALF, args, kwargs)
-        token = compute_dtypes.set(without_autocast(slot))
+        token = with_dtype(slot, None)
         try:
             out = plain(self, *args, **kwargs)
         finally:
-            compute_dtypes.reset(token)
+            context.reset(token)
         up = _to(mx.float32, HALF)
         return up(out) if isinstance(out, mx.array) else tree_map(up, out)
 
@@ -368,8 +360,8 @@ _swap_lock = threading.RLock()
 
 def _swapping_call(plain: Callable) -> Callable:
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = compute_dtypes.get()
-        dtype = None if state is OFF else state[device_index()]
+        state = context.get()
+        dtype = None if state is PLAIN else state[device_index()]
         with _swap_lock:
             if dtype is None:
                 return plain(self, *args, **kwargs)

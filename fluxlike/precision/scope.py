@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import policy
-from .state import HALF, OFF, compute_dtypes, device_index
+from .state import HALF, context, device_index, with_dtype
 from .state import scope_entries as _entries
 
 _DEVICE_NAMES = {"cpu": mx.cpu, "gpu": mx.gpu}
@@ -42,13 +42,6 @@ def _check_dtype(dtype: Any, enabled: bool, where: str) -> mx.Dtype:
         f"{where}: dtype must be mx.float16 or mx.bfloat16 (None means mx.bfloat16, and any "
         f"dtype is accepted with enabled=False), got {dtype!r}{full}"
     )
-
-
-def _set(slot: int, dtype: mx.Dtype | None) -> None:
-    """Set one device slot of the state; all-off is always the ``OFF`` object (fast path)."""
-    state = list(compute_dtypes.get())
-    state[slot] = dtype
-    compute_dtypes.set(OFF if state[0] is None and state[1] is None else tuple(state))
 
 
 class autocast:
@@ -105,8 +98,8 @@ class autocast:
     def __enter__(self) -> autocast:
         policy.activate()
         slot = device_index() if self._slot is None else self._slot
-        _entries.set(_entries.get() + ((self, slot, compute_dtypes.get()[slot]),))
-        _set(slot, self.dtype if self.enabled else None)
+        _entries.set(_entries.get() + ((self, slot, context.get()[slot]),))
+        with_dtype(slot, self.dtype if self.enabled else None)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -123,7 +116,7 @@ class autocast:
         # stays that entry's and that entry will restore ours when it exits.
         later = next((j for j in range(i, len(rest)) if rest[j][1] == slot), None)
         if later is None:
-            _set(slot, before)
+            with_dtype(slot, before)
         else:
             rest[later] = (rest[later][0], slot, before)
         _entries.set(tuple(rest))
@@ -171,4 +164,4 @@ class autocast:
     def get_dtype(device: Any = None) -> mx.Dtype | None:
         """The compute dtype in force for ``device``'s type, or ``None`` when off."""
         slot = _device_slot(device, "autocast.get_dtype")
-        return compute_dtypes.get()[device_index() if slot is None else slot]
+        return context.get()[device_index() if slot is None else slot]

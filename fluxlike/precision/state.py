@@ -2,16 +2,14 @@
 
 Context variables (private to each thread and each asyncio task):
 
-- :data:`compute_dtypes`: the autocast state, a pair ``(cpu_dtype, gpu_dtype)``; ``None``
-  means autocast is off for that device type. :data:`OFF` is the one object meaning "off
-  everywhere", so the hot path is an identity test.
+- :data:`context`: a :class:`Context`, the autocast compute dtype of each device type
+  (``None``: off) and whether fluxlike is differentiating (``gradient``, ``train``:
+  automatic train mode, no kept casts, row-major weight gradients) or tracing shapeless
+  (``fluxlike.compile(..., shapeless=True)``: custom functions, whose output shapes MLX
+  cannot infer, and shape-dependent Python are left out of the graph). :data:`PLAIN` is
+  the one object meaning "none of these", so the layers' fast path is an identity test.
 - :data:`scope_entries`: the live ``autocast`` entries of this context, each ``(scope, device
   slot, that slot's dtype before the entry)``; each exit removes its own.
-- :data:`differentiating`: set while fluxlike differentiates (``gradient``, ``train``):
-  automatic train mode, no kept casts, row-major weight gradients.
-- :data:`shapeless_trace`: set while ``fluxlike.compile(..., shapeless=True)`` traces:
-  custom functions (whose output shapes MLX cannot infer) and shape-dependent Python are
-  left out of the graph then.
 
 Process-wide: :data:`barrier`, whether autocast has been used in this process (see
 :mod:`.policy`), and :data:`mode_fixes`, how many times ``trainmode``/``testmode`` or
@@ -21,21 +19,41 @@ Process-wide: :data:`barrier`, whether autocast has been used in this process (s
 from __future__ import annotations
 
 import threading
-from contextvars import ContextVar
-from typing import Any
+from contextvars import ContextVar, Token
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-OFF: tuple[mx.Dtype | None, mx.Dtype | None] = (None, None)
 
-compute_dtypes: ContextVar[tuple[mx.Dtype | None, mx.Dtype | None]] = ContextVar(
-    "fluxlike_autocast", default=OFF
-)
+class Context(NamedTuple):
+    """What the kernels read on every call: the compute dtype per device type (indexed by
+    :func:`device_index`: ``context[0]`` for the CPU, ``context[1]`` for the GPU) and the
+    transformation fluxlike is running."""
+
+    cpu: mx.Dtype | None = None
+    gpu: mx.Dtype | None = None
+    differentiating: bool = False
+    shapeless: bool = False
+
+
+PLAIN = Context()
+context: ContextVar[Context] = ContextVar("fluxlike_precision", default=PLAIN)
 scope_entries: ContextVar[tuple[tuple[Any, int, mx.Dtype | None], ...]] = ContextVar(
     "fluxlike_autocast_entries", default=()
 )
-differentiating: ContextVar[bool] = ContextVar("fluxlike_differentiating", default=False)
-shapeless_trace: ContextVar[bool] = ContextVar("fluxlike_shapeless_trace", default=False)
+
+
+def enter(**changes: Any) -> Token:
+    """Set fields of this context's :data:`context` (``PLAIN`` again when all are off);
+    ``context.reset(token)`` undoes it."""
+    new = context.get()._replace(**changes)
+    plain = new.cpu is None and new.gpu is None and not (new.differentiating or new.shapeless)
+    return context.set(PLAIN if plain else new)
+
+
+def with_dtype(slot: int, dtype: mx.Dtype | None) -> Token:
+    """Set the compute dtype of device ``slot`` (0 cpu, 1 gpu)."""
+    return enter(**{("cpu", "gpu")[slot]: dtype})
 
 
 class _Barrier:
@@ -82,14 +100,7 @@ def current_dtype() -> mx.Dtype | None:
     ...     current_dtype()
     mlx.core.float16
     """
-    state = compute_dtypes.get()
-    if state is OFF:
+    state = context.get()
+    if state is PLAIN:
         return None
     return state[device_index()]
-
-
-def without_autocast(slot: int) -> tuple[mx.Dtype | None, mx.Dtype | None]:
-    """The current state with device ``slot`` switched off."""
-    state = list(compute_dtypes.get())
-    state[slot] = None
-    return OFF if state[0] is None and state[1] is None else (state[0], state[1])

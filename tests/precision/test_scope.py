@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from fluxlike import Chain, Conv, Dense, Dropout, autocast, flatten, gradient, relu, trainmode
 from fluxlike import compile as fl_compile
 from fluxlike.precision.scope import _entries
-from fluxlike.precision.state import OFF, compute_dtypes
+from fluxlike.precision.state import PLAIN, context
 
 F16, BF16 = mx.float16, mx.bfloat16
 
@@ -37,7 +37,7 @@ def assert_state(cpu, gpu) -> None:
     assert autocast.is_enabled("cpu") == (cpu is not None)
     assert autocast.is_enabled("gpu") == (gpu is not None)
     if cpu is None and gpu is None:
-        assert compute_dtypes.get() is OFF  # the layers' fast path is an identity test
+        assert context.get() is PLAIN  # the layers' fast path is an identity test
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def _starts_and_ends_off():
     assert_state(None, None)
     yield
     left = state()
-    compute_dtypes.set(OFF)  # a failing test must not leak its scopes into the next ones
+    context.set(PLAIN)  # a failing test must not leak its scopes into the next ones
     _entries.set(())
     assert left == (None, None), f"a test left autocast on: {left}"
 
