@@ -91,6 +91,38 @@ def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     return result
 
 
+def rounded_upcast(source: mx.array, dtype: mx.Dtype) -> mx.array | None:
+    """``source.astype(dtype).astype(mx.float32)`` (``source``'s values rounded to the half
+    ``dtype``, held in float32, for a float32 kernel that computes half precision's numerics)
+    if an earlier call made it; otherwise ``None``, having made it for the next call. As
+    with :func:`reused`, a hit means ``source`` is no tracer of a running transformation.
+
+    >>> import mlx.core as mx
+    >>> w = mx.array([1.00390625])
+    >>> rounded_upcast(w, mx.bfloat16) is None
+    True
+    >>> rounded_upcast(w, mx.bfloat16).tolist(), rounded_upcast(w, mx.bfloat16).dtype
+    ([1.0], mlx.core.float32)
+    """
+    if context.get().differentiating:
+        return None
+    table = _table()
+    key = id(source)
+    entry = table.get(key)
+    if entry is not None and entry[0]() is source:
+        result = entry[1].get((dtype, mx.float32))
+        if result is not None:
+            return result
+    else:
+        entry = table[key] = (weakref.ref(source, _forget(table, key)), {})
+    casts = entry[1]
+    half = source if source.dtype == dtype else casts.get(dtype)
+    if half is None:
+        half = casts[dtype] = source.astype(dtype)
+    casts[(dtype, mx.float32)] = half.astype(mx.float32)
+    return None
+
+
 def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | None:
     """The casts of ``sources`` to ``dtype`` if every one was cached by an earlier call;
     otherwise ``None``, having cached the missing ones for the next call.

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from . import castcache
-from .state import CASTABLE, HALF, PLAIN, context, device_index
+from .state import CASTABLE, HALF, PLAIN, Context, context, device_index
 
 _warned_float64: set[str] = set()
 _HALF = frozenset(HALF)
@@ -186,6 +186,10 @@ def linear(
     if state is PLAIN and weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
         y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
         return y if act is None else act(y)
+    if not (state.differentiating or state.shapeless) and type(x) is mx.array:
+        kept = _kept_cpu_half(state, x, weight, bias, act)  # repeated inference, CPU half
+        if kept is not None:
+            return kept
     x, weight, bias = operands(x, weight, bias, layer=layer)
     # The row-major custom gradients cannot be traced shapeless (MLX cannot infer their
     # output shapes): there the plain ops are differentiated.
@@ -199,6 +203,37 @@ def linear(
     else:
         y = _row_major_affine(x, weight, bias) if row_major else _affine(x, weight, bias)
     return y if act is None else act(y)
+
+
+def _kept_cpu_half(state: Context, x: mx.array, weight: mx.array, bias: mx.array | None,
+                   act: Activation | None) -> mx.array | None:
+    """``linear`` in half precision on the CPU outside differentiation (inside a scope, or a
+    half model's own dtype): the float32 kernel on the kept float32 values of the rounded
+    weights, the input rounded to the half dtype, one rounding of the result. ``None``
+    where that does not apply, and the first time a weight is seen (or a tracer of
+    ``mx.grad``/``mx.compile``): then the custom gradient's path runs, which keeps no float32
+    copies for a backward pass."""
+    slot = device_index()
+    if slot:
+        return None
+    dtype = state[0]
+    wdtype = weight.dtype
+    if dtype is None:
+        if wdtype not in _HALF:
+            return None
+        dtype = wdtype
+    elif wdtype != _F32 and wdtype != dtype:
+        return None
+    given = x.dtype
+    if given != _F32 and given != dtype:
+        return None
+    w32 = castcache.rounded_upcast(weight, dtype)
+    b32 = None if bias is None else castcache.rounded_upcast(bias, dtype)
+    if w32 is None or (bias is not None and b32 is None):
+        return None
+    x32 = (x.astype(dtype) if given == _F32 else x).astype(_F32)
+    y32 = x32 @ w32.T if b32 is None else mx.addmm(b32, x32, w32.T)
+    return rounded(y32, dtype, act)
 
 
 def _affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
@@ -268,10 +303,6 @@ def _emulated_linear(
     step retains; in blocks of at most ``CHUNK_BYTES`` they stay small.
     """
     name = "affine" if bias else "linear"
-    params32 = castcache.reused((weight, *bias), mx.float32)
-    if params32 is not None:
-        y32 = _kernel(name)(x.astype(mx.float32), *params32)
-        return rounded(y32, x.dtype, act)
     features = x.shape[-1]
     rows = x.size // features if features else 0
     step = max(64, CHUNK_BYTES // (4 * max(weight.shape)))
