@@ -389,6 +389,8 @@ def cast_arguments(dtype: mx.Dtype, sources: tuple, args: tuple,
     """Every array of a dtype in ``sources`` in ``args`` and ``kwargs`` (nested in lists,
     tuples and dicts too) cast to ``dtype``; everything else as it is."""
     cast = _to(dtype, sources)
+    if len(args) == 1 and not kwargs and isinstance(args[0], mx.array):  # the usual call
+        return (cast(args[0]),), kwargs
     args = tuple(cast(a) if isinstance(a, mx.array) else tree_map(cast, a) for a in args)
     return args, (tree_map(cast, kwargs) if kwargs else kwargs)
 

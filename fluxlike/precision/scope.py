@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import policy
-from .state import HALF, context, device_index, with_dtype
+from .state import HALF, barrier, context, device_index, with_dtype
 from .state import scope_entries as _entries
 
 _DEVICE_NAMES = {"cpu": mx.cpu, "gpu": mx.gpu}
@@ -85,8 +85,10 @@ class autocast:
     def __init__(self, dtype: mx.Dtype | None = None, *, device: Any = None, enabled: bool = True):
         if not isinstance(enabled, bool):
             raise TypeError(f"autocast: enabled must be a bool, got {enabled!r}")
-        self.dtype = _check_dtype(dtype, enabled, "autocast")
-        self._slot = _device_slot(device, "autocast")
+        # (the everyday arguments without a call: this runs on every `with`)
+        self.dtype = dtype if dtype is mx.bfloat16 or dtype is mx.float16 else _check_dtype(
+            dtype, enabled, "autocast")
+        self._slot = None if device is None else _device_slot(device, "autocast")
         self.device = device
         self.enabled = enabled
 
@@ -96,7 +98,8 @@ class autocast:
         return f"autocast({self.dtype}{device}{enabled})"
 
     def __enter__(self) -> autocast:
-        policy.activate()
+        if not barrier.crossed:
+            policy.activate()
         slot = device_index() if self._slot is None else self._slot
         _entries.set(_entries.get() + ((self, slot, context.get()[slot]),))
         with_dtype(slot, self.dtype if self.enabled else None)
@@ -114,11 +117,12 @@ class autocast:
         # Only this device's slot is restored. If a later entry on the same device is still
         # live (exits out of order, e.g. a generator closed inside another scope), the state
         # stays that entry's and that entry will restore ours when it exits.
-        later = next((j for j in range(i, len(rest)) if rest[j][1] == slot), None)
-        if later is None:
-            with_dtype(slot, before)
+        for j in range(i, len(rest)):
+            if rest[j][1] == slot:
+                rest[j] = (rest[j][0], slot, before)
+                break
         else:
-            rest[later] = (rest[later][0], slot, before)
+            with_dtype(slot, before)
         _entries.set(tuple(rest))
 
     def __call__(self, fn: Callable) -> Callable:

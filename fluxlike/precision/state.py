@@ -53,7 +53,9 @@ def enter(**changes: Any) -> Token:
 
 def with_dtype(slot: int, dtype: mx.Dtype | None) -> Token:
     """Set the compute dtype of device ``slot`` (0 cpu, 1 gpu)."""
-    return enter(**{("cpu", "gpu")[slot]: dtype})
+    new = context.get()._replace(cpu=dtype) if slot == 0 else context.get()._replace(gpu=dtype)
+    plain = new.cpu is None and new.gpu is None and not (new.differentiating or new.shapeless)
+    return context.set(PLAIN if plain else new)
 
 
 class _Barrier:
