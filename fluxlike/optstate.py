@@ -7,6 +7,7 @@ loss scale's unscaling, finite check and adjustment when ``opt_state`` has one.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -45,7 +46,25 @@ class OptState:
     ):
         self.rule = rule
         self.optimizer = optimizer
+        self._loss_scale = None
         self.loss_scale = loss_scale
+
+    @property
+    def loss_scale(self) -> LossScale | None:
+        """The loss scale, or ``None``. One scale belongs to one ``OptState``: assigning a
+        scale that another live ``OptState`` holds is a ``ValueError`` (see
+        :class:`~fluxlike.DynamicLossScale`)."""
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: LossScale | None) -> None:
+        if value is not None and not isinstance(value, LossScale):
+            raise TypeError(f"OptState.loss_scale must be a loss scale or None, got {value!r}")
+        claim(value, self, "OptState")
+        old = self._loss_scale
+        if old is not None and old is not value and _owner(old) is self:
+            del _OWNERS[old]
+        self._loss_scale = value
 
     def __repr__(self) -> str:
         return f"OptState({self.rule!r}, loss_scale={self.loss_scale!r})"
@@ -66,8 +85,9 @@ class OptState:
         ``mlx.utils.tree_flatten``). The optimiser entries must match this state's names,
         shapes and dtypes exactly. A ``"loss_scale"`` entry is loaded into
         ``self.loss_scale``; if there is none yet, a ``DynamicLossScale()`` (the entry has a
-        ``counter``; its period, factor and min_scale are loaded too, or stay the defaults
-        for an entry saved without them) or a ``StaticLossScale`` is made for it. Without a
+        ``counter``; its growth_interval, growth_factor, backoff_factor and min_scale are
+        loaded too, or stay the defaults for an entry saved without them) or a
+        ``StaticLossScale`` is made for it. Without a
         ``"loss_scale"`` entry, ``self.loss_scale`` is left as it is. On any mismatch,
         raises ``ValueError`` naming the first mismatched entry and changes nothing.
         """
@@ -110,6 +130,36 @@ class OptState:
         assign(self.optimizer.state, {k[len("optimizer."):]: v for k, v in given.items()
                                        if k.startswith("optimizer.")})
         self.loss_scale = scale
+
+
+# Which OptState holds each loss scale (weakly: a dropped OptState frees its scale).
+_OWNERS: weakref.WeakKeyDictionary[LossScale, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def _owner(scale: LossScale) -> OptState | None:
+    ref = _OWNERS.get(scale)
+    return None if ref is None else ref()
+
+
+def claim(scale: LossScale | None, opt_state: OptState | None, where: str) -> None:
+    """Make ``opt_state`` the holder of ``scale`` (``None``: only check that it is free);
+    a ``ValueError`` if another live OptState holds it. ``update`` adjusts the scale of the
+    state it steps, so a scale shared by two states would be adjusted twice per iteration
+    and would unscale the second model's gradients with a scale that did not produce them."""
+    if scale is None:
+        return
+    holder = _owner(scale)
+    if holder is not None and holder is not opt_state:
+        raise ValueError(
+            f"{where}: this {type(scale).__name__} already belongs to another OptState; one "
+            f"loss scale cannot serve two optimiser states (each update adjusts it, so it "
+            f"would change twice per iteration and unscale one model's gradients with a "
+            f"scale that did not produce them). Give each OptState its own "
+            f"(setup(rule, model, loss_scale={type(scale).__name__}(...))), or train the "
+            f"models as one: a container module holding both, one setup, one loss"
+        )
+    if opt_state is not None:
+        _OWNERS[scale] = weakref.ref(opt_state)
 
 
 def _name(dtype: mx.Dtype) -> str:
@@ -155,6 +205,7 @@ def setup(
     if not isinstance(model, nn.Module):
         raise TypeError(f"setup: model must be an mlx.nn.Module, got {type(model).__name__}")
     scale = _resolve_scale(loss_scale, "setup")
+    claim(scale, None, "setup")
     optimizer.init(_trainable_parameters(model)[0])
     return OptState(rule, optimizer, scale)
 
@@ -238,10 +289,11 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     kernels, about a second each; MLX keeps them on disk). It is traced again when the
     gradients' structure, shapes or dtypes change, or when a Python setting of the
     optimiser or loss scale (``betas``, ``eps``, a schedule function, ...) is reassigned.
-    Array state (learning rate, step count, moments, the loss scale and its period, factor
-    and minimum) is read afresh at every step, so ``opt_state.optimizer.learning_rate =
-    1e-4`` takes effect at once; with a schedule (a callable ``lr``), though, MLX sets the
-    learning rate from the schedule before every step, so such an assignment has no effect.
+    Array state (learning rate, step count, moments, the loss scale and its growth
+    interval, factors and minimum) is read afresh at every step, so
+    ``opt_state.optimizer.learning_rate = 1e-4`` takes effect at once; with a schedule (a
+    callable ``lr``), though, MLX sets the learning rate from the schedule before every
+    step, so such an assignment has no effect.
     An optimiser whose step cannot be traced (a schedule that reads an array's value), that
     changes its own Python attributes while stepping, or whose ``state`` is not one live
     dict, is updated eagerly.

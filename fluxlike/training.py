@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .gradients import _check_autocast, _value_and_grad
-from .optstate import OptState, update
+from .optstate import OptState, claim, update
 from .optstep import COMPILED, assign
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale
@@ -132,7 +132,9 @@ def train(
         if opt_state.loss_scale is None and dtype is not None and dtype == mx.float16:
             opt_state.loss_scale = DynamicLossScale()
     else:
-        opt_state.loss_scale = lossscale.resolve(loss_scale, where)
+        new_scale = lossscale.resolve(loss_scale, where)
+        claim(new_scale, opt_state, where)  # refused before anything changes
+        opt_state.loss_scale = new_scale
     scale = opt_state.loss_scale
     scale_state = {} if scale is None else scale.state
 
