@@ -13,11 +13,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
-from .gradients import _floating_or_tree, _trainable, _trainable_parameters
+from .gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
 from .optimise import Rule
-from .optstep import COMPILED, Compiled, assign, init_missing, step
+from .optstep import COMPILED, Compiled, assign, init_missing, rollback, step
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale, LossScale
 
@@ -48,6 +48,8 @@ class OptState:
         self.optimizer = optimizer
         self._loss_scale = None
         self.loss_scale = loss_scale
+        # the parameter names and shapes of the model setup() made this for (None: unknown)
+        self._model_shapes: dict[str, tuple] | None = None
 
     @property
     def loss_scale(self) -> LossScale | None:
@@ -111,6 +113,8 @@ class OptState:
                     f"OptState.load_state: entry {name!r} must be a {_name(value.dtype)} "
                     f"array of shape {tuple(value.shape)}, got a {found}"
                 )
+        _check_optimizer_values([(f"optimizer.{key}", given[f"optimizer.{key}"])
+                                 for key, _ in current])
         scale_tree = {k[len("loss_scale."):]: v for k, v in given.items()
                       if k.startswith("loss_scale.")}
         known = {f"optimizer.{k}" for k, _ in current}
@@ -162,6 +166,34 @@ def claim(scale: LossScale | None, opt_state: OptState | None, where: str) -> No
         _OWNERS[scale] = weakref.ref(opt_state)
 
 
+MAX_STEP = 2**40  # a step count past this is no real run (a trillion steps): a corrupt file
+
+
+def _check_optimizer_values(entries: list[tuple[str, mx.array]]) -> None:
+    """Refuse optimiser state no real run can have: a non-finite array (moments, learning
+    rate...), a negative learning rate, a step count past :data:`MAX_STEP`. One device read
+    for all entries."""
+    checks = []
+    for name, value in entries:
+        leaf = name.rpartition(".")[2]
+        if mx.issubdtype(value.dtype, mx.inexact):
+            checks.append((name, "holds inf or nan", mx.all(mx.isfinite(value))))
+        if leaf == "learning_rate":
+            checks.append((name, "is negative", mx.all(value >= 0)))
+        if leaf == "step" and mx.issubdtype(value.dtype, mx.integer):
+            checks.append((name, "is a step count past any real run (over 2**40)",
+                           mx.all(value.astype(mx.uint64) <= MAX_STEP)))
+    if not checks:
+        return
+    oks = mx.stack([ok for _, _, ok in checks]).tolist()
+    for (name, what, _), ok in zip(checks, oks, strict=True):
+        if not ok:
+            raise ValueError(
+                f"OptState.load_state: entry {name!r} {what}; no training run leaves that, "
+                f"so the state (or the file it came from) is corrupt"
+            )
+
+
 def _name(dtype: mx.Dtype) -> str:
     return str(dtype).rpartition(".")[2]
 
@@ -207,13 +239,17 @@ def setup(
     scale = _resolve_scale(loss_scale, "setup")
     claim(scale, None, "setup")
     optimizer.init(_trainable_parameters(model)[0])
-    return OptState(rule, optimizer, scale)
+    opt_state = OptState(rule, optimizer, scale)
+    opt_state._model_shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    return opt_state
 
 
-def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any]:
+def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any, Any]:
     """Validate ``grads`` against ``model``'s trainable parameters, in one walk of both.
-    Returns ``(signature, params)``: each gradient's path, shape and dtype (which key the
-    compiled steps), and the parameters, in the structure of ``grads``."""
+    Returns ``(signature, params, grads)``: each gradient's path, shape and dtype (which key
+    the compiled steps), the parameters in the structure of ``grads``, and ``grads`` with
+    any gradient wider than its parameter (float64 for float32) cast to the parameter's
+    dtype."""
     if not isinstance(grads, dict):
         hint = "; gradient() returns a tuple, pass its model entry (grads[0])" if isinstance(
             grads, tuple) else ""
@@ -250,11 +286,36 @@ def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any]:
                 f"update: gradient {path!r} must be an array of shape "
                 f"{tuple(value.shape)}, got {found}"
             )
-        signature.append((path, g.shape, g.dtype))
+        if g.dtype != value.dtype and g.dtype in _INEXACT and value.dtype in _INEXACT and (
+            g.dtype.size > value.dtype.size
+        ):  # float64 gradients would turn float32 parameters and moments into float64
+            casts[path] = g.astype(value.dtype)
+        signature.append((path, g.shape, casts[path].dtype if path in casts else g.dtype))
         return value
 
+    casts: dict[str, mx.array] = {}
     params = walk(grads, model, model, "", "")
-    return tuple(signature), params
+    if casts:
+        grads = tree_map_with_path(lambda path, g: casts.get(path, g), grads)
+    return tuple(signature), params, grads
+
+
+def _check_same_model(opt_state: OptState, signature: tuple, shapes: bool) -> None:
+    """Refuse gradients of a model other than the one ``opt_state`` was set up for (a
+    parameter it did not have, or had in another shape): the step would grow the state with
+    the other model's entries and share its step count."""
+    known = opt_state._model_shapes
+    if known is None:
+        return
+    for path, shape, _ in signature:
+        if path not in known or (shapes and known[path] != tuple(shape)):
+            had = f"had it of shape {known[path]}" if path in known else "had no such parameter"
+            raise ValueError(
+                f"update: opt_state was set up for another model: this model's parameter "
+                f"{path!r} (shape {tuple(shape)}) does not fit it (the model given to setup() "
+                f"{had}); call setup(rule, model) for this model, or pass the model the "
+                f"state belongs to"
+            )
 
 
 _MISSING = object()
@@ -317,11 +378,13 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         raise TypeError(f"update: expected an OptState from setup(), got {opt_state!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"update: model must be an mlx.nn.Module, got {type(model).__name__}")
-    signature, params = _check_grads(grads, model)
+    signature, params, grads = _check_grads(grads, model)
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     if signature not in compiled.initialised:
+        _check_same_model(opt_state, signature, shapes=False)  # before init_missing grows it
         init_missing(optimizer, params)  # thawed since setup(): no state yet
+        _check_same_model(opt_state, signature, shapes=True)  # (moments: init_missing says)
         compiled.initialised.add(signature)
     reason = compiled.eager or compiled.step(opt_state, model, grads, params, signature)
     if reason is None:
@@ -334,7 +397,6 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         else:
             model.update(step(optimizer, scale, grads, params))
     except BaseException:
-        for tree, values in zip(trees, before, strict=True):  # no half-taken step
-            assign(tree, values, prune=True)
+        rollback(model, params, trees, before)  # no half-taken step
         raise
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input
