@@ -273,6 +273,14 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
         _check_optimizer_kind(metadata.get("optimizer"), opt_state, path)
         # OptState.load_state validates everything and changes nothing on a mismatch; it
         # also makes the loss scale a float16 run saved if this state has none yet.
+        # float64 entries (another writer's; MLX writes none) take the state's own dtype
+        current = dict(tree_flatten(opt_state.state))
+        for name, value in opt_entries.items():
+            now = current.get(name)
+            if isinstance(value, mx.array) and value.dtype == mx.float64 and isinstance(
+                now, mx.array
+            ) and mx.issubdtype(now.dtype, mx.floating):
+                opt_entries[name] = value.astype(now.dtype)
         try:
             opt_state.load_state(tree_unflatten(list(opt_entries.items())))
         except ValueError as e:

@@ -172,3 +172,206 @@ def test_a_float64_checkpoint_loads(tmp_path):
     opt_state = setup(Adam(), model)
     savemodel(tmp_path / "again.safetensors", model, opt_state)
     loadcheckpoint(tmp_path / "again.safetensors", Dense(2, 3), setup(Adam(), Dense(2, 3)))
+
+
+# ---------------------------------------------------------------- a corpus of hostile files
+
+import json  # noqa: E402
+import struct  # noqa: E402
+
+from fluxlike import DynamicLossScale  # noqa: E402
+
+
+def _parse(data: bytes) -> tuple[dict, bytes]:
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _pack(header: dict | bytes, body: bytes) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+def _retyped(header: dict, body: bytes, name: str, dtype: str, values: np.ndarray) -> bytes:
+    """The file with entry ``name`` replaced by ``values`` stored as ``dtype``, appended."""
+    header = json.loads(json.dumps(header))
+    raw = values.tobytes()
+    header[name] = {"dtype": dtype, "shape": list(values.shape),
+                    "data_offsets": [len(body), len(body) + len(raw)]}
+    return _pack(header, body + raw)
+
+
+def _corpus(valid: bytes) -> dict[str, tuple[bytes, str]]:
+    """name: (file content, what the refusal must say)."""
+    header, body = _parse(valid)
+    meta = header["__metadata__"]
+    plain = json.loads(meta["plain"])
+    bomb = "[" * 100_000 + "]" * 100_000
+
+    def with_meta(**changes) -> bytes:
+        return _pack({**header, "__metadata__": {**meta, **changes}}, body)
+
+    def with_plain(**changes) -> bytes:
+        return with_meta(plain=json.dumps({**plain, **changes}))
+
+    def with_entry(name: str, **changes) -> bytes:
+        return _pack({**header, name: {**header[name], **changes}}, body)
+
+    def scalar(name: str, dtype: str, value) -> bytes:
+        np_dtype = {"F32": np.float32, "I32": np.int32, "U64": np.uint64}[dtype]
+        return _retyped(header, body, name, dtype, np.array(value, dtype=np_dtype))
+
+    corpus = {
+        "empty": (b"", "too few for a safetensors header"),
+        "four bytes": (valid[:4], "too few for a safetensors header"),
+        "length only": (valid[:8], "its header claims"),
+        "mid header": (valid[:40], "its header claims"),
+        "mid data": (valid[: len(valid) - len(body) // 2], "a truncated file"),
+        "last byte gone": (valid[:-1], "a truncated file"),
+        "huge header length": (struct.pack("<Q", 2**62) + valid[8:], "its header claims"),
+        "garbage header": (_pack(b"{not json" + b" " * 20, body), "its header is not valid JSON"),
+        "binary header": (_pack(b"\xff\xfe" * 10, body), "its header is not valid JSON"),
+        "header a list": (_pack(b"[1, 2]", body), "its header is a JSON list"),
+        "header bomb": (_pack(bomb.encode(), body), "its header is not valid JSON"),
+        "metadata a list": (_pack({**header, "__metadata__": [1]}, body), "'__metadata__'"),
+        "metadata numbers": (_pack({**header, "__metadata__": {"format": 3}}, body),
+                             "'__metadata__'"),
+        "plain not json": (with_meta(plain="{oops"), "unreadable 'plain' metadata"),
+        "plain bomb": (with_meta(plain=bomb), "unreadable 'plain' metadata"),
+        "plain a list": (with_meta(plain="[1]"), "'plain' metadata entry that is a JSON list"),
+        "plain holds a dict": (with_plain(**{"opt.x": {"a": 1}}), "a non-plain value"),
+        "optimizer kind garbage": (with_meta(optimizer="{bad"), "unreadable 'optimizer'"),
+        "optimizer kind bomb": (with_meta(optimizer=bomb), "unreadable 'optimizer'"),
+        "optimizer kind a list": (with_meta(optimizer="[1]"), "unreadable 'optimizer'"),
+        "unknown dtype": (with_entry("model.weight", dtype="F8"), "header entry of "
+                                                                   "'model.weight' is malformed"),
+        "shape of strings": (with_entry("model.weight", shape=["2", "3"]), "is malformed"),
+        "negative shape": (with_entry("model.weight", shape=[-2, -3]), "is malformed"),
+        "offsets reversed": (with_entry("model.weight", data_offsets=[8, 0]), "is malformed"),
+        "offsets past the end": (with_entry("model.weight", data_offsets=[10**9, 10**9 + 24]),
+                                 "a truncated file"),
+        "size disagrees": (with_entry("model.weight", shape=[4, 4]), "should have 64 bytes"),
+        "no offsets": (_pack({**header, "model.weight": {"dtype": "F32", "shape": [2, 3]}},
+                             body), "is malformed"),
+        "entry not an object": (_pack({**header, "model.weight": 5}, body), "is malformed"),
+        "weight as integers": (_retyped(header, body, "model.weight", "I32",
+                                        np.zeros((2, 3), np.int32)), "dtype mismatch at "
+                                                                     "'model.weight'"),
+        "weight wrong shape": (_retyped(header, body, "model.weight", "F32",
+                                        np.zeros((3, 2), np.float32)), "shape mismatch"),
+        "stray entry": (_retyped(header, body, "junk", "F32", np.zeros(1, np.float32)),
+                        "unexpected entry 'junk'"),
+        "missing weight": (_pack({k: v for k, v in header.items() if k != "model.weight"},
+                                 body), "missing 'model.weight'"),
+        "step as float": (scalar("opt.optimizer.step", "F32", 3.0), "'optimizer.step' must be "
+                                                                    "a uint64 array"),
+        "huge step": (scalar("opt.optimizer.step", "U64", 2**63), "step count past any real"),
+        "nan learning rate": (scalar("opt.optimizer.learning_rate", "F32", np.nan),
+                              "'optimizer.learning_rate' holds inf or nan"),
+        "negative learning rate": (scalar("opt.optimizer.learning_rate", "F32", -0.1),
+                                   "'optimizer.learning_rate' is negative"),
+        "nan moment": (_retyped(header, body, "opt.optimizer.weight.v", "F32",
+                                np.full((2, 3), np.nan, np.float32)), "holds inf or nan"),
+        "inf moment": (_retyped(header, body, "opt.optimizer.weight.m", "F32",
+                                np.full((2, 3), np.inf, np.float32)), "holds inf or nan"),
+        "moment wrong shape": (_retyped(header, body, "opt.optimizer.weight.m", "F32",
+                                        np.zeros(6, np.float32)), "'optimizer.weight.m' must "
+                                                                  "be a float32 array of shape"),
+        "missing moment": (_pack({k: v for k, v in header.items()
+                                  if k != "opt.optimizer.weight.m"}, body), "missing entry"),
+        "moment in metadata": (_pack({k: v for k, v in header.items()
+                                      if k != "opt.optimizer.weight.m"}, body)
+                               if False else with_plain(**{"opt.optimizer.weight.m": 1.0}),
+                               "'optimizer.weight.m' must be a float32 array"),
+        "counter a float": (scalar("opt.loss_scale.counter", "F32", 2.5),
+                            "'counter' must be an integer array"),
+    }
+    for value, said in [(np.nan, "got nan"), (np.inf, "got inf"), (0.0, "got 0.0"),
+                        (-4.0, "got -4.0"), (0.5, "at least min_scale=1.0")]:
+        corpus[f"loss scale {value}"] = (scalar("opt.loss_scale.loss_scale", "F32", value),
+                                         f"'loss_scale' must be finite {'.*' if said else ''}")
+        corpus[f"loss scale {value}"] = (corpus[f"loss scale {value}"][0], said)
+    corpus["counter negative"] = (scalar("opt.loss_scale.counter", "I32", -1),
+                                  "'counter' must be in [0, growth_interval=2000)")
+    corpus["counter too big"] = (scalar("opt.loss_scale.counter", "I32", 10**6),
+                                 "'counter' must be in [0, growth_interval=2000)")
+    corpus["huge min_scale"] = (scalar("opt.loss_scale.min_scale", "F32", 1e30),
+                                "at least min_scale=1e+30")
+    corpus["nan growth factor"] = (scalar("opt.loss_scale.growth_factor", "F32", np.nan),
+                                   "growth_factor must be a positive number, got nan")
+    corpus["zero interval"] = (scalar("opt.loss_scale.growth_interval", "I32", 0),
+                               "growth_interval must be a positive integer")
+    corpus["old period zero"] = (scalar("opt.loss_scale.period", "I32", 0),
+                                 "period must be a positive integer")
+    return corpus
+
+
+def _valid_checkpoint(tmp_path) -> tuple[bytes, Dense]:
+    model = Dense(3, 2)
+    opt_state = setup(Adam(0.01), model, loss_scale=DynamicLossScale())
+    (g,) = __import__("fluxlike").gradient(lambda m: m(mx.ones((1, 3))).sum(), model)
+    from fluxlike import update
+    update(opt_state, model, {k: v * 32768.0 for k, v in g.items()})
+    path = tmp_path / "valid.safetensors"
+    savemodel(path, model, opt_state)
+    return path.read_bytes(), model
+
+
+def test_hostile_checkpoints_are_refused_clearly_changing_nothing(tmp_path):
+    valid, _ = _valid_checkpoint(tmp_path)
+    corpus = _corpus(valid)
+    assert len(corpus) >= 50
+    mx.random.seed(1)
+    model = Dense(3, 2)
+    opt_state = setup(Adam(0.01), model, loss_scale=DynamicLossScale(init_scale=64.0))
+    bare = setup(Adam(0.01), Dense(3, 2))  # no loss scale yet: one must not appear
+    mx.eval(model.parameters(), opt_state.state, bare.state)
+    before = (_arrays(model.parameters()), _arrays(opt_state.state), _arrays(bare.state))
+    failures = []
+    for i, (name, (content, said)) in enumerate(corpus.items()):
+        path = tmp_path / f"hostile{i}.safetensors"
+        path.write_bytes(content)
+        for target in (opt_state, bare):
+            try:
+                loadcheckpoint(path, model, target)
+            except ValueError as e:
+                message = str(e)
+                if str(path) not in message or said not in message:
+                    failures.append(f"{name}: {message[:300]}")
+            except Exception as e:  # noqa: BLE001 - anything else is what this test is for
+                failures.append(f"{name}: raw {type(e).__name__}: {str(e)[:300]}")
+            else:
+                failures.append(f"{name}: loaded")
+        assert bare.loss_scale is None, name
+    assert not failures, "\n".join(failures)
+    after = (_arrays(model.parameters()), _arrays(opt_state.state), _arrays(bare.state))
+    for b, a in zip(before, after, strict=True):
+        assert b.keys() == a.keys()
+        for k in b:
+            assert b[k].dtype == a[k].dtype and b[k].tobytes() == a[k].tobytes(), k
+
+
+def test_a_float64_copy_of_a_checkpoint_loads(tmp_path):
+    # every floating entry as F64 (as a float64 writer would store it): loads, cast to the
+    # model's and optimiser state's own dtypes
+    valid, source = _valid_checkpoint(tmp_path)
+    header, body = _parse(valid)
+    out_header, out_body = {"__metadata__": header.pop("__metadata__")}, b""
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        dtype = {"F32": np.float32, "U64": np.uint64, "I32": np.int32}[info["dtype"]]
+        values = np.frombuffer(body[start:end], dtype).reshape(info["shape"])
+        stored, raw = info["dtype"], values.tobytes()
+        if info["dtype"] == "F32":
+            stored, raw = "F64", values.astype(np.float64).tobytes()
+        out_header[name] = {"dtype": stored, "shape": info["shape"],
+                            "data_offsets": [len(out_body), len(out_body) + len(raw)]}
+        out_body += raw
+    path = tmp_path / "f64.safetensors"
+    path.write_bytes(_pack(out_header, out_body))
+    model, opt_state = Dense(3, 2), setup(Adam(0.01), Dense(3, 2))
+    loadcheckpoint(path, model, opt_state)
+    for k, v in _arrays(source.parameters()).items():
+        np.testing.assert_array_equal(_arrays(model.parameters())[k], v)
+    assert opt_state.optimizer.state["weight"]["m"].dtype == mx.float32
+    assert opt_state.loss_scale.loss_scale.dtype == mx.float32
