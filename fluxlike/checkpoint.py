@@ -31,8 +31,10 @@ import json
 import math
 import os
 import re
+import socket
 import struct
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -154,10 +156,12 @@ def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) 
     _write(path, arrays, metadata)
 
 
-# Temporary files are named after the target, the process, the thread and a random token, so
-# that concurrent saves to one path (threads or processes) never share one; mx.save_safetensors
-# insists on the suffix.
-_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)(?:\.\d+\.[0-9a-f]+)?\.tmp\.safetensors$")
+# Temporary files are named after the target, the host, the process, the thread and a random
+# token, so that concurrent saves to one path (threads, processes, machines sharing a file
+# system) never share one; mx.save_safetensors insists on the suffix.
+_TMP_SUFFIX = ".tmp.safetensors"
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()) or "host"
+_ABANDONED = 24 * 3600  # another machine's temporary this much older than now: its save died
 
 
 def _write(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
@@ -165,7 +169,7 @@ def _write(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str]) ->
     over ``path``, and the directory flushed. A crash at any point leaves the old file or the
     new one (and perhaps a temporary file, removed by the next save to ``path``)."""
     _remove_stale_temporaries(path)
-    token = f"{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}"
+    token = f"{_HOST}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}"
     tmp = path.with_name(f".{path.name}.{token}.tmp.safetensors")
     try:
         mx.save_safetensors(str(tmp), arrays, metadata=metadata)
@@ -192,16 +196,30 @@ def _fsync(path: Path) -> None:
 
 def _remove_stale_temporaries(path: Path) -> None:
     """Delete the temporary files that earlier saves to ``path`` left when they were killed:
-    those of processes no longer running (a live process may be writing its own)."""
+    this machine's of processes no longer running (a live process may be writing its own),
+    another machine's only once a day old. Temporaries named as earlier versions named them
+    (``.<name>.<pid>.tmp.safetensors``) count as this machine's."""
+    prefix = f".{path.name}."
     try:
         names = os.listdir(path.parent)
     except OSError:
         return
     for name in names:
-        m = _TMP.match(name)
-        if m is None or m["name"] != path.name or _running(int(m["pid"])):
+        if not (name.startswith(prefix) and name.endswith(_TMP_SUFFIX)):
+            continue
+        parts = name[len(prefix) : -len(_TMP_SUFFIX)].rsplit(".", 3)
+        if len(parts) == 1 and parts[0].isdigit():
+            host, pid = _HOST, int(parts[0])
+        elif len(parts) == 4 and parts[1].isdigit():
+            host, pid = parts[0], int(parts[1])
+        else:
             continue
         try:
+            if host == _HOST:
+                if _running(pid):
+                    continue
+            elif time.time() - os.stat(path.parent / name).st_mtime < _ABANDONED:
+                continue
             os.unlink(path.parent / name)
         except OSError:  # another save removed it first
             pass

@@ -113,15 +113,21 @@ def test_stale_temporaries_of_dead_processes_are_removed_live_ones_kept(tmp_path
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, timeout=30)
     dead_pid = int(dead.stdout)
+    from fluxlike.checkpoint import _HOST
     stale = [tmp_path / f".m.safetensors.{dead_pid}.tmp.safetensors",  # as older versions named
-             tmp_path / f".m.safetensors.{dead_pid}.7.0123abcd.tmp.safetensors"]
-    live = tmp_path / f".m.safetensors.{os.getppid()}.1.beef.tmp.safetensors"  # a running writer
+             tmp_path / f".m.safetensors.{_HOST}.{dead_pid}.7.0123abcd.tmp.safetensors",
+             tmp_path / f".m.safetensors.far.away.{dead_pid}.7.0123abcd.tmp.safetensors"]
+    live = tmp_path / f".m.safetensors.{_HOST}.{os.getppid()}.1.beef.tmp.safetensors"
+    remote = tmp_path / f".m.safetensors.far.away.{dead_pid}.8.0123abcd.tmp.safetensors"
     other = tmp_path / f".other.safetensors.{dead_pid}.tmp.safetensors"  # another checkpoint's
-    for p in (*stale, live, other):
+    for p in (*stale, live, remote, other):
         p.write_bytes(b"x" * 10)
+    day_old = time.time() - 25 * 3600  # another machine's, abandoned a day ago
+    os.utime(stale[2], (day_old, day_old))
     savemodel(path, Dense(2, 2))
+    # kept: a live writer's, another machine's recent one (its pid means nothing here)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["m.safetensors", live.name, other.name])
+        ["m.safetensors", live.name, remote.name, other.name])
 
 
 def test_a_loaded_model_owns_its_data(tmp_path):
