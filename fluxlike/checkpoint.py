@@ -18,6 +18,16 @@ numbers, strings, ``None``) go, as JSON, into the file's metadata, and so do the
 names of the optimiser, which :func:`loadcheckpoint` compares with those of the state it
 loads into. The file is a plain safetensors file: ``mx.load(path)`` reads its arrays.
 
+Faults: a save writes a temporary file beside the target (named after the host, process and
+thread, so that concurrent saves to one path never share one: the last to finish wins, each
+file whole), flushes it to disk, renames it over the target and flushes the directory, so a
+crash or power loss leaves the old checkpoint or the new one; a killed save's temporary is
+removed by the next save to that path. A load reads the whole file first (the model then owns
+its arrays: rewriting or truncating the file afterwards cannot reach it), and a file that is
+truncated, empty or malformed in any way is a ``ValueError`` naming the file and the fault.
+float64 entries (which other writers store and MLX's own reader refuses) load, converted to
+the model's dtypes.
+
 File names: MLX's ``Module.save_weights`` picks the format by the extension (``.npz`` or
 ``.safetensors``) and refuses others. A checkpoint needs safetensors (its metadata), so
 :func:`savemodel` requires a ``.safetensors`` name. :func:`loadcheckpoint` goes by the
@@ -101,8 +111,9 @@ def loadmodel(model: nn.Module, source: Any) -> nn.Module:
 def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) -> None:
     """Write ``model`` (and ``opt_state`` from :func:`~fluxlike.setup`, if given) to one
     safetensors file at exactly ``path``, whose name must end in ``.safetensors`` (as for
-    MLX's ``save_weights``, the extension names the format). The write is atomic: a crash
-    leaves either the old file or the new one.
+    MLX's ``save_weights``, the extension names the format). The write is atomic and
+    durable: a crash leaves either the old file or the new one (see the module's notes on
+    faults); saves from several threads or processes to one path each leave a whole file.
 
     >>> import mlx.core as mx, tempfile, os
     >>> from fluxlike import Dense, loadcheckpoint, savemodel

@@ -53,8 +53,8 @@ class OptState:
 
     @property
     def loss_scale(self) -> LossScale | None:
-        """The loss scale, or ``None``. One scale belongs to one ``OptState``: assigning a
-        scale that another live ``OptState`` holds is a ``ValueError`` (see
+        """The loss scale, or ``None``. A dynamic scale belongs to one ``OptState``:
+        assigning one that another live ``OptState`` holds is a ``ValueError`` (see
         :class:`~fluxlike.DynamicLossScale`)."""
         return self._loss_scale
 
@@ -149,8 +149,9 @@ def claim(scale: LossScale | None, opt_state: OptState | None, where: str) -> No
     """Make ``opt_state`` the holder of ``scale`` (``None``: only check that it is free);
     a ``ValueError`` if another live OptState holds it. ``update`` adjusts the scale of the
     state it steps, so a scale shared by two states would be adjusted twice per iteration
-    and would unscale the second model's gradients with a scale that did not produce them."""
-    if scale is None:
+    and would unscale the second model's gradients with a scale that did not produce them.
+    A scale that never adjusts (:class:`~fluxlike.StaticLossScale`) may be shared."""
+    if scale is None or type(scale).adjust is LossScale.adjust:  # a static scale never changes
         return
     holder = _owner(scale)
     if holder is not None and holder is not opt_state:

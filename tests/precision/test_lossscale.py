@@ -424,6 +424,12 @@ def test_one_scale_shared_by_two_opt_states_is_refused():
         other.loss_scale = ls
 
 
+def test_a_static_scale_may_be_shared():  # it never changes: nothing to adjust twice
+    a, b = _two_models()
+    ls = StaticLossScale(1024.0)
+    assert setup(Adam(), a, loss_scale=ls).loss_scale is setup(Adam(), b, loss_scale=ls).loss_scale
+
+
 def test_one_opt_state_keeps_its_scale_over_many_train_calls():
     from fluxlike import train
     a, _ = _two_models()
