@@ -276,6 +276,9 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
     if opt_state is not None:
         _opt_tree(opt_state, "loadcheckpoint")
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"[loadcheckpoint] {str(path)!r} is a directory: give the path "
+                                f"of a checkpoint file inside it")
     if not path.is_file():
         raise FileNotFoundError(f"[loadcheckpoint] no checkpoint file at {str(path)!r}")
     arrays, metadata = _read(path)

@@ -157,6 +157,9 @@ def test_savemodel_onto_a_directory(tmp_path):
                        r"directory: give the path of a file inside it"):
         savemodel(target, Dense(2, 2))
     assert list(target.iterdir()) == []
+    with pytest.raises(IsADirectoryError, match=r"\[loadcheckpoint\] '.*run.safetensors' is a "
+                       r"directory: give the path of a checkpoint file inside it"):
+        loadcheckpoint(target, Dense(2, 2))
 
 
 def test_a_float64_checkpoint_loads(tmp_path):
