@@ -64,6 +64,43 @@ TestDynamicScaleMachine.settings = settings(max_examples=60, stateful_step_count
                                             deadline=None)
 
 
+class GradScalerRuleMachine(RuleBasedStateMachine):
+    """The rule with GradScaler's separate factors (growth 2, backoff 0.25, as a ported recipe
+    might set), through checkpoint round trips, against plain Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.ls = DynamicLossScale(init_scale=64.0, growth_factor=2.0, backoff_factor=0.25,
+                                   growth_interval=2, min_scale=0.5)
+        self.scale, self.counter = 64.0, 0
+
+    @rule(finite=st.booleans())
+    def adjust(self, finite):
+        self.ls.adjust(mx.array(finite))
+        if finite:
+            self.counter += 1
+            if self.counter == 2:
+                self.scale, self.counter = self.scale * 2.0, 0
+        else:
+            self.scale, self.counter = max(self.scale * 0.25, 0.5), 0
+
+    @rule()
+    def checkpoint_round_trip(self):
+        other = DynamicLossScale()
+        other.load_state({k: mx.array(np.array(v)) for k, v in self.ls.state.items()})
+        self.ls = other
+
+    @invariant()
+    def matches_the_model(self):
+        assert self.ls.loss_scale.item() == self.scale
+        assert self.ls.counter.item() == self.counter
+
+
+TestGradScalerRuleMachine = GradScalerRuleMachine.TestCase
+TestGradScalerRuleMachine.settings = settings(max_examples=40, stateful_step_count=30,
+                                              deadline=None)
+
+
 def test_scale_never_grows_into_inf():
     ls = DynamicLossScale(scale=2.0**127, period=1)
     ls.adjust(mx.array(True))
