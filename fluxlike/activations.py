@@ -269,12 +269,23 @@ def resolve(act: Callable | str | None, layer: str) -> Callable[[mx.array], mx.a
     """The activation function named or given by ``act`` (``None`` is ``identity``);
     ``layer`` names the layer in errors.
 
+    ``act`` may be a name, a function of an array (fluxlike's, ``mlx.nn``'s, ``mx.tanh``, a
+    lambda, a ``functools.partial``) or a module instance (``nn.ReLU()``). A class
+    (``nn.ReLU``), or a callable that does not return an array for an array (``len``,
+    ``lambda x: None``), is refused here, at construction, rather than failing at the first
+    call. (A user's function is tried once on a small float32 array to tell; a function that
+    raises on it is accepted, and its error will come at the call.)
+
+    >>> import mlx.nn as nn
     >>> from fluxlike.activations import identity, relu, resolve
     >>> resolve("relu", "Dense") is relu, resolve(None, "Dense") is identity
     (True, True)
     >>> resolve("rleu", "Dense")
     Traceback (most recent call last):
     ValueError: [Dense] unknown activation 'rleu'; expected a callable or one of [...]
+    >>> resolve(nn.ReLU, "Dense")
+    Traceback (most recent call last):
+    TypeError: [Dense] act=nn.ReLU is a class, not an activation: pass an instance, nn.ReLU(), ...
     """
     if act is None:
         return identity
@@ -287,4 +298,55 @@ def resolve(act: Callable | str | None, layer: str) -> Callable[[mx.array], mx.a
         return ACTIVATIONS[act]
     if not callable(act):
         raise TypeError(f"[{layer}] activation must be callable or a name, got {act!r}")
+    if isinstance(act, type):
+        name = act.__name__
+        if issubclass(act, nn.Module):
+            shown = f"nn.{name}" if getattr(nn, name, None) is act else name
+            function = name.lower() if name.lower() in ACTIVATIONS else None
+            raise TypeError(
+                f"[{layer}] act={shown} is a class, not an activation: pass an instance, "
+                f"{shown}(){f', or the function {function}' if function else ''}"
+            )
+        raise TypeError(
+            f"[{layer}] act={name} is a class, not an activation: pass a function of an "
+            f"array such as relu (or its name, 'relu'), or a module instance such as nn.ReLU()"
+        )
+    if act in ACTIVATIONS.values() or isinstance(act, nn.Module) or _is_mlx(act) or act is abs:
+        return act
+    if getattr(act, "__module__", None) == "builtins":  # len, print, ...: not tried (print!)
+        raise TypeError(
+            f"[{layer}] act={getattr(act, '__name__', act)} is a Python builtin, not an "
+            f"activation: pass a function of an array such as relu, or a module instance "
+            f"such as nn.ReLU()"
+        )
+    _probe(act, layer)
     return act
+
+
+def _is_mlx(act: Callable) -> bool:
+    """One of MLX's own functions (``mx.tanh``, ``nn.gelu``): an activation if callable on an
+    array, not worth trying."""
+    return (getattr(act, "__module__", None) or "").startswith("mlx") or type(
+        act).__module__.startswith("nanobind")
+
+
+def _probe(act: Callable, layer: str) -> None:
+    """Refuse ``act`` if it returns something other than an array for a small float32 array.
+    Only the graph is built (nothing is evaluated); if the call drew random numbers, the
+    random state is put back, so that constructing a layer draws nothing."""
+    key = mx.random.state[0]
+    try:
+        out = act(mx.zeros((1, 2)))
+    except Exception:  # e.g. needs another shape: the call will tell
+        return
+    finally:
+        if mx.random.state[0] is not key:
+            hi, lo = key.tolist()
+            mx.random.seed((hi << 32) | lo)
+    if not isinstance(out, mx.array):
+        shown = getattr(act, "__name__", None) or type(act).__name__
+        raise TypeError(
+            f"[{layer}] act={shown} is not an activation: for an array it returns "
+            f"{type(out).__name__}, not an array; pass a function of an array such as relu, "
+            f"or a module instance such as nn.ReLU()"
+        )

@@ -18,6 +18,16 @@ numbers, strings, ``None``) go, as JSON, into the file's metadata, and so do the
 names of the optimiser, which :func:`loadcheckpoint` compares with those of the state it
 loads into. The file is a plain safetensors file: ``mx.load(path)`` reads its arrays.
 
+Faults: a save writes a temporary file beside the target (named after the host, process and
+thread, so that concurrent saves to one path never share one: the last to finish wins, each
+file whole), flushes it to disk, renames it over the target and flushes the directory, so a
+crash or power loss leaves the old checkpoint or the new one; a killed save's temporary is
+removed by the next save to that path. A load reads the whole file first (the model then owns
+its arrays: rewriting or truncating the file afterwards cannot reach it), and a file that is
+truncated, empty or malformed in any way is a ``ValueError`` naming the file and the fault.
+float64 entries (which other writers store and MLX's own reader refuses) load, converted to
+the model's dtypes.
+
 File names: MLX's ``Module.save_weights`` picks the format by the extension (``.npz`` or
 ``.safetensors``) and refuses others. A checkpoint needs safetensors (its metadata), so
 :func:`savemodel` requires a ``.safetensors`` name. :func:`loadcheckpoint` goes by the
@@ -28,7 +38,14 @@ MLX's ``.npz`` weights.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import socket
+import struct
+import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +111,9 @@ def loadmodel(model: nn.Module, source: Any) -> nn.Module:
 def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) -> None:
     """Write ``model`` (and ``opt_state`` from :func:`~fluxlike.setup`, if given) to one
     safetensors file at exactly ``path``, whose name must end in ``.safetensors`` (as for
-    MLX's ``save_weights``, the extension names the format). The write is atomic: a crash
-    leaves either the old file or the new one.
+    MLX's ``save_weights``, the extension names the format). The write is atomic and
+    durable: a crash leaves either the old file or the new one (see the module's notes on
+    faults); saves from several threads or processes to one path each leave a whole file.
 
     >>> import mlx.core as mx, tempfile, os
     >>> from fluxlike import Dense, loadcheckpoint, savemodel
@@ -141,14 +159,93 @@ def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) 
         metadata["optimizer"] = json.dumps(kind)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"[savemodel] no directory {str(path.parent)!r} to write into")
-    # mx.save_safetensors insists on the suffix; write beside the target and rename over it.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"[savemodel] {str(path)!r} is a directory: give the path of a file inside it, "
+            f"such as {str(path / 'model.safetensors')!r}"
+        )
+    _write(path, arrays, metadata)
+
+
+# Temporary files are named after the target, the host, the process, the thread and a random
+# token, so that concurrent saves to one path (threads, processes, machines sharing a file
+# system) never share one; mx.save_safetensors insists on the suffix.
+_TMP_SUFFIX = ".tmp.safetensors"
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()) or "host"
+_ABANDONED = 24 * 3600  # another machine's temporary this much older than now: its save died
+
+
+def _write(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
+    """Write atomically and durably: a temporary file beside ``path``, flushed to disk, renamed
+    over ``path``, and the directory flushed. A crash at any point leaves the old file or the
+    new one (and perhaps a temporary file, removed by the next save to ``path``)."""
+    _remove_stale_temporaries(path)
+    token = f"{_HOST}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}"
+    tmp = path.with_name(f".{path.name}.{token}.tmp.safetensors")
     try:
         mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+        _fsync(tmp)
         os.replace(tmp, path)
+        _fsync(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # a directory cannot be opened on some platforms: nothing to flush there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete the temporary files that earlier saves to ``path`` left when they were killed:
+    this machine's of processes no longer running (a live process may be writing its own),
+    another machine's only once a day old. Temporaries named as earlier versions named them
+    (``.<name>.<pid>.tmp.safetensors``) count as this machine's."""
+    prefix = f".{path.name}."
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(_TMP_SUFFIX)):
+            continue
+        parts = name[len(prefix) : -len(_TMP_SUFFIX)].rsplit(".", 3)
+        if len(parts) == 1 and parts[0].isdigit():
+            host, pid = _HOST, int(parts[0])
+        elif len(parts) == 4 and parts[1].isdigit():
+            host, pid = parts[0], int(parts[1])
+        else:
+            continue
+        try:
+            if host == _HOST:
+                if _running(pid):
+                    continue
+            elif time.time() - os.stat(path.parent / name).st_mtime < _ABANDONED:
+                continue
+            os.unlink(path.parent / name)
+        except OSError:  # another save removed it first
+            pass
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # another user's process, or no way to tell: keep it
+        return True
+    return True
 
 
 def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) -> nn.Module:
@@ -179,25 +276,26 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
     if opt_state is not None:
         _opt_tree(opt_state, "loadcheckpoint")
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"[loadcheckpoint] {str(path)!r} is a directory: give the path "
+                                f"of a checkpoint file inside it")
     if not path.is_file():
         raise FileNotFoundError(f"[loadcheckpoint] no checkpoint file at {str(path)!r}")
-    with open(path, "rb") as f:
-        npz = f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
-    if npz:  # MLX's save_weights("....npz"): weights only, no metadata
-        arrays, metadata = mx.load(str(path), format="npz"), {}
-    else:
-        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+    arrays, metadata = _read(path)
     if metadata.get("format") != FORMAT:  # plain MLX weights
         model_entries, opt_entries, prefix = dict(arrays), {}, ""
     else:
-        entries: dict[str, Any] = {**arrays, **json.loads(metadata.get("plain", "{}"))}
+        entries: dict[str, Any] = {**arrays, **_plain(metadata, path)}
         model_entries = _strip(entries, _MODEL)
         opt_entries = _strip(entries, _OPT)
         prefix = _MODEL
         stray = sorted(k for k in entries if not k.startswith((_MODEL, _OPT)))
         if stray:
             raise ValueError(f"[loadcheckpoint] unexpected entry '{stray[0]}' in {str(path)!r}")
-    new_model = _matched(model.parameters(), model_entries, "loadcheckpoint", prefix, "model")
+    try:
+        new_model = _matched(model.parameters(), model_entries, "loadcheckpoint", prefix, "model")
+    except ValueError as e:
+        raise ValueError(f"{e} (in {str(path)!r})") from None
     if opt_state is not None:
         if not opt_entries:
             raise ValueError(
@@ -207,12 +305,118 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
         _check_optimizer_kind(metadata.get("optimizer"), opt_state, path)
         # OptState.load_state validates everything and changes nothing on a mismatch; it
         # also makes the loss scale a float16 run saved if this state has none yet.
+        # float64 entries (another writer's; MLX writes none) take the state's own dtype
+        current = dict(tree_flatten(opt_state.state))
+        for name, value in opt_entries.items():
+            now = current.get(name)
+            if isinstance(value, mx.array) and value.dtype == mx.float64 and isinstance(
+                now, mx.array
+            ) and mx.issubdtype(now.dtype, mx.floating):
+                opt_entries[name] = value.astype(now.dtype)
         try:
             opt_state.load_state(tree_unflatten(list(opt_entries.items())))
         except ValueError as e:
             raise ValueError(f"[loadcheckpoint] optimiser state in {str(path)!r}: {e}") from e
     model.update(new_model)
     return model
+
+
+# safetensors' dtype names; MLX's own reader refuses F64, so fluxlike reads the files itself
+_DTYPES = {
+    "BOOL": (np.bool_, mx.bool_), "U8": (np.uint8, mx.uint8), "I8": (np.int8, mx.int8),
+    "U16": (np.uint16, mx.uint16), "I16": (np.int16, mx.int16),
+    "U32": (np.uint32, mx.uint32), "I32": (np.int32, mx.int32),
+    "U64": (np.uint64, mx.uint64), "I64": (np.int64, mx.int64),
+    "F16": (np.float16, mx.float16), "BF16": (np.uint16, mx.bfloat16),
+    "F32": (np.float32, mx.float32), "F64": (np.float64, mx.float64),
+    "C64": (np.complex64, mx.complex64),
+}
+_MAX_HEADER = 100 << 20  # as the safetensors format itself caps it
+
+
+def _read(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The arrays and metadata of a safetensors file (or of MLX's ``.npz`` weights), read
+    whole into memory: the arrays own their data (a later rewrite of the file cannot reach
+    them). Anything malformed is a ``ValueError`` naming the file and what is wrong."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"[loadcheckpoint] {str(path)!r} is not a readable checkpoint: {what}")
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise bad(f"it cannot be read ({e.strerror or e})") from None
+    if data[: len(_ZIP_MAGIC)] == _ZIP_MAGIC:  # MLX's save_weights("....npz"): no metadata
+        try:
+            arrays = mx.load(str(path), format="npz")
+            mx.eval(arrays)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise bad(f"a damaged .npz archive ({e})") from None
+        return arrays, {}
+    if len(data) < 8:
+        raise bad(f"the file has {len(data)} bytes, too few for a safetensors header "
+                  f"(an interrupted download or copy?)")
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > min(_MAX_HEADER, len(data) - 8):
+        raise bad(f"its header claims {size} bytes, the file has {len(data) - 8} after the "
+                  f"length (a truncated file?)")
+    try:
+        header = json.loads(data[8 : 8 + size].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"its header is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise bad(f"its header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise bad("its '__metadata__' is not an object of strings")
+    body = memoryview(data)[8 + size :]
+    arrays = {}
+    for name, info in header.items():
+        try:
+            dtype, shape = info["dtype"], info["shape"]
+            start, end = info["data_offsets"]
+            ok = (dtype in _DTYPES and isinstance(shape, list)
+                  and all(type(n) is int and n >= 0 for n in shape)
+                  and type(start) is int and type(end) is int and 0 <= start <= end)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise bad(f"the header entry of {name!r} is malformed: {str(info)[:200]}")
+        np_dtype, mx_dtype = _DTYPES[dtype]
+        count = math.prod(shape)
+        if end - start != count * np.dtype(np_dtype).itemsize:
+            raise bad(f"{name!r} ({dtype}, shape {tuple(shape)}) should have "
+                      f"{count * np.dtype(np_dtype).itemsize} bytes, the header gives "
+                      f"{end - start}")
+        if end > len(body):
+            raise bad(f"{name!r} ends at byte {end} of the data, which has {len(body)} "
+                      f"(a truncated file?)")
+        values = np.frombuffer(body[start:end], dtype=np_dtype).reshape(shape)
+        if mx_dtype == mx.bfloat16:
+            arrays[name] = mx.array(values).view(mx.bfloat16)
+        else:
+            arrays[name] = mx.array(values, dtype=mx_dtype)
+    mx.eval(arrays)
+    return arrays, metadata
+
+
+def _plain(metadata: dict[str, str], path: Path) -> dict[str, Any]:
+    """The non-array entries recorded in a fluxlike file's metadata."""
+    try:
+        plain = json.loads(metadata.get("plain", "{}"))
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"[loadcheckpoint] {str(path)!r} has an unreadable 'plain' metadata "
+                         f"entry ({type(e).__name__}: not valid JSON)") from None
+    if not isinstance(plain, dict):
+        raise ValueError(f"[loadcheckpoint] {str(path)!r} has a 'plain' metadata entry that is "
+                         f"a JSON {type(plain).__name__}, not an object")
+    for name, value in plain.items():
+        if not isinstance(value, _PLAIN):
+            raise ValueError(f"[loadcheckpoint] {str(path)!r} has a non-plain value at "
+                             f"{name!r} in its metadata: a {type(value).__name__}")
+    return plain
 
 
 def _check_module(model: Any, where: str) -> None:
@@ -260,10 +464,10 @@ def _check_optimizer_kind(recorded: str | None, opt_state: Any, path: Path) -> N
     try:
         saved = json.loads(recorded)
         names, rule = list(saved["classes"]), str(saved["rule"])
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         raise ValueError(
             f"[loadcheckpoint] {str(path)!r} has an unreadable 'optimizer' metadata entry: "
-            f"{recorded!r}"
+            f"{recorded[:200]!r}"
         ) from None
     if not names or names[0] in current["classes"] or current["classes"][0] in names:
         return

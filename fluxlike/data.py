@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, ItemsView, Iterator, KeysView, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import mlx.core as mx
@@ -118,6 +119,14 @@ class DataLoader:
             raise ValueError(
                 f"[DataLoader] batchsize must be a positive integer, got {batchsize!r}"
             )
+        for name, flag in (("shuffle", shuffle), ("partial", partial)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(
+                    f"[DataLoader] {name} must be True or False, got {flag!r}; "
+                    f"write {name}={bool(flag)!r} if that is what you mean"
+                    if isinstance(flag, (int, float)) else
+                    f"[DataLoader] {name} must be True or False, got {flag!r}"
+                )
         arrays = self._arrays(data)
         sizes = {name: a.shape[0] for name, a in arrays}
         if len(set(sizes.values())) > 1:
@@ -236,14 +245,47 @@ def _labels_list(labels: Any, where: str) -> list:
         return labels.tolist()
     if isinstance(labels, bytes) or not hasattr(labels, "__iter__"):
         raise TypeError(f"[{where}] labels must be a sequence, got {type(labels).__name__}")
+    if _unordered(labels):
+        raise TypeError(f"[{where}] labels must be ordered, got a {type(labels).__name__}; "
+                        f"pass a list")
     return list(labels)  # a str is its characters, as in Flux (onehotbatch("abca", "abc"))
+
+
+def _unordered(x: Any) -> bool:
+    """A set-like collection whose order follows the hash seed (a dict's keys do not)."""
+    return isinstance(x, (set, frozenset)) or (
+        isinstance(x, AbstractSet) and not isinstance(x, (KeysView, ItemsView))
+    )
 
 
 def _class_index(classes: Sequence[Hashable], where: str) -> dict:
     if isinstance(classes, (mx.array, np.ndarray)):
         classes = classes.tolist()
+    if classes is None or isinstance(classes, (bytes, numbers.Number)) or not hasattr(
+        classes, "__iter__"
+    ):
+        hint = f"; for {classes} classes 0 to {classes - 1} pass range({classes})" if (
+            isinstance(classes, numbers.Integral) and not isinstance(classes, bool)
+            and classes > 0) else ""
+        raise TypeError(
+            f"[{where}] classes must be an ordered sequence of labels such as [0, 1, 2] or "
+            f"'abc', got {type(classes).__name__}{hint}"
+        )
+    if _unordered(classes):
+        raise TypeError(
+            f"[{where}] classes must be ordered, got a {type(classes).__name__} (whose order "
+            f"changes with the hash seed, and so would the columns); pass sorted(classes) "
+            f"or a list in the order you want"
+        )
     index = {}
     for i, c in enumerate(classes):
+        try:
+            hash(c)
+        except TypeError:
+            raise TypeError(
+                f"[{where}] every class must be hashable, got {type(c).__name__} {c!r} at "
+                f"position {i}; use tuples instead of lists"
+            ) from None
         if c in index:
             raise ValueError(f"[{where}] classes must be distinct, {c!r} appears twice")
         index[c] = i
@@ -324,6 +366,11 @@ def onecold(y: Any, classes: Sequence[Hashable] | None = None) -> Any:
         raise TypeError(f"[onecold] expected an mx.array, got {type(y).__name__}")
     if y.ndim == 0:
         raise ValueError("[onecold] expected at least one axis (the class axis), got a scalar")
+    if y.shape[-1] == 0:
+        raise ValueError(
+            f"[onecold] the class axis (the last) of y is empty (shape {tuple(y.shape)}): "
+            f"there is no class to pick; y must have one entry per class"
+        )
     indices = mx.argmax(y, axis=-1).astype(mx.int32)
     if classes is None:
         return indices

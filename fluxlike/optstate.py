@@ -7,16 +7,17 @@ loss scale's unscaling, finite check and adjustment when ``opt_state`` has one.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
-from .gradients import _floating_or_tree, _trainable, _trainable_parameters
+from .gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
 from .optimise import Rule
-from .optstep import COMPILED, Compiled, assign, init_missing, step
+from .optstep import COMPILED, Compiled, assign, init_missing, rollback, step
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale, LossScale
 
@@ -45,7 +46,27 @@ class OptState:
     ):
         self.rule = rule
         self.optimizer = optimizer
+        self._loss_scale = None
         self.loss_scale = loss_scale
+        # the parameter names and shapes of the model setup() made this for (None: unknown)
+        self._model_shapes: dict[str, tuple] | None = None
+
+    @property
+    def loss_scale(self) -> LossScale | None:
+        """The loss scale, or ``None``. A dynamic scale belongs to one ``OptState``:
+        assigning one that another live ``OptState`` holds is a ``ValueError`` (see
+        :class:`~fluxlike.DynamicLossScale`)."""
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: LossScale | None) -> None:
+        if value is not None and not isinstance(value, LossScale):
+            raise TypeError(f"OptState.loss_scale must be a loss scale or None, got {value!r}")
+        claim(value, self, "OptState")
+        old = self._loss_scale
+        if old is not None and old is not value and _owner(old) is self:
+            del _OWNERS[old]
+        self._loss_scale = value
 
     def __repr__(self) -> str:
         return f"OptState({self.rule!r}, loss_scale={self.loss_scale!r})"
@@ -66,8 +87,9 @@ class OptState:
         ``mlx.utils.tree_flatten``). The optimiser entries must match this state's names,
         shapes and dtypes exactly. A ``"loss_scale"`` entry is loaded into
         ``self.loss_scale``; if there is none yet, a ``DynamicLossScale()`` (the entry has a
-        ``counter``; its period, factor and min_scale are loaded too, or stay the defaults
-        for an entry saved without them) or a ``StaticLossScale`` is made for it. Without a
+        ``counter``; its growth_interval, growth_factor, backoff_factor and min_scale are
+        loaded too, or stay the defaults for an entry saved without them) or a
+        ``StaticLossScale`` is made for it. Without a
         ``"loss_scale"`` entry, ``self.loss_scale`` is left as it is. On any mismatch,
         raises ``ValueError`` naming the first mismatched entry and changes nothing.
         """
@@ -91,6 +113,8 @@ class OptState:
                     f"OptState.load_state: entry {name!r} must be a {_name(value.dtype)} "
                     f"array of shape {tuple(value.shape)}, got a {found}"
                 )
+        _check_optimizer_values([(f"optimizer.{key}", given[f"optimizer.{key}"])
+                                 for key, _ in current])
         scale_tree = {k[len("loss_scale."):]: v for k, v in given.items()
                       if k.startswith("loss_scale.")}
         known = {f"optimizer.{k}" for k, _ in current}
@@ -110,6 +134,65 @@ class OptState:
         assign(self.optimizer.state, {k[len("optimizer."):]: v for k, v in given.items()
                                        if k.startswith("optimizer.")})
         self.loss_scale = scale
+
+
+# Which OptState holds each loss scale (weakly: a dropped OptState frees its scale).
+_OWNERS: weakref.WeakKeyDictionary[LossScale, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def _owner(scale: LossScale) -> OptState | None:
+    ref = _OWNERS.get(scale)
+    return None if ref is None else ref()
+
+
+def claim(scale: LossScale | None, opt_state: OptState | None, where: str) -> None:
+    """Make ``opt_state`` the holder of ``scale`` (``None``: only check that it is free);
+    a ``ValueError`` if another live OptState holds it. ``update`` adjusts the scale of the
+    state it steps, so a scale shared by two states would be adjusted twice per iteration
+    and would unscale the second model's gradients with a scale that did not produce them.
+    A scale that never adjusts (:class:`~fluxlike.StaticLossScale`) may be shared."""
+    if scale is None or type(scale).adjust is LossScale.adjust:  # a static scale never changes
+        return
+    holder = _owner(scale)
+    if holder is not None and holder is not opt_state:
+        raise ValueError(
+            f"{where}: this {type(scale).__name__} already belongs to another OptState; one "
+            f"loss scale cannot serve two optimiser states (each update adjusts it, so it "
+            f"would change twice per iteration and unscale one model's gradients with a "
+            f"scale that did not produce them). Give each OptState its own "
+            f"(setup(rule, model, loss_scale={type(scale).__name__}(...))), or train the "
+            f"models as one: a container module holding both, one setup, one loss"
+        )
+    if opt_state is not None:
+        _OWNERS[scale] = weakref.ref(opt_state)
+
+
+MAX_STEP = 2**40  # a step count past this is no real run (a trillion steps): a corrupt file
+
+
+def _check_optimizer_values(entries: list[tuple[str, mx.array]]) -> None:
+    """Refuse optimiser state no real run can have: a non-finite array (moments, learning
+    rate...), a negative learning rate, a step count past :data:`MAX_STEP`. One device read
+    for all entries."""
+    checks = []
+    for name, value in entries:
+        leaf = name.rpartition(".")[2]
+        if mx.issubdtype(value.dtype, mx.inexact):
+            checks.append((name, "holds inf or nan", mx.all(mx.isfinite(value))))
+        if leaf == "learning_rate":
+            checks.append((name, "is negative", mx.all(value >= 0)))
+        if leaf == "step" and mx.issubdtype(value.dtype, mx.integer):
+            checks.append((name, "is a step count past any real run (over 2**40)",
+                           mx.all(value.astype(mx.uint64) <= MAX_STEP)))
+    if not checks:
+        return
+    oks = mx.stack([ok for _, _, ok in checks]).tolist()
+    for (name, what, _), ok in zip(checks, oks, strict=True):
+        if not ok:
+            raise ValueError(
+                f"OptState.load_state: entry {name!r} {what}; no training run leaves that, "
+                f"so the state (or the file it came from) is corrupt"
+            )
 
 
 def _name(dtype: mx.Dtype) -> str:
@@ -155,14 +238,19 @@ def setup(
     if not isinstance(model, nn.Module):
         raise TypeError(f"setup: model must be an mlx.nn.Module, got {type(model).__name__}")
     scale = _resolve_scale(loss_scale, "setup")
+    claim(scale, None, "setup")
     optimizer.init(_trainable_parameters(model)[0])
-    return OptState(rule, optimizer, scale)
+    opt_state = OptState(rule, optimizer, scale)
+    opt_state._model_shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    return opt_state
 
 
-def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any]:
+def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any, Any]:
     """Validate ``grads`` against ``model``'s trainable parameters, in one walk of both.
-    Returns ``(signature, params)``: each gradient's path, shape and dtype (which key the
-    compiled steps), and the parameters, in the structure of ``grads``."""
+    Returns ``(signature, params, grads)``: each gradient's path, shape and dtype (which key
+    the compiled steps), the parameters in the structure of ``grads``, and ``grads`` with
+    any gradient wider than its parameter (float64 for float32) cast to the parameter's
+    dtype."""
     if not isinstance(grads, dict):
         hint = "; gradient() returns a tuple, pass its model entry (grads[0])" if isinstance(
             grads, tuple) else ""
@@ -199,11 +287,36 @@ def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any]:
                 f"update: gradient {path!r} must be an array of shape "
                 f"{tuple(value.shape)}, got {found}"
             )
-        signature.append((path, g.shape, g.dtype))
+        if g.dtype != value.dtype and g.dtype in _INEXACT and value.dtype in _INEXACT and (
+            g.dtype.size > value.dtype.size
+        ):  # float64 gradients would turn float32 parameters and moments into float64
+            casts[path] = g.astype(value.dtype)
+        signature.append((path, g.shape, casts[path].dtype if path in casts else g.dtype))
         return value
 
+    casts: dict[str, mx.array] = {}
     params = walk(grads, model, model, "", "")
-    return tuple(signature), params
+    if casts:
+        grads = tree_map_with_path(lambda path, g: casts.get(path, g), grads)
+    return tuple(signature), params, grads
+
+
+def _check_same_model(opt_state: OptState, signature: tuple, shapes: bool) -> None:
+    """Refuse gradients of a model other than the one ``opt_state`` was set up for (a
+    parameter it did not have, or had in another shape): the step would grow the state with
+    the other model's entries and share its step count."""
+    known = opt_state._model_shapes
+    if known is None:
+        return
+    for path, shape, _ in signature:
+        if path not in known or (shapes and known[path] != tuple(shape)):
+            had = f"had it of shape {known[path]}" if path in known else "had no such parameter"
+            raise ValueError(
+                f"update: opt_state was set up for another model: this model's parameter "
+                f"{path!r} (shape {tuple(shape)}) does not fit it (the model given to setup() "
+                f"{had}); call setup(rule, model) for this model, or pass the model the "
+                f"state belongs to"
+            )
 
 
 _MISSING = object()
@@ -238,10 +351,11 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     kernels, about a second each; MLX keeps them on disk). It is traced again when the
     gradients' structure, shapes or dtypes change, or when a Python setting of the
     optimiser or loss scale (``betas``, ``eps``, a schedule function, ...) is reassigned.
-    Array state (learning rate, step count, moments, the loss scale and its period, factor
-    and minimum) is read afresh at every step, so ``opt_state.optimizer.learning_rate =
-    1e-4`` takes effect at once; with a schedule (a callable ``lr``), though, MLX sets the
-    learning rate from the schedule before every step, so such an assignment has no effect.
+    Array state (learning rate, step count, moments, the loss scale and its growth
+    interval, factors and minimum) is read afresh at every step, so
+    ``opt_state.optimizer.learning_rate = 1e-4`` takes effect at once; with a schedule (a
+    callable ``lr``), though, MLX sets the learning rate from the schedule before every
+    step, so such an assignment has no effect.
     An optimiser whose step cannot be traced (a schedule that reads an array's value), that
     changes its own Python attributes while stepping, or whose ``state`` is not one live
     dict, is updated eagerly.
@@ -265,11 +379,13 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         raise TypeError(f"update: expected an OptState from setup(), got {opt_state!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"update: model must be an mlx.nn.Module, got {type(model).__name__}")
-    signature, params = _check_grads(grads, model)
+    signature, params, grads = _check_grads(grads, model)
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     if signature not in compiled.initialised:
+        _check_same_model(opt_state, signature, shapes=False)  # before init_missing grows it
         init_missing(optimizer, params)  # thawed since setup(): no state yet
+        _check_same_model(opt_state, signature, shapes=True)  # (moments: init_missing says)
         compiled.initialised.add(signature)
     reason = compiled.eager or compiled.step(opt_state, model, grads, params, signature)
     if reason is None:
@@ -282,7 +398,6 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         else:
             model.update(step(optimizer, scale, grads, params))
     except BaseException:
-        for tree, values in zip(trees, before, strict=True):  # no half-taken step
-            assign(tree, values, prune=True)
+        rollback(model, params, trees, before)  # no half-taken step
         raise
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input

@@ -42,6 +42,16 @@ def assign(
             assign(value, values, path + ".", prune)
 
 
+def rollback(model: nn.Module, params: Any, trees: list, before: list[dict]) -> None:
+    """Undo a step that was interrupted (Ctrl-C) or failed part-way: put ``params`` (the
+    parameters before it, in the structure of the gradients) back into ``model`` and the
+    flattened ``before`` values back into the live state ``trees``, so that a step is all or
+    nothing."""
+    for tree, values in zip(trees, before, strict=True):
+        assign(tree, values, prune=True)
+    model.update(params)
+
+
 def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
     """Give ``optimizer`` state for every parameter of ``params`` (in the structure of the
     gradients) that has none: parameters frozen at ``setup`` and thawed since. An optimiser
@@ -191,28 +201,36 @@ class Compiled:
         scale_state = None if scale is None else scale.state
         settings = (_settings(optimizer), _settings(scale))
         key = (signature, optimizer, scale, id(live), id(scale_state), settings)
+        captured = [live] if scale_state is None else [live, scale_state]
         entry = self.steps.get(key)
         if entry is not None:
-            model.update(entry[0](grads, params))
+            before = [dict(tree_flatten(tree)) for tree in captured]
+            try:
+                model.update(entry[0](grads, params))
+            except BaseException:  # Ctrl-C between the state's step and the model's: undo
+                rollback(model, params, captured, before)
+                raise
             return None
         # A step frees about the gradients, activations and (eagerly) the old state: keep
         # twice the bytes of parameters, gradients and state for the next step to reuse.
         _keep_step_buffers(2 * _footprint(grads, params, live))
         if live is not optimizer.state:  # e.g. MultiOptimizer builds its state dict anew
             return "optimizer.state is not one live dict"
-        captured = [live] if scale_state is None else [live, scale_state]
         before = [dict(tree_flatten(tree)) for tree in captured]
         fn = mx.compile(partial(step, optimizer, scale), inputs=captured, outputs=captured)
         try:
             new_params = fn(grads, params)
         except BaseException as e:
             # MLX leaves its tracers in the captured state when the traced function raises.
-            for tree, values in zip(captured, before, strict=True):
-                assign(tree, values, prune=True)
+            rollback(model, params, captured, before)
             if not isinstance(e, Exception):
                 raise
             return f"tracing failed with {type(e).__name__}: {e}"  # a host sync in a schedule...
-        model.update(new_params)
+        try:
+            model.update(new_params)
+        except BaseException:
+            rollback(model, params, captured, before)
+            raise
         if settings != (_settings(optimizer), _settings(scale)):
             # The step changed a Python attribute, which a replay would not: this step was
             # right (its Python code ran), later ones must run it again.

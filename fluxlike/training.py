@@ -18,11 +18,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import workarounds  # noqa: F401  (registers the exit guard for worker threads)
 from .gradients import _check_autocast, _value_and_grad
-from .optstate import OptState, update
+from .optstate import OptState, claim, update
 from .optstep import COMPILED, assign
 from .precision import lossscale
-from .precision.lossscale import DynamicLossScale
+from .precision.lossscale import DynamicLossScale, all_finite
 
 
 def _check_call(loss: Callable, model: nn.Module, args: tuple, data: Any, where: str) -> None:
@@ -105,7 +106,9 @@ def train(
     object replaces ``opt_state.loss_scale``. A step whose gradients overflow is skipped
     by the loss scale, silently; a loss that is inf or nan stops training with
     ``FloatingPointError`` naming the batch (0-based), and the model and ``opt_state`` are
-    left as they were before that batch.
+    left as they were before that batch. Without a loss scale, so do gradients that hold
+    inf or nan for a finite loss (checked on the device and read with the loss: no
+    further host synchronisation).
 
     ``progress``: a text progress bar on stderr, shown only when stderr is a terminal.
     ``compile=True`` runs each step as one ``mx.compile``-d function (model, optimiser,
@@ -128,19 +131,30 @@ def train(
         raise TypeError(f"{where}: model must be an mlx.nn.Module, got {type(model).__name__}")
     if not isinstance(opt_state, OptState):
         raise TypeError(f"{where}: expected an OptState from setup(), got {opt_state!r}")
+    if data is None or isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+        raise TypeError(
+            f"{where}: data must be an iterable of batches (a DataLoader, or a list of "
+            f"(x, y) tuples), got {type(data).__name__}; for one batch pass [(x, y)]"
+        )
     if isinstance(loss_scale, str) and loss_scale == "auto":
         if opt_state.loss_scale is None and dtype is not None and dtype == mx.float16:
             opt_state.loss_scale = DynamicLossScale()
     else:
-        opt_state.loss_scale = lossscale.resolve(loss_scale, where)
+        new_scale = lossscale.resolve(loss_scale, where)
+        claim(new_scale, opt_state, where)  # refused before anything changes
+        opt_state.loss_scale = new_scale
     scale = opt_state.loss_scale
     scale_state = {} if scale is None else scale.state
 
-    def step(*batch: Any) -> mx.array:
+    def step(*batch: Any) -> tuple[mx.array, mx.array]:
         value, grads = _value_and_grad(loss, (model, *batch), dtype, scale, where,
                                        wrt_arrays=False)
+        # Without a loss scale, non-finite gradients (of a finite loss) would make every
+        # weight nan: checked on the device, read with the loss. With one, they are a step
+        # the scale skips.
+        finite = all_finite(grads[0]) if scale is None else mx.array(True)
         update(opt_state, model, grads[0])
-        return value[0] if isinstance(value, tuple) else value
+        return (value[0] if isinstance(value, tuple) else value), finite
 
     captured = [model.state, opt_state.optimizer.state, scale_state, mx.random.state]
     if compile:
@@ -158,8 +172,8 @@ def train(
         before = (model.parameters(), dict(tree_flatten(opt_state.optimizer.state)),
                   dict(scale_state), mx.random.state[0])
         try:
-            value = step(*args)
-            mx.eval(value, captured)
+            value, finite = step(*args)
+            mx.eval(value, finite, captured)
         except BaseException:
             # A trace that raised leaves mx.compile's placeholders in everything captured,
             # the random state included: put the arrays of before the batch back.
@@ -173,6 +187,16 @@ def train(
             raise FloatingPointError(
                 f"{where}: the loss is {value} at batch {i} (counting from 0); the model and "
                 f"optimiser state are left as they were before that batch"
+            )
+        if not finite.item():
+            _restore(model, opt_state, scale_state, before)
+            if bar is not None:
+                bar.stream.write("\n")
+            raise FloatingPointError(
+                f"{where}: the gradients hold inf or nan at batch {i} (counting from 0), "
+                f"although the loss is finite ({value:.6g}); the model and optimiser state "
+                f"are left as they were before that batch (a loss scale, "
+                f"train(..., loss_scale=DynamicLossScale()), would skip such steps instead)"
             )
         total, count = total + value, count + 1
         if bar is not None:

@@ -1,13 +1,15 @@
+import functools
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import check_gradients, np64
 
 import fluxlike
 from fluxlike import activations as A
-from fluxlike import autocast
+from fluxlike import autocast, leakyrelu, relu
 
 
 def np_gelu(x):
@@ -207,3 +209,43 @@ def test_reductions_document_the_dtype_they_return(name):
     doc = REDUCING[name][0].__doc__
     assert "in at least float32" not in doc
     assert "returned in its dtype outside" in doc or "returned in its own dtype outside" in doc
+
+
+class TestActIsChecked:
+    """Issue 14 item 8: ``act=`` refuses what cannot be an activation, at construction."""
+
+    @pytest.mark.parametrize(("act", "message"), [
+        (nn.ReLU, r"act=nn.ReLU is a class, not an activation: pass an instance, nn.ReLU\(\), "
+                  r"or the function relu"),
+        (nn.GELU, r"act=nn.GELU is a class, not an activation: pass an instance, nn.GELU\(\), "
+                  r"or the function gelu"),
+        (str, r"act=str is a class, not an activation: pass a function of an array such as "
+              r"relu"),
+        (len, r"act=len is a Python builtin, not an activation"),
+        (print, r"act=print is a Python builtin"),
+        (lambda x: None, r"act=<lambda> is not an activation: for an array it returns "
+                         r"NoneType, not an array"),
+        (lambda x: 3, r"act=<lambda> is not an activation: for an array it returns int"),
+    ])
+    @pytest.mark.parametrize("layer", ["Dense", "Conv"])
+    def test_refused_naming_the_layer_and_the_fix(self, act, message, layer):
+        from fluxlike import Conv, Dense
+        with pytest.raises(TypeError, match=rf"^\[{layer}\] {message}"):
+            Dense(2, 3, act) if layer == "Dense" else Conv((3, 3), 1, 2, act)
+
+    @pytest.mark.parametrize("act", [
+        relu, nn.relu, mx.tanh, abs, nn.ReLU(), nn.GELU(), lambda x: x * 2,
+        functools.partial(leakyrelu, a=0.2), "gelu",
+    ])
+    def test_functions_and_modules_are_kept(self, act):
+        from fluxlike import Dense
+        layer = Dense(2, 3, act)
+        assert isinstance(layer(mx.ones((1, 2))), mx.array)
+
+    def test_trying_a_random_activation_leaves_the_random_state(self):
+        noisy = lambda x: x + mx.random.normal(x.shape)  # noqa: E731
+        mx.random.seed(3)
+        expected = mx.random.normal((4,))
+        mx.random.seed(3)
+        assert A.resolve(noisy, "Dense") is noisy
+        assert mx.array_equal(mx.random.normal((4,)), expected).item()

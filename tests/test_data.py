@@ -304,3 +304,44 @@ class TestOtherLibrariesCalls:
             DataLoader(data=self.X, batch_size=4)
         with pytest.raises(TypeError, match="multiple values for argument 'data'"):
             DataLoader(self.X, data=self.X)
+
+
+class TestHostileArguments:
+    """Issue 14: arguments that used to be taken by truthiness, by hash order or not at all."""
+
+    @pytest.mark.parametrize("name", ["shuffle", "partial"])
+    @pytest.mark.parametrize("bad", ["no", 0, 1, None, [], mx.array(True)])
+    def test_flags_must_be_bools(self, name, bad):
+        with pytest.raises(TypeError, match=rf"^\[DataLoader\] {name} must be True or False"):
+            DataLoader(mx.arange(5), batchsize=2, **{name: bad})
+
+    def test_numpy_bools_are_bools(self):
+        assert len(DataLoader(mx.arange(5), batchsize=2, partial=np.bool_(False))) == 2
+
+    @pytest.mark.parametrize("classes", [{0, 1, 2}, frozenset("abc")])
+    def test_unordered_classes_are_refused(self, classes):
+        with pytest.raises(TypeError, match=r"^\[onehotbatch\] classes must be ordered, got a "
+                           r".*set .*pass sorted\(classes\)"):
+            onehotbatch([0, 1], classes)
+
+    def test_unordered_labels_are_refused(self):
+        with pytest.raises(TypeError, match=r"^\[onehotbatch\] labels must be ordered"):
+            onehotbatch({0, 1}, [0, 1])
+
+    def test_dict_keys_are_ordered(self):
+        assert onehotbatch([1], {0: "a", 1: "b"}.keys()).tolist() == [[0.0, 1.0]]
+
+    @pytest.mark.parametrize(("classes", "message"), [
+        (None, r"classes must be an ordered sequence of labels .* got NoneType"),
+        (3, r"classes must be an ordered .* got int; for 3 classes 0 to 2 pass range\(3\)"),
+        ([[0], [1]], r"every class must be hashable, got list \[0\] at position 0"),
+    ])
+    def test_bad_classes(self, classes, message):
+        with pytest.raises(TypeError, match=rf"^\[onehotbatch\] {message}"):
+            onehotbatch([0], classes)
+
+    def test_onecold_on_an_empty_class_axis(self):
+        with pytest.raises(ValueError, match=r"^\[onecold\] the class axis \(the last\) of y "
+                           r"is empty \(shape \(2, 0\)\)"):
+            onecold(mx.zeros((2, 0)))
+

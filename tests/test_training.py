@@ -489,3 +489,78 @@ def test_a_failed_first_batch_after_a_thaw_leaves_training_possible(compile):
     nan[0] = False
     assert train(loss, model, [(x, y)], opt_state, progress=False, compile=compile) >= 0
     assert "m" in opt_state.state["optimizer"]["layers"][1]["weight"]
+
+
+# ---------------------------------------------------------------- non-finite gradients
+
+
+def _kinked(m, x):
+    """A finite loss whose gradient is not finite where the weight is 0 (sqrt's slope)."""
+    return mx.sqrt(mx.abs(m.weight)).sum() + (m(x) ** 2).mean()
+
+
+def _snapshot(model, opt_state):
+    mx.eval(model.parameters(), opt_state.state)
+    return {**{f"p.{k}": v for k, v in tree_flatten(model.parameters())},
+            **{f"s.{k}": v for k, v in tree_flatten(opt_state.state)}}
+
+
+@pytest.mark.parametrize("autocast", [None, mx.bfloat16])
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("last", [False, True])
+def test_non_finite_gradients_of_a_finite_loss_stop_train(autocast, compile, last):
+    model = Dense(2, 2)
+    model.weight = mx.array([[0.5, 1.0], [2.0, 3.0]])
+    opt_state = setup(Adam(0.1), model)
+    x = mx.ones((4, 2))
+    train(_kinked, model, [x], opt_state, autocast=autocast, compile=compile, progress=False)
+    poisoned = model.weight.at[0, 0].multiply(0.0)  # sqrt's slope at 0 is inf
+    model.weight = poisoned
+    before = _snapshot(model, opt_state)
+    data = [x] if last else [x, x, x]
+    with pytest.raises(FloatingPointError, match=r"^train: the gradients hold inf or nan at "
+                       r"batch 0 \(counting from 0\), although the loss is finite \(.*\); the "
+                       r"model and optimiser state are left as they were before that batch"):
+        train(_kinked, model, data, opt_state, autocast=autocast, compile=compile,
+              progress=False)
+    after = _snapshot(model, opt_state)
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert mx.array_equal(after[k], v).item(), k  # bit for bit, and no nan anywhere
+
+
+def test_non_finite_gradients_name_their_batch():
+    model = Dense(2, 2)
+    opt_state = setup(Descent(0.01), model)
+    x = mx.ones((4, 2))
+
+    def loss(m, x, c):  # finite for every c; the gradient is nan for c = 0 (0 * inf)
+        return (m(x) ** 2).mean() + mx.sqrt(mx.abs(c * m.weight[0, 0]))
+
+    batches = [(x, mx.array(1.0)), (x, mx.array(2.0)), (x, mx.array(0.0)), (x, mx.array(1.0))]
+    with pytest.raises(FloatingPointError, match=r"gradients hold inf or nan at batch 2"):
+        train(loss, model, batches, opt_state, progress=False)
+    assert opt_state.optimizer.state["step"].item() == 2
+    assert all(mx.all(mx.isfinite(v)).item() for v in _leaves(model.parameters()).values())
+
+
+def test_with_a_loss_scale_non_finite_gradients_are_a_skipped_step():
+    model = Dense(2, 2)
+    model.weight = mx.array([[0.0, 1.0], [2.0, 3.0]])
+    opt_state = setup(Adam(0.1), model, loss_scale=DynamicLossScale(init_scale=8.0))
+    before = _snapshot(model, opt_state)
+    train(_kinked, model, [mx.ones((4, 2))], opt_state, progress=False)
+    assert opt_state.loss_scale.loss_scale.item() == 4.0  # backed off, step skipped
+    after = _snapshot(model, opt_state)
+    for k in before:
+        if not k.startswith("s.loss_scale"):
+            assert mx.array_equal(after[k], before[k]).item(), k
+
+
+@pytest.mark.parametrize("data", [None, 3, "xy"])
+def test_data_must_be_batches(data):
+    model = Dense(2, 1)
+    with pytest.raises(TypeError, match=r"^train: data must be an iterable of batches \(a "
+                       r"DataLoader, or a list of \(x, y\) tuples\), got .*; for one batch pass "
+                       r"\[\(x, y\)\]"):
+        train(_mse, model, data, setup(Descent(0.1), model), progress=False)

@@ -64,33 +64,46 @@ def _is_number(value: Any) -> bool:
 def _check_positive(value: Any, name: str, where: str) -> float:
     if not _is_number(value) or not value > 0:
         raise ValueError(f"[{where}] {name} must be a positive number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"[{where}] {name} must be finite, got {value!r}")
+    if not math.isfinite(value) or not math.isfinite(mx.array(float(value)).item()):
+        raise ValueError(f"[{where}] {name} must be finite (in float32), got {value!r}")
     return float(value)
 
 
 _INT32_MAX = 2**31 - 1  # the counter is int32
 
 
-def _check_period(value: Any, where: str) -> int:
+def _check_interval(value: Any, where: str, name: str = "growth_interval") -> int:
     if (
         isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
         or not 1 <= value <= _INT32_MAX
     ):
         raise ValueError(
-            f"[{where}] period must be a positive integer (at most 2**31 - 1), got {value!r}"
+            f"[{where}] {name} must be a positive integer (at most 2**31 - 1), got {value!r}"
         )
     return int(value)
 
 
-def _check_factor(value: Any, where: str) -> float:
-    factor = _check_positive(value, "factor", where)
-    # compared as stored: float32, like the scale it multiplies
-    if not mx.array(factor).item() > 1 or not math.isfinite(mx.array(factor).item()):
+def _check_growth(value: Any, where: str, name: str = "growth_factor") -> float:
+    factor = _check_positive(value, name, where)
+    if not np.float32(factor) > 1:  # compared as stored: float32, like the scale it multiplies
         raise ValueError(
-            f"[{where}] factor must be greater than 1 (and finite in float32), got {value!r}"
+            f"[{where}] {name} must be greater than 1 (and finite in float32), got {value!r}"
         )
     return factor
+
+
+def _check_backoff(value: Any, where: str) -> float:
+    factor = _check_positive(value, "backoff_factor", where)
+    if not 0 < np.float32(factor) < 1:
+        raise ValueError(
+            f"[{where}] backoff_factor must be a number in (0, 1) (in float32), got {value!r}"
+        )
+    return factor
+
+
+def _shown(value: float) -> str:
+    """A float32 value as its shortest repr (0.33333334, not 0.3333333432674408)."""
+    return repr(float(str(np.float32(value))))
 
 
 class LossScale:
@@ -145,6 +158,12 @@ class LossScale:
                     f"[{where}] state entry {key!r} must be an mx.array of shape "
                     f"{current.shape}, got {shape}"
                 )
+            if mx.issubdtype(current.dtype, mx.integer) and not mx.issubdtype(
+                value.dtype, mx.integer
+            ) or not mx.issubdtype(value.dtype, mx.number):
+                kind = "an integer" if mx.issubdtype(current.dtype, mx.integer) else "a real"
+                raise ValueError(f"[{where}] state entry {key!r} must be {kind} array, got "
+                                 f"{str(value.dtype).rpartition('.')[2]}")
         extra = [key for key in state if key not in self._state]
         if extra:
             raise ValueError(f"[{where}] unexpected state entry {extra[0]!r}")
@@ -155,6 +174,24 @@ class LossScale:
 
     def _check_loaded(self, new: dict[str, mx.array]) -> None:
         """Raise ``ValueError`` if loaded entries hold values the scale cannot have."""
+        scale = new["loss_scale"].item() if "loss_scale" in new else 1.0
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"[{type(self).__name__}] state entry 'loss_scale' must be a "
+                             f"finite positive number, got {scale} (in the state loaded)")
+
+    @staticmethod
+    def _value(value: Any, key: str, integer: bool = False) -> Any:
+        """A loaded scalar entry's Python value (checked to be a real, or an integer, array)."""
+        kind = mx.integer if integer else mx.number
+        if not isinstance(value, mx.array) or value.shape != () or not mx.issubdtype(
+            value.dtype, kind
+        ):
+            shown = (f"{str(value.dtype).rpartition('.')[2]} array of shape {value.shape}"
+                     if isinstance(value, mx.array) else type(value).__name__)
+            raise ValueError(f"[DynamicLossScale] state entry {key!r} must be "
+                             f"{'an integer' if integer else 'a real'} scalar array, "
+                             f"got a {shown}")
+        return value.item()
 
 
 class StaticLossScale(LossScale):
@@ -181,77 +218,168 @@ class StaticLossScale(LossScale):
 class DynamicLossScale(LossScale):
     """A loss scale that adapts to the gradients, as in jmp and PyTorch's ``GradScaler``.
 
-    ``DynamicLossScale(scale=2.0**15, period=2000, factor=2.0, min_scale=1.0)``; numpy
-    numbers are accepted too. After each step, :meth:`adjust` receives whether the
-    (unscaled) gradients were all finite:
+    ``DynamicLossScale(init_scale=2.0**15, *, growth_factor=2.0, backoff_factor=0.5,
+    growth_interval=2000, min_scale=1.0)``; numpy numbers are accepted too. After each step,
+    :meth:`adjust` receives whether the (unscaled) gradients were all finite:
 
     - finite: the counter of consecutive finite steps grows by one; when it reaches
-      ``period`` the scale is multiplied by ``factor`` (unless that would overflow float32)
-      and the counter restarts at 0;
-    - not finite: the scale is divided by ``factor``, but not below ``min_scale``, and the
-      counter restarts at 0. (:func:`~fluxlike.update` also skips such a step.)
+      ``growth_interval`` the scale is multiplied by ``growth_factor`` (unless that would
+      overflow float32) and the counter restarts at 0;
+    - not finite: the scale is multiplied by ``backoff_factor``, but not below ``min_scale``,
+      and the counter restarts at 0. (:func:`~fluxlike.update` also skips such a step.)
+
+    The arguments are GradScaler's, with fluxlike's defaults (which suit float16's range):
+
+    ====================  ====================  =========================
+    argument              fluxlike default      ``torch.amp.GradScaler``
+    ====================  ====================  =========================
+    ``init_scale``        ``2.0**15``           ``2.0**16``
+    ``growth_factor``     ``2.0``               ``2.0``
+    ``backoff_factor``    ``0.5``               ``0.5``
+    ``growth_interval``   ``2000``              ``2000``
+    ``min_scale``         ``1.0``               (none: no floor)
+    ====================  ====================  =========================
+
+    Earlier spellings still work: ``scale=`` for ``init_scale``, ``period=`` for
+    ``growth_interval``, and ``factor=f`` for ``growth_factor=f, backoff_factor=1/f``.
+    Every argument is checked (a ``ValueError`` naming it and the value given).
 
     The scale (float32) and the counter (int32) are ``mx.array`` scalars in :attr:`state`,
-    and so are ``period`` (int32), ``factor`` and ``min_scale`` (float32), so that a
-    checkpoint restores them (one written without them leaves them as they are);
+    and so are ``growth_interval`` (int32), ``growth_factor``, ``backoff_factor`` and
+    ``min_scale`` (float32), so that a checkpoint restores them (one written without them
+    leaves them as they are; one written with the earlier ``period`` and ``factor`` entries
+    loads as their equivalents). Loaded values are checked like the arguments: a scale that
+    is nan, inf, not positive or below ``min_scale``, or a counter outside
+    ``[0, growth_interval)``, is a ``ValueError`` naming the entry, and nothing changes.
     :meth:`adjust` only builds graph operations, so it never synchronises with the device.
-    ``period``, ``factor`` and ``min_scale`` may be reassigned; they are read back from
-    :attr:`state` (``factor`` and ``min_scale`` as float32 values).
+    The hyperparameters may be reassigned (checked likewise); they are read back from
+    :attr:`state` (the factors and ``min_scale`` as float32 values).
+
+    One scale belongs to one :class:`~fluxlike.OptState`: ``setup`` and ``train`` refuse a
+    scale another live optimiser state already holds, since each ``update`` adjusts its
+    scale (two models sharing one would adjust it twice per iteration, and unscale the
+    second model's gradients with a scale that did not produce them). Give each its own
+    scale, or train the models as one (a container module holding both, one ``setup``),
+    which is what PyTorch's one ``GradScaler`` for several optimisers amounts to.
 
     >>> import mlx.core as mx
     >>> from fluxlike import DynamicLossScale
-    >>> ls = DynamicLossScale(period=2)
+    >>> ls = DynamicLossScale(growth_interval=2, backoff_factor=0.25)
     >>> ls
-    DynamicLossScale(scale=32768.0, period=2, factor=2.0, min_scale=1.0)
+    DynamicLossScale(scale=32768.0, growth_factor=2.0, backoff_factor=0.25, growth_interval=2,
+                     min_scale=1.0)
     >>> ls.adjust(mx.array(False)); ls.loss_scale
-    array(16384, dtype=float32)
+    array(8192, dtype=float32)
     >>> ls.adjust(mx.array(True)); ls.adjust(mx.array(True)); ls.loss_scale
-    array(32768, dtype=float32)
+    array(16384, dtype=float32)
     >>> sorted(ls.state)
-    ['counter', 'factor', 'loss_scale', 'min_scale', 'period']
+    ['backoff_factor', 'counter', 'growth_factor', 'growth_interval', 'loss_scale', 'min_scale']
+    >>> DynamicLossScale(backoff_factor=2.0)
+    Traceback (most recent call last):
+    ValueError: [DynamicLossScale] backoff_factor must be a number in (0, 1) (in float32), got 2.0
     """
 
-    _optional = ("period", "factor", "min_scale")
+    _HYPER = ("growth_interval", "growth_factor", "backoff_factor", "min_scale")
+    _OLD = ("period", "factor")  # entries of checkpoints written before the GradScaler names
+    _optional = _HYPER
 
     def __init__(
         self,
-        scale: float = 2.0**15,
-        period: int = 2000,
-        factor: float = 2.0,
+        init_scale: float | None = None,
+        *,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
         min_scale: float = 1.0,
+        scale: float | None = None,
+        period: int | None = None,
+        factor: float | None = None,
     ):
         where = "DynamicLossScale"
-        scale = _check_positive(scale, "scale", where)
-        period = _check_period(period, where)
-        factor = _check_factor(factor, where)
+        for new, old, value, old_value in (("init_scale", "scale", init_scale, scale),
+                                           ("growth_interval", "period", growth_interval, period),
+                                           ("growth_factor", "factor", growth_factor, factor),
+                                           ("backoff_factor", "factor", backoff_factor, factor)):
+            if value is not None and old_value is not None:
+                raise TypeError(f"[{where}] give {new}= or the earlier spelling {old}=, "
+                                f"not both")
+        if scale is not None:
+            init_scale = _check_positive(scale, "scale", where)
+        elif init_scale is None:
+            init_scale = 2.0**15
+        init_scale = _check_positive(init_scale, "init_scale" if scale is None else "scale",
+                                     where)
+        if period is not None:
+            growth_interval = _check_interval(period, where, "period")
+        growth_interval = _check_interval(2000 if growth_interval is None else growth_interval,
+                                          where)
+        if factor is not None:
+            growth_factor = _check_growth(factor, where, "factor")
+            backoff_factor = 1.0 / growth_factor
+        growth_factor = _check_growth(2.0 if growth_factor is None else growth_factor, where)
+        backoff_factor = _check_backoff(0.5 if backoff_factor is None else backoff_factor, where)
         min_scale = _check_positive(min_scale, "min_scale", where)
-        if scale < min_scale:
+        if init_scale < min_scale:
+            name = "init_scale" if scale is None else "scale"
             raise ValueError(
-                f"[{where}] scale must be at least min_scale={min_scale}, got {scale!r}"
+                f"[{where}] {name} must be at least min_scale={min_scale}, got {init_scale!r}"
             )
         self._state = {
-            "loss_scale": mx.array(scale), "counter": mx.array(0, dtype=mx.int32),
-            "period": mx.array(period, dtype=mx.int32), "factor": mx.array(factor),
-            "min_scale": mx.array(min_scale),
+            "loss_scale": mx.array(init_scale), "counter": mx.array(0, dtype=mx.int32),
+            "growth_interval": mx.array(growth_interval, dtype=mx.int32),
+            "growth_factor": mx.array(growth_factor),
+            "backoff_factor": mx.array(backoff_factor), "min_scale": mx.array(min_scale),
         }
 
     @property
+    def growth_interval(self) -> int:
+        """Finite steps after which the scale grows (``state["growth_interval"]``)."""
+        return int(self._state["growth_interval"].item())
+
+    @growth_interval.setter
+    def growth_interval(self, value: int) -> None:
+        self._state["growth_interval"] = mx.array(
+            _check_interval(value, "DynamicLossScale"), mx.int32)
+
+    @property
+    def growth_factor(self) -> float:
+        """What the scale is multiplied by after ``growth_interval`` finite steps."""
+        return self._state["growth_factor"].item()
+
+    @growth_factor.setter
+    def growth_factor(self, value: float) -> None:
+        self._state["growth_factor"] = mx.array(_check_growth(value, "DynamicLossScale"))
+
+    @property
+    def backoff_factor(self) -> float:
+        """What the scale is multiplied by after a step that overflowed."""
+        return self._state["backoff_factor"].item()
+
+    @backoff_factor.setter
+    def backoff_factor(self, value: float) -> None:
+        self._state["backoff_factor"] = mx.array(_check_backoff(value, "DynamicLossScale"))
+
+    @property
     def period(self) -> int:
-        """Finite steps after which the scale grows (``state["period"]``)."""
-        return int(self._state["period"].item())
+        """The earlier name of :attr:`growth_interval`."""
+        return self.growth_interval
 
     @period.setter
     def period(self, value: int) -> None:
-        self._state["period"] = mx.array(_check_period(value, "DynamicLossScale"), mx.int32)
+        self._state["growth_interval"] = mx.array(
+            _check_interval(value, "DynamicLossScale", "period"), mx.int32)
 
     @property
     def factor(self) -> float:
-        """What the scale is multiplied or divided by (``state["factor"]``)."""
-        return self._state["factor"].item()
+        """The earlier single factor: reads :attr:`growth_factor`; setting it to ``f`` sets
+        ``growth_factor=f`` and ``backoff_factor=1/f``."""
+        return self.growth_factor
 
     @factor.setter
     def factor(self, value: float) -> None:
-        self._state["factor"] = mx.array(_check_factor(value, "DynamicLossScale"))
+        factor = _check_growth(value, "DynamicLossScale", "factor")
+        self._state["growth_factor"] = mx.array(factor)
+        self._state["backoff_factor"] = mx.array(1.0 / factor)
 
     @property
     def min_scale(self) -> float:
@@ -263,40 +391,80 @@ class DynamicLossScale(LossScale):
         self._state["min_scale"] = mx.array(
             _check_positive(value, "min_scale", "DynamicLossScale"))
 
+    def load_state(self, state: dict[str, mx.array]) -> None:
+        where = "DynamicLossScale"
+        if isinstance(state, dict) and any(k in state for k in self._OLD):
+            state = dict(state)
+            old = {k: state.pop(k) for k in self._OLD if k in state}
+            try:  # each checked under the name it was saved with
+                if "period" in old:
+                    _check_interval(self._value(old["period"], "period", integer=True), where,
+                                    "period")
+                if "factor" in old:
+                    factor = _check_growth(self._value(old["factor"], "factor"), where, "factor")
+            except ValueError as e:
+                raise ValueError(f"{e} (in the state loaded)") from None
+            for name, new in (("period", "growth_interval"), ("factor", "growth_factor"),
+                              ("factor", "backoff_factor")):
+                if name in old and new in state:
+                    raise ValueError(f"[{where}] state has both {name!r} and {new!r} (the "
+                                     f"earlier spelling sets it too): keep one")
+            if "period" in old:
+                state["growth_interval"] = old["period"]
+            if "factor" in old:
+                state["growth_factor"] = old["factor"]
+                state["backoff_factor"] = mx.array(1.0 / factor)
+        super().load_state(state)
+
     def _check_loaded(self, new: dict[str, mx.array]) -> None:
         where = "DynamicLossScale"
+        merged = {**self._state, **new}
         try:
-            if "period" in new:
-                _check_period(new["period"].item(), where)
-            if "factor" in new:
-                _check_factor(new["factor"].item(), where)
-            if "min_scale" in new:
-                _check_positive(new["min_scale"].item(), "min_scale", where)
+            values = {k: self._value(v, k, integer=k in ("counter", "growth_interval"))
+                      for k, v in new.items()}
+            if "growth_interval" in values:
+                _check_interval(values["growth_interval"], where)
+            if "growth_factor" in values:
+                _check_growth(values["growth_factor"], where)
+            if "backoff_factor" in values:
+                _check_backoff(values["backoff_factor"], where)
+            if "min_scale" in values:
+                _check_positive(values["min_scale"], "min_scale", where)
+            scale, floor = merged["loss_scale"].item(), merged["min_scale"].item()
+            if not (math.isfinite(scale) and scale >= floor > 0):
+                raise ValueError(f"[{where}] state entry 'loss_scale' must be finite and at "
+                                 f"least min_scale={_shown(floor)}, got {scale}")
+            counter, interval = merged["counter"].item(), merged["growth_interval"].item()
+            if not 0 <= counter < interval:
+                raise ValueError(f"[{where}] state entry 'counter' must be in "
+                                 f"[0, growth_interval={interval}), got {counter}")
         except ValueError as e:
             raise ValueError(f"{e} (in the state loaded)") from None
+
+    def adjust(self, grads_finite: mx.array) -> None:
+        finite = mx.array(grads_finite, dtype=mx.bool_)
+        scale, counter = self.loss_scale, self.counter
+        state = self._state  # the hyperparameters too are arrays: no host sync, no retrace
+        due = counter + 1 >= state["growth_interval"]
+        grown = scale * state["growth_factor"]
+        grown = mx.where(mx.isfinite(grown), grown, scale)  # never grow into inf
+        shrunk = mx.maximum(scale * state["backoff_factor"], state["min_scale"])
+        self._state["loss_scale"] = mx.where(finite, mx.where(due, grown, scale), shrunk)
+        self._state["counter"] = mx.where(
+            mx.logical_and(finite, mx.logical_not(due)), counter + 1, mx.array(0, mx.int32)
+        )
 
     @property
     def counter(self) -> mx.array:
         """Consecutive finite steps since the scale last changed, an int32 scalar."""
         return self._state["counter"]
 
-    def adjust(self, grads_finite: mx.array) -> None:
-        finite = mx.array(grads_finite, dtype=mx.bool_)
-        scale, counter = self.loss_scale, self.counter
-        state = self._state  # the hyperparameters too are arrays: no host sync, no retrace
-        due = counter + 1 >= state["period"]
-        grown = scale * state["factor"]
-        grown = mx.where(mx.isfinite(grown), grown, scale)  # never grow into inf
-        shrunk = mx.maximum(scale / state["factor"], state["min_scale"])
-        self._state["loss_scale"] = mx.where(finite, mx.where(due, grown, scale), shrunk)
-        self._state["counter"] = mx.where(
-            mx.logical_and(finite, mx.logical_not(due)), counter + 1, mx.array(0, mx.int32)
-        )
-
     def __repr__(self) -> str:
         return (
-            f"DynamicLossScale(scale={self.loss_scale.item()}, period={self.period}, "
-            f"factor={self.factor}, min_scale={self.min_scale})"
+            f"DynamicLossScale(scale={self.loss_scale.item()}, "
+            f"growth_factor={_shown(self.growth_factor)}, "
+            f"backoff_factor={_shown(self.backoff_factor)}, "
+            f"growth_interval={self.growth_interval}, min_scale={_shown(self.min_scale)})"
         )
 
 

@@ -64,6 +64,43 @@ TestDynamicScaleMachine.settings = settings(max_examples=60, stateful_step_count
                                             deadline=None)
 
 
+class GradScalerRuleMachine(RuleBasedStateMachine):
+    """The rule with GradScaler's separate factors (growth 2, backoff 0.25, as a ported recipe
+    might set), through checkpoint round trips, against plain Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.ls = DynamicLossScale(init_scale=64.0, growth_factor=2.0, backoff_factor=0.25,
+                                   growth_interval=2, min_scale=0.5)
+        self.scale, self.counter = 64.0, 0
+
+    @rule(finite=st.booleans())
+    def adjust(self, finite):
+        self.ls.adjust(mx.array(finite))
+        if finite:
+            self.counter += 1
+            if self.counter == 2:
+                self.scale, self.counter = self.scale * 2.0, 0
+        else:
+            self.scale, self.counter = max(self.scale * 0.25, 0.5), 0
+
+    @rule()
+    def checkpoint_round_trip(self):
+        other = DynamicLossScale()
+        other.load_state({k: mx.array(np.array(v)) for k, v in self.ls.state.items()})
+        self.ls = other
+
+    @invariant()
+    def matches_the_model(self):
+        assert self.ls.loss_scale.item() == self.scale
+        assert self.ls.counter.item() == self.counter
+
+
+TestGradScalerRuleMachine = GradScalerRuleMachine.TestCase
+TestGradScalerRuleMachine.settings = settings(max_examples=40, stateful_step_count=30,
+                                              deadline=None)
+
+
 def test_scale_never_grows_into_inf():
     ls = DynamicLossScale(scale=2.0**127, period=1)
     ls.adjust(mx.array(True))
@@ -111,7 +148,8 @@ def test_bad_arguments(make, message):
 def test_numpy_numbers_are_accepted_as_python_numbers():
     ls = DynamicLossScale(scale=np.float32(64), period=np.int64(3), factor=np.float16(4),
                           min_scale=np.int32(2))
-    assert repr(ls) == "DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)"
+    assert repr(ls) == ("DynamicLossScale(scale=64.0, growth_factor=4.0, backoff_factor=0.25, "
+                        "growth_interval=3, min_scale=2.0)")
     assert type(ls.period) is int and type(ls.factor) is float
     assert repr(StaticLossScale(np.float32(8))) == "StaticLossScale(8.0)"
     model = Dense(2, 1)
@@ -137,13 +175,15 @@ def test_state_without_hyperparameters_keeps_them():
     # checkpoints written before the hyperparameters were state
     ls = DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)
     ls.load_state({"loss_scale": mx.array(8.0), "counter": mx.array(2, mx.int32)})
-    assert repr(ls) == "DynamicLossScale(scale=8.0, period=3, factor=4.0, min_scale=2.0)"
+    assert repr(ls) == ("DynamicLossScale(scale=8.0, growth_factor=4.0, backoff_factor=0.25, "
+                        "growth_interval=3, min_scale=2.0)")
     model = Dense(2, 1)
     fresh = setup(Adam(), model)  # no loss scale yet: the defaults, as before
     fresh.load_state({**fresh.state, "loss_scale": {"loss_scale": mx.array(8.0),
                                                     "counter": mx.array(2, mx.int32)}})
     assert repr(fresh.loss_scale) == (
-        "DynamicLossScale(scale=8.0, period=2000, factor=2.0, min_scale=1.0)")
+        "DynamicLossScale(scale=8.0, growth_factor=2.0, backoff_factor=0.5, "
+        "growth_interval=2000, min_scale=1.0)")
     saved = setup(Adam(), model, loss_scale=DynamicLossScale(period=5, factor=3.0)).state
     fresh = setup(Adam(), model)
     fresh.load_state(saved)
@@ -167,7 +207,8 @@ def test_loaded_hyperparameters_are_checked(key, value, message):
 def test_reassigned_hyperparameters_are_checked_and_used():
     ls = DynamicLossScale(scale=8.0, period=100)
     ls.period, ls.factor, ls.min_scale = np.int64(1), 4, 2
-    assert repr(ls) == "DynamicLossScale(scale=8.0, period=1, factor=4.0, min_scale=2.0)"
+    assert repr(ls) == ("DynamicLossScale(scale=8.0, growth_factor=4.0, backoff_factor=0.25, "
+                        "growth_interval=1, min_scale=2.0)")
     ls.adjust(mx.array(True))
     assert ls.loss_scale.item() == 32.0
     for _ in range(3):
@@ -176,7 +217,8 @@ def test_reassigned_hyperparameters_are_checked_and_used():
     for name, bad in (("period", 0), ("factor", 1.0), ("min_scale", -1.0)):
         with pytest.raises(ValueError, match=rf"\[DynamicLossScale\] {name} must be"):
             setattr(ls, name, bad)
-    assert repr(ls) == "DynamicLossScale(scale=2.0, period=1, factor=4.0, min_scale=2.0)"
+    assert repr(ls) == ("DynamicLossScale(scale=2.0, growth_factor=4.0, backoff_factor=0.25, "
+                        "growth_interval=1, min_scale=2.0)")
 
 
 def test_load_state_validates_first():
@@ -264,3 +306,202 @@ def test_update_runs_inside_compile_without_host_sync():
 
     with pytest.raises(ValueError):
         mx.compile(syncing, inputs=captured, outputs=captured)(grads)
+
+
+# ---------------------------------------------------------------- GradScaler's arguments
+
+
+def test_gradscaler_arguments_and_defaults():
+    ls = DynamicLossScale()
+    assert (ls.loss_scale.item(), ls.growth_factor, ls.backoff_factor, ls.growth_interval,
+            ls.min_scale) == (2.0**15, 2.0, 0.5, 2000, 1.0)
+    ls = DynamicLossScale(init_scale=64.0, growth_factor=4.0, backoff_factor=0.25,
+                          growth_interval=2, min_scale=2.0)
+    expected = []
+    for finite in (False, True, True, False, False, False):
+        ls.adjust(mx.array(finite))
+        expected.append(ls.loss_scale.item())
+    assert expected == [16.0, 16.0, 64.0, 16.0, 4.0, 2.0]
+
+
+def test_backoff_independent_of_growth():
+    # a recipe with backoff_factor=0.25 and the default growth, as GradScaler allows
+    ls = DynamicLossScale(1024.0, backoff_factor=0.25, growth_interval=1)
+    ls.adjust(mx.array(False))
+    assert ls.loss_scale.item() == 256.0
+    ls.adjust(mx.array(True))
+    assert ls.loss_scale.item() == 512.0
+
+
+def test_earlier_spellings_still_work():
+    old = DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)
+    new = DynamicLossScale(64.0, growth_interval=3, growth_factor=4.0, backoff_factor=0.25,
+                           min_scale=2.0)
+    assert repr(old) == repr(new)
+    assert (old.period, old.factor) == (3, 4.0)
+    with pytest.raises(TypeError, match=r"\[DynamicLossScale\] give growth_interval= or the "
+                       r"earlier spelling period=, not both"):
+        DynamicLossScale(period=3, growth_interval=3)
+    with pytest.raises(TypeError):  # the factors are keywords: a positional 2nd is refused
+        DynamicLossScale(1024.0, 100)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"init_scale": 0}, r"init_scale must be a positive number, got 0"),
+    ({"init_scale": float("nan")}, r"init_scale must be a positive number, got nan"),
+    ({"init_scale": 1e39}, r"init_scale must be finite \(in float32\), got 1e\+39"),
+    ({"init_scale": 0.5}, r"init_scale must be at least min_scale=1.0, got 0.5"),
+    ({"growth_factor": 1.0}, r"growth_factor must be greater than 1 .*got 1.0"),
+    ({"growth_factor": "2"}, r"growth_factor must be a positive number, got '2'"),
+    ({"backoff_factor": 1.0}, r"backoff_factor must be a number in \(0, 1\) .*got 1.0"),
+    ({"backoff_factor": 0.0}, r"backoff_factor must be a positive number, got 0.0"),
+    ({"backoff_factor": 1e-50}, r"backoff_factor must be a number in \(0, 1\)"),  # 0 in f32
+    ({"growth_interval": 0}, r"growth_interval must be a positive integer .*got 0"),
+    ({"growth_interval": 2.5}, r"growth_interval must be a positive integer .*got 2.5"),
+    ({"min_scale": -1.0}, r"min_scale must be a positive number, got -1.0"),
+    ({"min_scale": float("inf")}, r"min_scale must be finite"),
+])
+def test_every_argument_is_checked(kwargs, message):
+    with pytest.raises(ValueError, match=rf"^\[DynamicLossScale\] {message}"):
+        DynamicLossScale(**kwargs)
+
+
+def test_a_checkpoint_with_the_earlier_entries_loads():
+    # state as written before growth_factor/backoff_factor/growth_interval
+    saved = {"loss_scale": mx.array(64.0), "counter": mx.array(1, mx.int32),
+             "period": mx.array(3, mx.int32), "factor": mx.array(4.0),
+             "min_scale": mx.array(2.0)}
+    ls = DynamicLossScale()
+    ls.load_state(saved)
+    assert (ls.growth_interval, ls.growth_factor, ls.backoff_factor, ls.min_scale) == (
+        3, 4.0, 0.25, 2.0)
+    assert ls.counter.item() == 1 and ls.loss_scale.item() == 64.0
+    model = Dense(2, 1)
+    opt_state = setup(Adam(), model)
+    opt_state.load_state({**opt_state.state, "loss_scale": saved})
+    assert opt_state.loss_scale.growth_interval == 3
+    with pytest.raises(ValueError, match=r"state has both 'period' and 'growth_interval'"):
+        ls.load_state({**ls.state, "period": mx.array(3, mx.int32)})
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(("entry", "value", "message"), [
+    ("loss_scale", mx.array(_NAN), r"state entry 'loss_scale' must be finite and at least "
+                                   r"min_scale=1.0, got nan"),
+    ("loss_scale", mx.array(_INF), r"state entry 'loss_scale' must be finite .*got inf"),
+    ("loss_scale", mx.array(0.0), r"state entry 'loss_scale' must be finite .*got 0.0"),
+    ("loss_scale", mx.array(-8.0), r"state entry 'loss_scale' must be finite .*got -8.0"),
+    ("loss_scale", mx.array(0.5), r"state entry 'loss_scale' must be .* at least min_scale=1.0"),
+    ("min_scale", mx.array(1e30), r"state entry 'loss_scale' must be .* min_scale=1e\+30"),
+    ("min_scale", mx.array(_INF), r"min_scale must be finite"),
+    ("counter", mx.array(-1, mx.int32), r"state entry 'counter' must be in \[0, "
+                                        r"growth_interval=2000\), got -1"),
+    ("counter", mx.array(5000, mx.int32), r"state entry 'counter' must be in \[0, growth_interval"),
+    ("counter", mx.array(2.5), r"state entry 'counter' must be an integer array, got float32"),
+    ("growth_interval", mx.array(-3, mx.int32), r"growth_interval must be a positive integer"),
+    ("growth_factor", mx.array(_NAN), r"growth_factor must be a positive number, got nan"),
+    ("backoff_factor", mx.array(0.0), r"backoff_factor must be a positive number"),
+    ("backoff_factor", mx.array(3.0), r"backoff_factor must be a number in \(0, 1\)"),
+    ("loss_scale", mx.array(True), r"state entry 'loss_scale' must be a real array, got bool"),
+])
+def test_corrupt_loaded_values_are_refused_and_change_nothing(entry, value, message):
+    ls = DynamicLossScale()
+    ls.adjust(mx.array(True))
+    state = dict(ls.state)
+    with pytest.raises(ValueError, match=rf"^\[DynamicLossScale\] {message}"):
+        ls.load_state({**state, entry: value})
+    assert all(ls.state[k] is v for k, v in state.items())
+    # through OptState.load_state too, naming the loss scale, and changing nothing there
+    model = Dense(2, 1)
+    opt_state = setup(Adam(), model, loss_scale=ls)
+    before = tree_flatten(opt_state.state)
+    with pytest.raises(ValueError, match=rf"^OptState.load_state: loss_scale: .*{message}"):
+        opt_state.load_state({**opt_state.state, "loss_scale": {**state, entry: value}})
+    assert all(a[1] is b[1] for a, b in zip(tree_flatten(opt_state.state), before, strict=True))
+
+
+@pytest.mark.parametrize("value", [_NAN, _INF, 0.0, -2.0])
+def test_corrupt_static_scale_is_refused(value):
+    ls = StaticLossScale(8.0)
+    with pytest.raises(ValueError, match=r"^\[StaticLossScale\] state entry 'loss_scale' must "
+                       r"be a finite positive number"):
+        ls.load_state({"loss_scale": mx.array(value)})
+    assert ls.loss_scale.item() == 8.0
+
+
+# ---------------------------------------------------------------- one scale, one OptState
+
+
+def _two_models():
+    mx.random.seed(1)
+    return Chain(Dense(3, 4), Dense(4, 2)), Chain(Dense(3, 4), Dense(4, 2))
+
+
+def test_one_scale_shared_by_two_opt_states_is_refused():
+    # PyTorch's test_grad_scaling_multiple: two models, one scaler. Each update adjusted the
+    # shared scale, so it changed twice per iteration (and unscaled model b's gradients with a
+    # scale that had not produced them): refused, saying what to do instead.
+    a, b = _two_models()
+    ls = DynamicLossScale(init_scale=1024.0)
+    first = setup(Adam(), a, loss_scale=ls)
+    with pytest.raises(ValueError, match=r"^setup: this DynamicLossScale already belongs to "
+                       r"another OptState.*Give each OptState its own.*a container module "
+                       r"holding both, one setup"):
+        setup(Adam(), b, loss_scale=ls)
+    other = setup(Adam(), b)
+    x = mx.ones((2, 3))
+    mse = lambda m, x: (m(x) ** 2).mean()  # noqa: E731
+    from fluxlike import train
+    with pytest.raises(ValueError, match=r"^train: this DynamicLossScale already belongs"):
+        train(mse, b, [x], other, loss_scale=ls, progress=False)
+    assert other.loss_scale is None and first.loss_scale is ls
+    with pytest.raises(ValueError, match=r"^OptState: this DynamicLossScale already belongs"):
+        other.loss_scale = ls
+
+
+def test_a_static_scale_may_be_shared():  # it never changes: nothing to adjust twice
+    a, b = _two_models()
+    ls = StaticLossScale(1024.0)
+    assert setup(Adam(), a, loss_scale=ls).loss_scale is setup(Adam(), b, loss_scale=ls).loss_scale
+
+
+def test_one_opt_state_keeps_its_scale_over_many_train_calls():
+    from fluxlike import train
+    a, _ = _two_models()
+    ls = DynamicLossScale(init_scale=1024.0, growth_interval=2)
+    opt_state = setup(Adam(), a, loss_scale=ls)
+    mse = lambda m, x: (m(x) ** 2).mean()  # noqa: E731
+    for _ in range(3):
+        train(mse, a, [mx.ones((2, 3))], opt_state, loss_scale=ls, progress=False)
+        train(mse, a, [mx.ones((2, 3))], opt_state, progress=False)
+    assert opt_state.loss_scale is ls and ls.loss_scale.item() == 8192.0
+
+
+def test_a_scale_is_free_again_once_its_opt_state_is_gone_or_lets_go():
+    import gc
+    a, b = _two_models()
+    ls = DynamicLossScale()
+    first = setup(Adam(), a, loss_scale=ls)
+    first.loss_scale = DynamicLossScale()  # lets go of ls
+    second = setup(Adam(), b, loss_scale=ls)
+    del second
+    gc.collect()
+    setup(Adam(), b, loss_scale=ls)
+
+
+def test_two_models_as_one_adjust_the_scale_once_per_iteration():
+    # the supported way: both models in one container, one setup, one scale
+    import mlx.nn as nn
+    a, b = _two_models()
+    both = nn.Module()
+    both.a, both.b = a, b
+    ls = DynamicLossScale(init_scale=1024.0, growth_interval=1)
+    opt_state = setup(Adam(0.01), both, loss_scale=ls)
+    x = mx.ones((2, 3))
+    for _ in range(3):
+        (grads,) = gradient(lambda m: (m.a(x) ** 2).mean() + (m.b(x) ** 2).mean(), both,
+                            loss_scale=ls)
+        update(opt_state, both, grads)
+    assert ls.loss_scale.item() == 1024.0 * 2**3  # once per iteration, not twice
