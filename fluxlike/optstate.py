@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from .gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
 from .optimise import Rule
-from .optstep import COMPILED, Compiled, assign, init_missing, rollback, step
+from .optstep import COMPILED, Compiled, assign, init_missing, rollback, step, uninterrupted
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale, LossScale
 
@@ -392,12 +392,13 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         return
     trees = [optimizer.state] if scale is None else [optimizer.state, scale.state]
     before = [dict(tree_flatten(tree)) for tree in trees]
-    try:
-        if scale is None:
-            optimizer.update(model, grads)
-        else:
-            model.update(step(optimizer, scale, grads, params))
-    except BaseException:
-        rollback(model, params, trees, before)  # no half-taken step
-        raise
+    with uninterrupted():
+        try:
+            if scale is None:
+                optimizer.update(model, grads)
+            else:
+                model.update(step(optimizer, scale, grads, params))
+        except BaseException:
+            rollback(model, params, trees, before)  # no half-taken step
+            raise
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input

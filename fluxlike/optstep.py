@@ -10,9 +10,12 @@ shapes and dtypes, and the Python settings of the optimiser and loss scale.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -40,6 +43,32 @@ def assign(
                 del live[key]
         elif isinstance(value, (dict, list)):
             assign(value, values, path + ".", prune)
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back while a step changes the model and its state, then deliver
+    it: a signal handled half-way through a step (or through its rollback) would leave some
+    parameters stepped and others not. Only the main thread receives signals; elsewhere this
+    does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum,
+                                                                                   frame)))
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(*held[0])
+        elif held and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def rollback(model: nn.Module, params: Any, trees: list, before: list[dict]) -> None:
@@ -205,11 +234,12 @@ class Compiled:
         entry = self.steps.get(key)
         if entry is not None:
             before = [dict(tree_flatten(tree)) for tree in captured]
-            try:
-                model.update(entry[0](grads, params))
-            except BaseException:  # Ctrl-C between the state's step and the model's: undo
-                rollback(model, params, captured, before)
-                raise
+            with uninterrupted():
+                try:
+                    model.update(entry[0](grads, params))
+                except BaseException:  # a failure between the state's step and the model's
+                    rollback(model, params, captured, before)
+                    raise
             return None
         # A step frees about the gradients, activations and (eagerly) the old state: keep
         # twice the bytes of parameters, gradients and state for the next step to reuse.
@@ -218,19 +248,20 @@ class Compiled:
             return "optimizer.state is not one live dict"
         before = [dict(tree_flatten(tree)) for tree in captured]
         fn = mx.compile(partial(step, optimizer, scale), inputs=captured, outputs=captured)
-        try:
-            new_params = fn(grads, params)
-        except BaseException as e:
-            # MLX leaves its tracers in the captured state when the traced function raises.
-            rollback(model, params, captured, before)
-            if not isinstance(e, Exception):
+        with uninterrupted():
+            try:
+                new_params = fn(grads, params)
+            except BaseException as e:
+                # MLX leaves its tracers in the captured state when the traced function raises.
+                rollback(model, params, captured, before)
+                if not isinstance(e, Exception):
+                    raise
+                return f"tracing failed with {type(e).__name__}: {e}"  # a host sync in a schedule
+            try:
+                model.update(new_params)
+            except BaseException:
+                rollback(model, params, captured, before)
                 raise
-            return f"tracing failed with {type(e).__name__}: {e}"  # a host sync in a schedule...
-        try:
-            model.update(new_params)
-        except BaseException:
-            rollback(model, params, captured, before)
-            raise
         if settings != (_settings(optimizer), _settings(scale)):
             # The step changed a Python attribute, which a replay would not: this step was
             # right (its Python code ran), later ones must run it again.

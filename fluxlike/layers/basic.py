@@ -525,6 +525,18 @@ class Embedding(Layer):
             )
         return weight[x]
 
+    def as_linear(self, x: mx.array) -> mx.array:
+        """``x @ weight.T``: the table as the output layer of a model with tied embeddings
+        (GPT-2, mlx-lm's Llama), ``(..., dims)`` to ``(..., vocab)`` logits. Unlike the lookup
+        it is a matrix product, and computes in the compute dtype under autocast.
+
+        >>> import mlx.core as mx
+        >>> from fluxlike import Embedding
+        >>> Embedding(10, 4).as_linear(mx.ones((2, 4))).shape
+        (2, 10)
+        """
+        return ops.linear(x, self["weight"], None, None, "Embedding.as_linear")
+
     def signature(self) -> str:
         vocab, dims = self.weight.shape
         return f"Embedding({vocab} => {dims})"

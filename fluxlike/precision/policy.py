@@ -399,8 +399,10 @@ class swapped:
     """Context manager: ``layer``'s own floating parameters (its arrays, and arrays in its
     lists and dicts; not its child modules, which have policies of their own) replaced by
     their casts to ``dtype`` in place, and put back on exit wherever a slot still holds the
-    cast. A value the body assigned stays; so do items it appended. Float64, integer and
-    boolean arrays are never cast. Hold :data:`_swap_lock` around it.
+    cast. A value the body assigned to such a slot stays, in the parameter's own dtype (the
+    body computed it from the casts: ``self.u = self.u + 1`` keeps ``u`` float32); items it
+    appended stay as they are. Float64, integer and boolean arrays are never cast. Hold
+    :data:`_swap_lock` around it.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense
@@ -412,11 +414,12 @@ class swapped:
     mlx.core.float32
     """
 
-    __slots__ = ("layer", "dtype", "originals")
+    __slots__ = ("layer", "dtype", "originals", "slots")
 
     def __init__(self, layer: nn.Module, dtype: mx.Dtype):
         self.layer, self.dtype = layer, dtype
-        self.originals: dict[int, tuple[mx.array, mx.array]] = {}
+        self.originals: dict[int, tuple[mx.array, mx.array]] = {}  # id(cast): (cast, source)
+        self.slots: dict[tuple[int, Any], mx.Dtype] = {}  # (id(container), key): its dtype
 
     def __enter__(self) -> nn.Module:
         self._walk(self.layer, self._swap_in)
@@ -426,19 +429,26 @@ class swapped:
         if self.originals:
             self._walk(self.layer, self._swap_out)
 
-    def _swap_in(self, value: mx.array) -> mx.array:
+    def _swap_in(self, container: Any, key: Any, value: mx.array) -> mx.array:
         if value.dtype == self.dtype or value.dtype not in CASTABLE:
             return value
         cast = castcache.cast(value, self.dtype)
         self.originals[id(cast)] = (cast, value)
+        self.slots[(id(container), key)] = value.dtype
         return cast
 
-    def _swap_out(self, value: mx.array) -> mx.array:
+    def _swap_out(self, container: Any, key: Any, value: mx.array) -> mx.array:
         held = self.originals.get(id(value))
-        return held[1] if held is not None and held[0] is value else value
+        if held is not None and held[0] is value:
+            return held[1]
+        dtype = self.slots.get((id(container), key))
+        if dtype is not None and value.dtype == self.dtype:  # assigned by the body
+            return value.astype(dtype)
+        return value
 
     @staticmethod
-    def _walk(container: Any, change: Callable[[mx.array], mx.array], depth: int = 0) -> None:
+    def _walk(container: Any, change: Callable[[Any, Any, mx.array], mx.array],
+              depth: int = 0) -> None:
         """Apply ``change`` to the arrays of ``container`` (the layer, or a list or dict in
         it) in place; tuples, which cannot change in place, are replaced whole."""
         if isinstance(container, dict):
@@ -449,15 +459,15 @@ class swapped:
             container).__setitem__
         for key, value in items:
             if isinstance(value, mx.array):
-                new = change(value)
+                new = change(container, key, value)
             elif isinstance(value, nn.Module) or depth > 8:
                 continue
             elif isinstance(value, (list, dict)):
                 swapped._walk(value, change, depth + 1)
                 continue
-            elif isinstance(value, tuple) and any(isinstance(v, mx.array) for v in value):
-                new = type(value)(change(v) if isinstance(v, mx.array) else v for v in value) \
-                    if type(value) is tuple else value
+            elif type(value) is tuple and any(isinstance(v, mx.array) for v in value):
+                new = tuple(change(value, i, v) if isinstance(v, mx.array) else v
+                            for i, v in enumerate(value))
                 if all(a is b for a, b in zip(new, value, strict=True)):
                     continue
             else:
