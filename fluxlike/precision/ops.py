@@ -45,6 +45,7 @@ from .state import CASTABLE, HALF, PLAIN, Context, context, device_index
 _warned_float64: set[str] = set()
 _HALF = frozenset(HALF)
 _F32 = mx.float32
+_state = context.get  # bound once: read on every call of every layer
 
 Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]
 Activation = Callable[[mx.array], mx.array]
@@ -181,8 +182,8 @@ def linear(
     >>> y.shape, y.dtype
     ((2, 4), mlx.core.bfloat16)
     """
-    # The everyday float32 call first: one addmm, no other Python.
-    state = context.get()
+    # The everyday float32 call first: one addmm, as little Python as can be.
+    state = _state()
     if state is PLAIN and weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
         y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
         return y if act is None else act(y)
