@@ -14,9 +14,10 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
+from .distributed import DataParallel, prepare
 from .gradients import _floating_or_tree, _trainable, _trainable_parameters
 from .optimise import Rule
-from .optstep import COMPILED, Compiled, assign, init_missing, step
+from .optstep import COMPILED, Compiled, assign, averager, init_missing, step
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale, LossScale
 
@@ -41,14 +42,16 @@ class OptState:
 
     def __init__(
         self, rule: Rule | optim.Optimizer, optimizer: optim.Optimizer,
-        loss_scale: LossScale | None = None,
+        loss_scale: LossScale | None = None, distributed: DataParallel | None = None,
     ):
         self.rule = rule
         self.optimizer = optimizer
         self.loss_scale = loss_scale
+        self.distributed = distributed  # data parallelism (fluxlike.distributed), or None
 
     def __repr__(self) -> str:
-        return f"OptState({self.rule!r}, loss_scale={self.loss_scale!r})"
+        shown = "" if self.distributed is None else f", distributed={self.distributed!r}"
+        return f"OptState({self.rule!r}, loss_scale={self.loss_scale!r}{shown})"
 
     @property
     def state(self) -> dict[str, Any]:
@@ -123,7 +126,8 @@ def _resolve_scale(loss_scale: Any, where: str) -> LossScale | None:
 
 
 def setup(
-    rule: Rule | optim.Optimizer, model: nn.Module, *, loss_scale: Any = None
+    rule: Rule | optim.Optimizer, model: nn.Module, *, loss_scale: Any = None,
+    distributed: Any = None, communication_dtype: mx.Dtype | None = None,
 ) -> OptState:
     """Prepare to train ``model`` with ``rule``: returns an :class:`OptState`.
 
@@ -140,6 +144,16 @@ def setup(
     >>> opt_state = setup(Descent(0.1), Dense(2, 1), loss_scale=DynamicLossScale())
     >>> type(opt_state.optimizer).__mro__[1].__name__, opt_state.loss_scale.loss_scale
     ('SGD', array(32768, dtype=float32))
+
+    ``distributed`` (data parallelism over ``mx.distributed``, see :mod:`fluxlike.distributed`):
+    ``None`` for one process, ``True`` for the group of ``mx.distributed.init()``, or an
+    ``mx.distributed.Group``. Every rank must call ``setup`` with the same model: the ranks'
+    parameter trees (names, shapes, dtypes, which are trained) are compared, and a mismatch is
+    a ``ValueError`` on every rank; then every rank gets rank 0's parameters and buffers
+    (BatchNorm statistics), and :func:`update` averages the gradients over the group before
+    the rule. ``communication_dtype`` (e.g. ``mx.bfloat16``) sends them in that dtype (half
+    the bytes; they are averaged back in their own dtype). A group of one process
+    communicates nothing.
     """
     if isinstance(rule, Rule):
         optimizer = rule.build()
@@ -155,8 +169,11 @@ def setup(
     if not isinstance(model, nn.Module):
         raise TypeError(f"setup: model must be an mlx.nn.Module, got {type(model).__name__}")
     scale = _resolve_scale(loss_scale, "setup")
-    optimizer.init(_trainable_parameters(model)[0])
-    return OptState(rule, optimizer, scale)
+    trainable = _trainable_parameters(model)[0]
+    parallel = prepare(model, (k for k, _ in tree_flatten(trainable)), distributed,
+                       communication_dtype)
+    optimizer.init(_trainable_parameters(model)[0] if parallel else trainable)
+    return OptState(rule, optimizer, scale, parallel)
 
 
 def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any]:
@@ -273,16 +290,25 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         compiled.initialised.add(signature)
     reason = compiled.eager or compiled.step(opt_state, model, grads, params, signature)
     if reason is None:
+        _sync_statistics(opt_state, model)
         return
     trees = [optimizer.state] if scale is None else [optimizer.state, scale.state]
     before = [dict(tree_flatten(tree)) for tree in trees]
+    average = averager(opt_state)
     try:
-        if scale is None:
+        if scale is None and average is None:
             optimizer.update(model, grads)
         else:
-            model.update(step(optimizer, scale, grads, params))
+            model.update(step(optimizer, scale, grads, params, average))
     except BaseException:
         for tree, values in zip(trees, before, strict=True):  # no half-taken step
             assign(tree, values, prune=True)
         raise
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input
+    _sync_statistics(opt_state, model)
+
+
+def _sync_statistics(opt_state: OptState, model: nn.Module) -> None:
+    """Data parallelism: BatchNorm running statistics averaged over the group after the step."""
+    if opt_state.distributed is not None:
+        opt_state.distributed.sync_statistics(model)

@@ -107,7 +107,13 @@ def train(
     ``FloatingPointError`` naming the batch (0-based), and the model and ``opt_state`` are
     left as they were before that batch.
 
-    ``progress``: a text progress bar on stderr, shown only when stderr is a terminal.
+    With data parallelism (``setup(..., distributed=...)``; give each rank its shard with
+    ``DataLoader(..., distributed=...)``, which makes every rank's batch count the same) the
+    loss of each batch is averaged over the group, so the returned mean, the non-finite-loss
+    error and its batch number are the same on every rank.
+
+    ``progress``: a text progress bar on stderr, shown only when stderr is a terminal (and,
+    with data parallelism, on rank 0 only).
     ``compile=True`` runs each step as one ``mx.compile``-d function (model, optimiser,
     loss-scale and random state captured), traced anew in each ``train`` call.
 
@@ -136,11 +142,14 @@ def train(
     scale = opt_state.loss_scale
     scale_state = {} if scale is None else scale.state
 
+    parallel = opt_state.distributed  # data parallelism: the loss is the group's mean
+
     def step(*batch: Any) -> mx.array:
         value, grads = _value_and_grad(loss, (model, *batch), dtype, scale, where,
                                        wrt_arrays=False)
         update(opt_state, model, grads[0])
-        return value[0] if isinstance(value, tuple) else value
+        value = value[0] if isinstance(value, tuple) else value
+        return value if parallel is None else parallel.mean(value)
 
     captured = [model.state, opt_state.optimizer.state, scale_state, mx.random.state]
     if compile:
@@ -148,7 +157,9 @@ def train(
 
     stream = sys.stderr
     bar = None
-    if progress and hasattr(stream, "isatty") and stream.isatty():
+    if progress and hasattr(stream, "isatty") and stream.isatty() and (
+        parallel is None or parallel.rank == 0  # one bar for the group
+    ):
         bar = _Progress(len(data) if hasattr(data, "__len__") else None, stream)
     total, count = 0.0, 0
     for i, batch in enumerate(data):
