@@ -70,7 +70,7 @@ def resolve_group(distributed: Any, where: str) -> Group | None:
     if isinstance(distributed, Group):
         return distributed
     raise TypeError(
-        f"{where}: distributed must be None (one process), True (the group of "
+        f"{where} distributed must be None (one process), True (the group of "
         f"mx.distributed.init()) or an mx.distributed.Group, got {distributed!r}"
     )
 
@@ -80,7 +80,7 @@ def _check_floating_dtype(dtype: Any, where: str) -> mx.Dtype | None:
         return None
     if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
         raise ValueError(
-            f"{where}: communication_dtype must be None (each gradient's own dtype) or a "
+            f"{where} communication_dtype must be None (each gradient's own dtype) or a "
             f"floating dtype such as mx.bfloat16, got {dtype!r}"
         )
     return dtype
@@ -314,7 +314,7 @@ class DataParallel:
 
 
 def prepare(model: nn.Module, trainable: Iterable[str], distributed: Any,
-            communication_dtype: Any, where: str = "setup") -> DataParallel | None:
+            communication_dtype: Any, where: str = "setup:") -> DataParallel | None:
     """What ``setup`` does for ``distributed=``: check every rank holds the same tree (a
     clear ``ValueError`` on every rank otherwise), then give every rank rank 0's arrays
     (parameters and buffers, local shards excepted). Returns the :class:`DataParallel`, or
@@ -324,7 +324,7 @@ def prepare(model: nn.Module, trainable: Iterable[str], distributed: Any,
     if group is None:
         if dtype is not None:
             raise ValueError(
-                f"{where}: communication_dtype={_name(dtype)} needs distributed=True or a "
+                f"{where} communication_dtype={_name(dtype)} needs distributed=True or a "
                 f"group; one process communicates nothing"
             )
         return None
@@ -332,7 +332,7 @@ def prepare(model: nn.Module, trainable: Iterable[str], distributed: Any,
     if not parallel.active:
         return parallel
     check_same(
-        model_entries(model, trainable), group, f"{where}:",
+        model_entries(model, trainable), group, where,
         "models (array names, dtypes, shapes, trained or frozen)",
         "build the same model on every rank (the same code and configuration) before "
         "setup(..., distributed=...)",
@@ -410,7 +410,7 @@ def on_rank0(group: Group | None, where: str, fn: Callable[[], Any]) -> Any:
     if barrier(group, failed=error is not None):
         if error is not None:
             raise error
-        raise RuntimeError(f"{where}: failed on rank 0 (see its error); nothing was done here")
+        raise RuntimeError(f"{where} failed on rank 0 (see its error there)")
     return result
 
 
