@@ -122,7 +122,7 @@ def savemodel(
     ValueError: [savemodel] a checkpoint is a safetensors file: name it 'dense.safetensors' ...
     """
     _check_module(model, "savemodel")
-    group = _distributed.save_group(distributed, opt_state, "[savemodel]")
+    group = _distributed.save_group(distributed, opt_state, model, "[savemodel]")
     if group is not None and group.size() > 1:  # rank 0 writes, the others wait for it
         _distributed.on_rank0(group, "[savemodel]",
                               lambda: savemodel(path, model, opt_state, distributed=False))

@@ -99,7 +99,8 @@ class DataLoader:
     seen, those few twice; ``drop_last=False``), with ``partial=False`` its last
     ``nobs % size`` entries are dropped (``drop_last=True``) and then, on every rank alike, a
     last short batch. Every rank has the same number of batches (``len(loader)``, per rank),
-    of the same sizes.
+    of the same sizes. Making a distributed loader communicates (the check and the seed):
+    every rank makes the same loaders in the same order.
 
     >>> import mlx.core as mx
     >>> from fluxlike import DataLoader

@@ -414,15 +414,26 @@ def on_rank0(group: Group | None, where: str, fn: Callable[[], Any]) -> Any:
     return result
 
 
-def save_group(distributed: Any, opt_state: Any, where: str) -> Group | None:
+def save_group(distributed: Any, opt_state: Any, model: nn.Module, where: str) -> Group | None:
     """The group that ``savemodel`` writes for: ``distributed`` if given, else the
-    optimiser state's; ``distributed=False`` writes from every caller."""
+    optimiser state's; ``distributed=False`` writes from every caller. A model holding
+    shards (rank 0's alone are not the model) is a ``ValueError`` on every rank."""
     if distributed is False:
         return None
     if distributed is not None:
-        return resolve_group(distributed, where)
-    parallel = getattr(opt_state, "distributed", None)
-    return parallel.group if isinstance(parallel, DataParallel) else None
+        group = resolve_group(distributed, where)
+    else:
+        parallel = getattr(opt_state, "distributed", None)
+        group = parallel.group if isinstance(parallel, DataParallel) else None
+    if group is not None and group.size() > 1:
+        local = local_paths(model)
+        if local:
+            raise ValueError(
+                f"{where} the model holds shards (at {local[0] or 'the top'!r}: fully_shard "
+                f"or a tensor-parallel layer), and rank 0's are not the whole model: save "
+                f"each rank's to a path of its own with distributed=False"
+            )
+    return group
 
 
 # -- data ------------------------------------------------------------------------------------

@@ -265,7 +265,12 @@ def check_sharded(group) -> dict:
     ref_loss, ref_grads, ref_dtype = run(base)
     for compute in (None, mx.bfloat16):
         model = fully_shard(copy_of(base, 70, out=4), group=group, compute_dtype=compute)
-        fl.setup(fl.Descent(0.1), model, distributed=group)  # fits the backend (ring: all_sum)
+        opt = fl.setup(fl.Descent(0.1), model, distributed=group)  # ring: all_sum backward
+        try:
+            fl.savemodel("never-written.safetensors", model, opt)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
         value, grads, dtype = run(model)
         expected = tree_map(lambda g: shard_of(g, 0), ref_grads)
         out[f"fully_shard compute_dtype={compute}"] = {
@@ -273,7 +278,8 @@ def check_sharded(group) -> dict:
             "dtype": [dtype, ref_dtype],
             "params": sorted({str(a.dtype) for _, a in tree_flatten(model.parameters())}),
             "grads": sorted({str(a.dtype) for _, a in tree_flatten(grads)}),
-            "shapes": [list(a.shape) for _, a in tree_flatten(model.parameters())]}
+            "shapes": [list(a.shape) for _, a in tree_flatten(model.parameters())],
+            "save_refused": refused}
     mx.random.seed(71)
     plain = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 4))
     ref_loss, ref_grads, ref_dtype = run(plain)

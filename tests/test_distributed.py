@@ -67,18 +67,22 @@ def launcher() -> list[str]:
             "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> tuple[dict, dict]:
-    outdir = tmp_path_factory.mktemp("distributed")
+def launch(*script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (a path and its arguments) in 2 processes on loopback, bounded."""
     command = [*launcher(), "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1",
-               "--starting-port", str(_free_ports(2)), "--python", sys.executable,
-               str(CHECKS), str(outdir)]
+               "--starting-port", str(_free_ports(2)), "--python", sys.executable, *script]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
     try:
-        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
+        return subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=TIMEOUT, env=env)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the 2-process group did not finish in {TIMEOUT} s: {e.stdout} {e.stderr}")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[dict, dict]:
+    outdir = tmp_path_factory.mktemp("distributed")
+    done = launch(str(CHECKS), str(outdir))
     results = []
     for rank in range(2):
         path = outdir / f"rank{rank}.json"
@@ -196,6 +200,8 @@ class TestTwoProcesses:
                 assert got["dtype"] == ["mlx.core.bfloat16"] * 2, name  # computed in bfloat16
                 assert got["params"] == got["grads"] == ["mlx.core.float32"], name  # masters
             assert r["fully_shard compute_dtype=None"]["shapes"] == [[8, 6], [8], [2, 16], [2]]
+            assert r["fully_shard compute_dtype=None"]["save_refused"].startswith(
+                "[savemodel] the model holds shards (at 'the top': fully_shard")
             assert r["quantized"]["dtype"] == "mlx.core.bfloat16"
             assert r["quantized"]["diff"] <= 0.05 * r["quantized"]["scale"]
 
@@ -297,3 +303,28 @@ class TestOneProcess:
                     QuantizedShardedToAllLinear):
             assert fl.policy_of(cls) == "down"
         assert fl.policy_of(FullyShardedModule) == "none"
+
+
+def test_the_example_trains_the_digits_cnn_data_parallel(tmp_path):
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    example = Path(__file__).parents[1] / "examples" / "digits_distributed.py"
+    path = tmp_path / "digits.safetensors"
+    done = launch(str(example), "--epochs", "1", "--batchsize", "64", "--precision",
+                  "bfloat16", "--communication", "bfloat16", "--save", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("2 process(es), 23 steps of 32 images each per epoch")
+    assert sum(line.startswith("final test accuracy") for line in lines) == 1  # rank 0 only
+    accuracy = float(lines[-2].split()[-1].rstrip("%"))
+    assert accuracy > 25  # well above chance (10%) after one short epoch; ten reach ~98%
+    model = fl.loadcheckpoint(path, _digits_model())
+    assert model.layers[0].weight.dtype == mx.float32
+
+
+def _digits_model():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    try:
+        import digits
+    finally:
+        sys.path.pop(0)
+    return digits.build_model()
