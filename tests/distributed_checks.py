@@ -84,7 +84,12 @@ def check_equivalence(group, precision: str) -> dict:
     model = mlp(10 + rank)  # different on each rank: setup must broadcast rank 0's
     reference = copy_of(model, 10) if rank == 0 else None
     x, y = data(size * B * STEPS)
-    opt = fl.setup(fl.Adam(1e-2), model, distributed=group)
+
+    def rule():  # float16: clipping (active at this norm) after the loss scale's unscaling
+        return fl.OptimiserChain(fl.ClipNorm(0.05), fl.Adam(1e-2)) if precision == "float16" \
+            else fl.Adam(1e-2)
+
+    opt = fl.setup(rule(), model, distributed=group)
     after_setup = digest(model.parameters())
     loader = fl.DataLoader((x, y), batchsize=B, shuffle=True, rng=7, distributed=group)
     mean = fl.train(loss, model, loader, opt, autocast=dtype, progress=False)
@@ -96,7 +101,7 @@ def check_equivalence(group, precision: str) -> dict:
     if rank == 0:
         order = np.random.default_rng(7).permutation(x.shape[0])
         joined = fl.DataLoader((x[mx.array(order)], y[mx.array(order)]), batchsize=size * B)
-        ref_opt = fl.setup(fl.Adam(1e-2), reference)
+        ref_opt = fl.setup(rule(), reference)
         ref_mean = fl.train(loss, reference, joined, ref_opt, autocast=dtype, progress=False)
         out["diff_vs_one_process"] = max_diff(model.parameters(), reference.parameters())
         out["mean_loss_one_process"] = ref_mean
@@ -110,15 +115,19 @@ def check_communication_dtype(group) -> dict:
     rank, size = group.rank(), group.size()
     x, y = data(size * B * STEPS)
     results = {}
-    for name, wire in (("float32", None), ("bfloat16", mx.bfloat16)):
+    for name, wire, compiled in (("float32", None, False), ("bfloat16", mx.bfloat16, False),
+                                 ("compiled", None, True)):
         model = mlp(20 + rank)
         opt = fl.setup(fl.Descent(0.1), model, distributed=group, communication_dtype=wire)
         loader = fl.DataLoader((x, y), batchsize=B, distributed=group)
-        fl.train(loss, model, loader, opt, progress=False)
+        fl.train(loss, model, loader, opt, progress=False, compile=compiled)
         results[name] = model
     return {"params": digest(results["bfloat16"].parameters()),
             "diff_vs_float32": max_diff(results["bfloat16"].parameters(),
                                         results["float32"].parameters()),
+            "compiled": digest(results["compiled"].parameters()),
+            "compiled_vs_float32": max_diff(results["compiled"].parameters(),
+                                            results["float32"].parameters()),
             "repr": repr(fl.setup(fl.Descent(0.1), mlp(1), distributed=group,
                                   communication_dtype=mx.bfloat16))}
 
