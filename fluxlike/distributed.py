@@ -28,6 +28,7 @@ still checked. Those layers get precision policies here, so they run under
 from __future__ import annotations
 
 import hashlib
+import inspect
 import zlib
 from collections.abc import Callable, Iterable
 from functools import reduce
@@ -42,6 +43,7 @@ from mlx.nn.layers.distributed import (
     QuantizedAllToShardedLinear,
     QuantizedShardedToAllLinear,
     ShardedToAllLinear,
+    sum_gradients,
 )
 from mlx.utils import tree_flatten, tree_unflatten
 
@@ -475,36 +477,47 @@ def shard_loader(group: Group, nobs: int, batchsize: int, shuffle: bool, partial
 
 # -- precision policies for MLX's sharded layers ---------------------------------------------
 
-for _cls in (AllToShardedLinear, ShardedToAllLinear, QuantizedAllToShardedLinear,
-             QuantizedShardedToAllLinear):
-    autocast_policy("down")(_cls)
-autocast_policy("none")(FullyShardedModule)  # a container: its module's layers cast themselves
+def _all_to_sharded(self: AllToShardedLinear, x: mx.array) -> mx.array:
+    x = sum_gradients(self.group)(x)  # the cotangent of x is summed over the group
+    return _ops.linear(x, self["weight"], self["bias"] if "bias" in self else None)
 
 
-def _scoped_linears() -> None:
-    """Inside a scope, the tensor-parallel linears multiply through fluxlike's kernels (on the
-    CPU, half precision at float32 GEMM speed), as ``nn.Linear`` does; without that hook they
-    run MLX's own forward on the half view, which is correct but slower on the CPU."""
-    try:
-        from .precision import ops
-        from .precision.policy import scoped_forward
-    except ImportError:  # the precision core may move these: the policies above suffice
-        return
-    from mlx.nn.layers.distributed import sum_gradients
-
-    def all_to_sharded(self: AllToShardedLinear, x: mx.array) -> mx.array:
-        x = sum_gradients(self.group)(x)
-        return ops.linear(x, self["weight"], self["bias"] if "bias" in self else None)
-
-    def sharded_to_all(self: ShardedToAllLinear, x: mx.array) -> mx.array:
-        x = mx.distributed.all_sum(ops.linear(x, self["weight"]), group=self.group)
-        return x + self["bias"] if "bias" in self else x
-
-    scoped_forward(AllToShardedLinear.__call__, all_to_sharded)
-    scoped_forward(ShardedToAllLinear.__call__, sharded_to_all)
+def _sharded_to_all(self: ShardedToAllLinear, x: mx.array) -> mx.array:
+    y = mx.distributed.all_sum(_ops.linear(x, self["weight"]), group=self.group)
+    return y + self["bias"].astype(y.dtype) if "bias" in self else y
 
 
-_scoped_linears()
+def _register_policies() -> None:
+    """Give MLX's sharded layers precision policies. The tensor-parallel linears are
+    ``"down"``: inside a scope they multiply through fluxlike's kernels (on the CPU, half
+    precision at float32 GEMM speed, as ``nn.Linear``); their quantized forms are ``"down"``
+    with MLX's own forward (their scales and biases cast); ``FullyShardedModule`` is a
+    container (``"none"``): the layers of its module cast the gathered parameters themselves.
+    Written for both forms of the policy API: ``autocast_policy(kind, forward=...)`` and the
+    earlier ``autocast_policy(kind)`` plus ``scoped_forward``."""
+    forwards = {AllToShardedLinear: _all_to_sharded, ShardedToAllLinear: _sharded_to_all}
+    takes_forward = "forward" in inspect.signature(autocast_policy).parameters
+    if _ops is None:
+        forwards = {}
+    for cls in (AllToShardedLinear, ShardedToAllLinear, QuantizedAllToShardedLinear,
+                QuantizedShardedToAllLinear):
+        if cls in forwards and takes_forward:
+            autocast_policy("down", forward=forwards[cls])(cls)
+        else:
+            autocast_policy("down")(cls)
+    autocast_policy("none")(FullyShardedModule)
+    if forwards and not takes_forward:
+        from .precision import policy
+
+        for cls, forward in forwards.items():
+            policy.scoped_forward(cls.__call__, forward)
+
+
+try:
+    from .precision import ops as _ops
+except ImportError:  # the precision core may move its kernels: the policies still hold
+    _ops = None
+_register_policies()
 
 __all__ = ["DataParallel", "DataShard", "barrier", "broadcast", "check_same", "prepare",
            "resolve_group"]

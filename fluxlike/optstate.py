@@ -263,6 +263,13 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     changes its own Python attributes while stepping, or whose ``state`` is not one live
     dict, is updated eagerly.
 
+    With data parallelism (``setup(..., distributed=...)``) the gradients are first averaged
+    over the group, inside the same compiled step (bucketed all-reductions, in
+    ``communication_dtype`` if one was given; the gradients of MLX's sharded layers, which
+    reduce their own, are left alone), so the unscaling, the finite check and the rule see the
+    averaged gradients and every rank takes the same step; afterwards the model's BatchNorm
+    running statistics are averaged too. Every rank must call ``update`` for every step.
+
     On the CPU the first step also raises MLX's buffer-cache limit from its default
     (32 MiB) to twice the bytes of the parameters, gradients and optimiser state (at most
     1/8 of MLX's memory limit), so that each step reuses the buffers the previous one
