@@ -22,7 +22,13 @@ tensor-parallel ``AllToShardedLinear``/``ShardedToAllLinear`` and their quantize
 *local*: each rank holds its own shard, so they are neither broadcast nor averaged (their
 gradients are already reduced by the layers themselves); their names, shapes and dtypes are
 still checked. Those layers get precision policies here, so they run under
-:func:`~fluxlike.autocast`.
+:func:`~fluxlike.autocast`. MLX 0.32.4's ring backend has no ``sum_scatter``, which
+``fully_shard``'s backward uses: ``setup(..., distributed=...)`` (:func:`fit_backend`) gives
+such models a backward that reduces with ``all_sum`` there.
+
+Every rank must make the same calls in the same order: ``setup``, ``update``, ``train``,
+``savemodel`` and making a distributed ``DataLoader`` communicate. An exception on one rank
+only (a loss that raises there, say) leaves the others waiting in their next collective.
 """
 
 from __future__ import annotations
@@ -210,6 +216,13 @@ def _is_local(path: str, prefixes: tuple[str, ...]) -> bool:
     return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
 
 
+def _owner(path: str, model: nn.Module, prefixes: tuple[str, ...]) -> str:
+    """The class name of the sharded layer holding ``path`` (the innermost)."""
+    modules = dict(model.named_modules())
+    inner = max((p for p in prefixes if _is_local(path, (p,))), key=len)
+    return type(modules[inner]).__name__
+
+
 def model_entries(model: nn.Module, trainable: Iterable[str]) -> list[str]:
     """One line per array of ``model``: its name, dtype, shape, and whether it is trained and
     whether it is a local shard: what :func:`check_same` compares across ranks."""
@@ -221,7 +234,8 @@ def model_entries(model: nn.Module, trainable: Iterable[str]) -> list[str]:
             lines.append(f"{path} {type(a).__name__}")
             continue
         role = "trained" if path in trained else "frozen"
-        local = " local" if _is_local(path, prefixes) else ""
+        local = f" local to {_owner(path, model, prefixes)}" if _is_local(path, prefixes) \
+            else ""
         lines.append(f"{path} {_name(a.dtype)} {tuple(a.shape)} {role}{local}")
     return lines
 

@@ -330,3 +330,15 @@ def _digits_model():
     finally:
         sys.path.pop(0)
     return digits.build_model()
+
+
+def test_model_entries_name_each_array_and_its_role():
+    from fluxlike.distributed import model_entries
+
+    model = fl.Chain(fl.Dense(3, 4), AllToShardedLinear(4, 2, group=mx.distributed.init()))
+    model.layers[0].freeze(keys=["bias"])
+    trainable = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    assert model_entries(model, trainable) == [
+        "layers.0.weight float32 (4, 3) trained", "layers.0.bias float32 (4,) frozen",
+        "layers.1.weight float32 (2, 4) trained local to AllToShardedLinear",
+        "layers.1.bias float32 (2,) trained local to AllToShardedLinear"]
