@@ -60,4 +60,5 @@ from .optimise import (
 from .precision.lossscale import DynamicLossScale, StaticLossScale, all_finite
 from .gradients import gradient, withgradient
 from .optstate import OptState, setup, update
+from .distributed import DataParallel, barrier
 from .training import train

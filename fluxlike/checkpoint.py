@@ -55,6 +55,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
+from . import distributed as _distributed
+
 FORMAT = "fluxlike"
 _MODEL, _OPT = "model.", "opt."
 _PLAIN = (bool, int, float, str, type(None))
@@ -108,12 +110,20 @@ def loadmodel(model: nn.Module, source: Any) -> nn.Module:
     return model
 
 
-def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) -> None:
+def savemodel(
+    path: str | os.PathLike, model: nn.Module, opt_state: Any = None, *, distributed: Any = None
+) -> None:
     """Write ``model`` (and ``opt_state`` from :func:`~fluxlike.setup`, if given) to one
     safetensors file at exactly ``path``, whose name must end in ``.safetensors`` (as for
     MLX's ``save_weights``, the extension names the format). The write is atomic and
     durable: a crash leaves either the old file or the new one (see the module's notes on
     faults); saves from several threads or processes to one path each leave a whole file.
+
+    Data parallelism: with an ``opt_state`` from ``setup(..., distributed=...)`` (or
+    ``distributed=True``/a group here) only rank 0 writes, and every rank returns once it has
+    (a barrier; if rank 0 fails, the others raise ``RuntimeError``). All ranks hold the same
+    model and state, so that file is the group's checkpoint; :func:`loadcheckpoint` reads it
+    on every rank, or into one process. ``distributed=False`` writes from every caller.
 
     >>> import mlx.core as mx, tempfile, os
     >>> from fluxlike import Dense, loadcheckpoint, savemodel
@@ -130,6 +140,11 @@ def savemodel(path: str | os.PathLike, model: nn.Module, opt_state: Any = None) 
     ValueError: [savemodel] a checkpoint is a safetensors file: name it 'dense.safetensors' ...
     """
     _check_module(model, "savemodel")
+    group = _distributed.save_group(distributed, opt_state, model, "[savemodel]")
+    if group is not None and group.size() > 1:  # rank 0 writes, the others wait for it
+        _distributed.on_rank0(group, "[savemodel]",
+                              lambda: savemodel(path, model, opt_state, distributed=False))
+        return
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(

@@ -27,6 +27,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from . import distributed as _distributed
+
 _NO_DEFAULT = object()
 
 
@@ -88,6 +90,19 @@ class DataLoader:
     than the data is then a ``ValueError``: the epoch would have no batch). ``rng`` is checked
     even when ``shuffle=False``.
 
+    ``distributed`` (data parallelism): ``None`` (one process), ``True`` (the group of
+    ``mx.distributed.init()``) or an ``mx.distributed.Group``. Every rank passes the whole
+    data set and the same options (checked: a ``ValueError`` on every rank otherwise) and
+    iterates over its own shard, as with PyTorch's ``DistributedSampler``: each epoch's order
+    (shuffled with rank 0's seed, so the same on every rank, and a new order every epoch) is
+    split round-robin, rank ``r`` taking positions ``r, r + size, ...``. With ``partial=True``
+    the order is first padded with its own first ``-nobs % size`` entries (every example is
+    seen, those few twice; ``drop_last=False``), with ``partial=False`` its last
+    ``nobs % size`` entries are dropped (``drop_last=True``) and then, on every rank alike, a
+    last short batch. Every rank has the same number of batches (``len(loader)``, per rank),
+    of the same sizes. Making a distributed loader communicates (the check and the seed):
+    every rank makes the same loaders in the same order.
+
     >>> import mlx.core as mx
     >>> from fluxlike import DataLoader
     >>> loader = DataLoader(mx.arange(5), batchsize=2)
@@ -110,6 +125,7 @@ class DataLoader:
         shuffle: bool = False,
         partial: bool = True,
         rng: np.random.Generator | int | None = None,
+        distributed: Any = None,
     ):
         if (
             isinstance(batchsize, bool)
@@ -147,6 +163,19 @@ class DataLoader:
                 f"batchsize of at most {nobs}"
             )
         _check_rng(rng)  # also when not shuffling: a wrong argument is a mistake either way
+        group = _distributed.resolve_group(distributed, "[DataLoader]")
+        self.shard = None  # data parallelism: this rank's share of each epoch
+        if group is not None and group.size() > 1:
+            seed = _seed(rng) if shuffle else None
+            self.shard, seed = _distributed.shard_loader(
+                group, nobs, int(batchsize), bool(shuffle), bool(partial), seed)
+            if self.shard.size == 0 or (not partial and batchsize > self.shard.size):
+                raise ValueError(
+                    f"[DataLoader] {nobs} observations over {group.size()} ranks leave "
+                    f"{self.shard.size} per rank, fewer than batchsize={batchsize} with "
+                    f"partial=False: use a smaller batchsize or partial=True"
+                )
+            rng = seed
         self.rng = _generator(rng) if shuffle else None
         self._data = data
         self._arrays_list = [a for _, a in arrays]
@@ -179,7 +208,7 @@ class DataLoader:
         return arrays
 
     def __len__(self) -> int:
-        full, rest = divmod(self.nobs, self.batchsize)
+        full, rest = divmod(self.nobs if self.shard is None else self.shard.size, self.batchsize)
         return full + (1 if rest and self.partial else 0)
 
     def _pack(self, batch: list[mx.array]) -> Any:
@@ -193,8 +222,11 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         order = mx.array(self.rng.permutation(self.nobs)) if self.shuffle else None
+        nobs = self.nobs
+        if self.shard is not None:  # the same order on every rank: take this rank's share
+            order, nobs = self.shard.positions(order), self.shard.size
         for i in range(len(self)):
-            start, stop = i * self.batchsize, min((i + 1) * self.batchsize, self.nobs)
+            start, stop = i * self.batchsize, min((i + 1) * self.batchsize, nobs)
             if order is None:
                 yield self._pack([a[start:stop] for a in self._arrays_list])
             else:
@@ -210,6 +242,8 @@ class DataLoader:
         options = f"batchsize={self.batchsize}"
         options += ", shuffle=True" if self.shuffle else ""
         options += ", partial=False" if not self.partial else ""
+        if self.shard is not None:
+            options += f", distributed=rank {self.shard.rank} of {self.shard.world}"
         return f"DataLoader({what}, {self.nobs} observations, {options})"
 
 
@@ -223,6 +257,15 @@ def _check_rng(rng: Any) -> None:
         )
     if rng < 0:  # numpy's seeds are non-negative
         raise ValueError(f"[DataLoader] rng must be a non-negative int seed, got {rng!r}")
+
+
+def _seed(rng: np.random.Generator | int | None) -> int:
+    """An int seed from an ``rng`` argument (checked): the int itself, one drawn from a
+    Generator, or for ``None`` one from MLX's global random state. A distributed loader
+    shuffles with rank 0's."""
+    if isinstance(rng, np.random.Generator):
+        return int(rng.integers(0, 2**31 - 1))
+    return int(mx.random.randint(0, 2**31 - 1, ()).item()) if rng is None else int(rng)
 
 
 def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:

@@ -15,9 +15,19 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from .distributed import DataParallel, prepare
 from .gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
 from .optimise import Rule
-from .optstep import COMPILED, Compiled, assign, init_missing, rollback, step, uninterrupted
+from .optstep import (
+    COMPILED,
+    Compiled,
+    assign,
+    averager,
+    init_missing,
+    rollback,
+    step,
+    uninterrupted,
+)
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale, LossScale
 
@@ -42,12 +52,13 @@ class OptState:
 
     def __init__(
         self, rule: Rule | optim.Optimizer, optimizer: optim.Optimizer,
-        loss_scale: LossScale | None = None,
+        loss_scale: LossScale | None = None, distributed: DataParallel | None = None,
     ):
         self.rule = rule
         self.optimizer = optimizer
         self._loss_scale = None
         self.loss_scale = loss_scale
+        self.distributed = distributed  # data parallelism (fluxlike.distributed), or None
         # the parameter names and shapes of the model setup() made this for (None: unknown)
         self._model_shapes: dict[str, tuple] | None = None
 
@@ -69,7 +80,8 @@ class OptState:
         self._loss_scale = value
 
     def __repr__(self) -> str:
-        return f"OptState({self.rule!r}, loss_scale={self.loss_scale!r})"
+        shown = "" if self.distributed is None else f", distributed={self.distributed!r}"
+        return f"OptState({self.rule!r}, loss_scale={self.loss_scale!r}{shown})"
 
     @property
     def state(self) -> dict[str, Any]:
@@ -206,7 +218,8 @@ def _resolve_scale(loss_scale: Any, where: str) -> LossScale | None:
 
 
 def setup(
-    rule: Rule | optim.Optimizer, model: nn.Module, *, loss_scale: Any = None
+    rule: Rule | optim.Optimizer, model: nn.Module, *, loss_scale: Any = None,
+    distributed: Any = None, communication_dtype: mx.Dtype | None = None,
 ) -> OptState:
     """Prepare to train ``model`` with ``rule``: returns an :class:`OptState`.
 
@@ -223,6 +236,16 @@ def setup(
     >>> opt_state = setup(Descent(0.1), Dense(2, 1), loss_scale=DynamicLossScale())
     >>> type(opt_state.optimizer).__mro__[1].__name__, opt_state.loss_scale.loss_scale
     ('SGD', array(32768, dtype=float32))
+
+    ``distributed`` (data parallelism over ``mx.distributed``, see :mod:`fluxlike.distributed`):
+    ``None`` for one process, ``True`` for the group of ``mx.distributed.init()``, or an
+    ``mx.distributed.Group``. Every rank must call ``setup`` with the same model: the ranks'
+    parameter trees (names, shapes, dtypes, which are trained) are compared, and a mismatch is
+    a ``ValueError`` on every rank; then every rank gets rank 0's parameters and buffers
+    (BatchNorm statistics), and :func:`update` averages the gradients over the group before
+    the rule. ``communication_dtype`` (e.g. ``mx.bfloat16``) sends them in that dtype (half
+    the bytes; they are averaged back in their own dtype). A group of one process
+    communicates nothing.
     """
     if isinstance(rule, Rule):
         optimizer = rule.build()
@@ -239,8 +262,11 @@ def setup(
         raise TypeError(f"setup: model must be an mlx.nn.Module, got {type(model).__name__}")
     scale = _resolve_scale(loss_scale, "setup")
     claim(scale, None, "setup")
-    optimizer.init(_trainable_parameters(model)[0])
-    opt_state = OptState(rule, optimizer, scale)
+    trainable = _trainable_parameters(model)[0]
+    parallel = prepare(model, (k for k, _ in tree_flatten(trainable)), distributed,
+                       communication_dtype)
+    optimizer.init(_trainable_parameters(model)[0] if parallel else trainable)
+    opt_state = OptState(rule, optimizer, scale, parallel)
     opt_state._model_shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     return opt_state
 
@@ -360,6 +386,13 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     changes its own Python attributes while stepping, or whose ``state`` is not one live
     dict, is updated eagerly.
 
+    With data parallelism (``setup(..., distributed=...)``) the gradients are first averaged
+    over the group, inside the same compiled step (bucketed all-reductions, in
+    ``communication_dtype`` if one was given; the gradients of MLX's sharded layers, which
+    reduce their own, are left alone), so the unscaling, the finite check and the rule see the
+    averaged gradients and every rank takes the same step; afterwards the model's BatchNorm
+    running statistics are averaged too. Every rank must call ``update`` for every step.
+
     On the CPU the first step also raises MLX's buffer-cache limit from its default
     (32 MiB) to twice the bytes of the parameters, gradients and optimiser state (at most
     1/8 of MLX's memory limit), so that each step reuses the buffers the previous one
@@ -389,16 +422,25 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
         compiled.initialised.add(signature)
     reason = compiled.eager or compiled.step(opt_state, model, grads, params, signature)
     if reason is None:
+        _sync_statistics(opt_state, model)
         return
     trees = [optimizer.state] if scale is None else [optimizer.state, scale.state]
     before = [dict(tree_flatten(tree)) for tree in trees]
+    average = averager(opt_state)
     with uninterrupted():
         try:
-            if scale is None:
+            if scale is None and average is None:
                 optimizer.update(model, grads)
             else:
-                model.update(step(optimizer, scale, grads, params))
+                model.update(step(optimizer, scale, grads, params, average))
         except BaseException:
             rollback(model, params, trees, before)  # no half-taken step
             raise
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input
+    _sync_statistics(opt_state, model)
+
+
+def _sync_statistics(opt_state: OptState, model: nn.Module) -> None:
+    """Data parallelism: BatchNorm running statistics averaged over the group after the step."""
+    if opt_state.distributed is not None:
+        opt_state.distributed.sync_statistics(model)

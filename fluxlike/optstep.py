@@ -125,9 +125,14 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
 
 
 def step(optimizer: optim.Optimizer, scale: LossScale | None, grads: dict,
-         params: dict) -> dict:
+         params: dict, average: Callable[[dict], dict] | None = None) -> dict:
     """The optimiser step on arrays: the new parameters (shaped like ``grads``); the optimiser
-    and loss-scale state change in place. Traced by :class:`Compiled`, or run eagerly."""
+    and loss-scale state change in place. Traced by :class:`Compiled`, or run eagerly.
+    ``average`` (data parallelism: :meth:`~fluxlike.distributed.DataParallel.average`) reduces
+    the gradients over the group first, so unscaling, the finite check and the rule all see
+    the reduced gradients, the same on every rank."""
+    if average is not None:
+        grads = average(grads)
     if scale is None:
         return optimizer.apply_gradients(grads, params)
     grads = scale.unscale(grads)
@@ -141,6 +146,12 @@ def step(optimizer: optim.Optimizer, scale: LossScale | None, grads: dict,
     assign(optimizer.state, dict(tree_flatten(tree_map(keep, optimizer.state, old_state))))
     scale.adjust(finite)
     return new_params
+
+
+def averager(opt_state: Any) -> Callable[[dict], dict] | None:
+    """The gradient averaging of ``opt_state``'s data parallelism, if it has any to do."""
+    parallel = getattr(opt_state, "distributed", None)
+    return parallel.average if parallel is not None and parallel.active else None
 
 
 class _Same:
@@ -226,10 +237,12 @@ class Compiled:
         Returns ``None`` when done, else why it must be taken eagerly instead (and then
         nothing has changed)."""
         optimizer, scale = opt_state.optimizer, opt_state.loss_scale
+        average = averager(opt_state)
         live = optimizer.state
         scale_state = None if scale is None else scale.state
         settings = (_settings(optimizer), _settings(scale))
-        key = (signature, optimizer, scale, id(live), id(scale_state), settings)
+        key = (signature, optimizer, scale, id(live), id(scale_state), settings,
+               None if average is None else _Same(average.__self__))
         captured = [live] if scale_state is None else [live, scale_state]
         entry = self.steps.get(key)
         if entry is not None:
@@ -247,7 +260,8 @@ class Compiled:
         if live is not optimizer.state:  # e.g. MultiOptimizer builds its state dict anew
             return "optimizer.state is not one live dict"
         before = [dict(tree_flatten(tree)) for tree in captured]
-        fn = mx.compile(partial(step, optimizer, scale), inputs=captured, outputs=captured)
+        fn = mx.compile(partial(step, optimizer, scale, average=average), inputs=captured,
+                        outputs=captured)
         with uninterrupted():
             try:
                 new_params = fn(grads, params)

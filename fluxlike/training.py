@@ -110,7 +110,13 @@ def train(
     inf or nan for a finite loss (checked on the device and read with the loss: no
     further host synchronisation).
 
-    ``progress``: a text progress bar on stderr, shown only when stderr is a terminal.
+    With data parallelism (``setup(..., distributed=...)``; give each rank its shard with
+    ``DataLoader(..., distributed=...)``, which makes every rank's batch count the same) the
+    loss of each batch is averaged over the group, so the returned mean, the non-finite-loss
+    error and its batch number are the same on every rank.
+
+    ``progress``: a text progress bar on stderr, shown only when stderr is a terminal (and,
+    with data parallelism, on rank 0 only).
     ``compile=True`` runs each step as one ``mx.compile``-d function (model, optimiser,
     loss-scale and random state captured), traced anew in each ``train`` call.
 
@@ -146,6 +152,8 @@ def train(
     scale = opt_state.loss_scale
     scale_state = {} if scale is None else scale.state
 
+    parallel = opt_state.distributed  # data parallelism: the loss is the group's mean
+
     def step(*batch: Any) -> tuple[mx.array, mx.array]:
         value, grads = _value_and_grad(loss, (model, *batch), dtype, scale, where,
                                        wrt_arrays=False)
@@ -154,7 +162,11 @@ def train(
         # the scale skips.
         finite = all_finite(grads[0]) if scale is None else mx.array(True)
         update(opt_state, model, grads[0])
-        return (value[0] if isinstance(value, tuple) else value), finite
+        value = value[0] if isinstance(value, tuple) else value
+        if parallel is None:
+            return value, finite
+        # every rank takes the same decision: the group's mean loss, finite on all ranks
+        return parallel.mean(value), parallel.mean(finite.astype(mx.float32)) == 1
 
     captured = [model.state, opt_state.optimizer.state, scale_state, mx.random.state]
     if compile:
@@ -162,7 +174,9 @@ def train(
 
     stream = sys.stderr
     bar = None
-    if progress and hasattr(stream, "isatty") and stream.isatty():
+    if progress and hasattr(stream, "isatty") and stream.isatty() and (
+        parallel is None or parallel.rank == 0  # one bar for the group
+    ):
         bar = _Progress(len(data) if hasattr(data, "__len__") else None, stream)
     total, count = 0.0, 0
     for i, batch in enumerate(data):

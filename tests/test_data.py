@@ -298,7 +298,7 @@ class TestOtherLibrariesCalls:
         import inspect
 
         assert list(inspect.signature(DataLoader).parameters) == \
-            ["data", "batchsize", "shuffle", "partial", "rng"]
+            ["data", "batchsize", "shuffle", "partial", "rng", "distributed"]
         assert len(DataLoader(data=self.X, batchsize=4)) == 3
         with pytest.raises(TypeError, match=r"^\[DataLoader\] unknown keyword 'batch_size'"):
             DataLoader(data=self.X, batch_size=4)
