@@ -34,7 +34,6 @@ only (a loss that raises there, say) leaves the others waiting in their next col
 from __future__ import annotations
 
 import hashlib
-import inspect
 import zlib
 from collections.abc import Callable, Iterable
 from functools import reduce
@@ -53,6 +52,7 @@ from mlx.nn.layers.distributed import (
 )
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .precision import ops
 from .precision.policy import autocast_policy
 
 Group = mx.distributed.Group
@@ -493,11 +493,11 @@ def shard_loader(group: Group, nobs: int, batchsize: int, shuffle: bool, partial
 
 def _all_to_sharded(self: AllToShardedLinear, x: mx.array) -> mx.array:
     x = sum_gradients(self.group)(x)  # the cotangent of x is summed over the group
-    return _ops.linear(x, self["weight"], self["bias"] if "bias" in self else None)
+    return ops.linear(x, self["weight"], self["bias"] if "bias" in self else None)
 
 
 def _sharded_to_all(self: ShardedToAllLinear, x: mx.array) -> mx.array:
-    y = mx.distributed.all_sum(_ops.linear(x, self["weight"]), group=self.group)
+    y = mx.distributed.all_sum(ops.linear(x, self["weight"]), group=self.group)
     return y + self["bias"].astype(y.dtype) if "bias" in self else y
 
 
@@ -506,32 +506,12 @@ def _register_policies() -> None:
     ``"down"``: inside a scope they multiply through fluxlike's kernels (on the CPU, half
     precision at float32 GEMM speed, as ``nn.Linear``); their quantized forms are ``"down"``
     with MLX's own forward (their scales and biases cast); ``FullyShardedModule`` is a
-    container (``"none"``): the layers of its module cast the gathered parameters themselves.
-    Written for both forms of the policy API: ``autocast_policy(kind, forward=...)`` and the
-    earlier ``autocast_policy(kind)`` plus ``scoped_forward``."""
-    forwards = {AllToShardedLinear: _all_to_sharded, ShardedToAllLinear: _sharded_to_all}
-    takes_forward = "forward" in inspect.signature(autocast_policy).parameters
-    if _ops is None:
-        forwards = {}
-    for cls in (AllToShardedLinear, ShardedToAllLinear, QuantizedAllToShardedLinear,
-                QuantizedShardedToAllLinear):
-        if cls in forwards and takes_forward:
-            autocast_policy("down", forward=forwards[cls])(cls)
-        else:
-            autocast_policy("down")(cls)
+    container (``"none"``): the layers of its module cast the gathered parameters themselves."""
+    autocast_policy("down", forward=_all_to_sharded)(AllToShardedLinear)
+    autocast_policy("down", forward=_sharded_to_all)(ShardedToAllLinear)
+    for cls in (QuantizedAllToShardedLinear, QuantizedShardedToAllLinear):
+        autocast_policy("down")(cls)
     autocast_policy("none")(FullyShardedModule)
-    if forwards and not takes_forward:
-        from .precision import policy
-
-        for cls, forward in forwards.items():
-            policy.scoped_forward(cls.__call__, forward)
 
 
-try:
-    from .precision import ops as _ops
-except ImportError:  # the precision core may move its kernels: the policies still hold
-    _ops = None
 _register_policies()
-
-__all__ = ["DataParallel", "DataShard", "barrier", "broadcast", "check_same", "prepare",
-           "resolve_group"]

@@ -414,12 +414,13 @@ class swapped:
     mlx.core.float32
     """
 
-    __slots__ = ("layer", "dtype", "originals", "slots")
+    __slots__ = ("layer", "dtype", "originals", "slots", "written")
 
     def __init__(self, layer: nn.Module, dtype: mx.Dtype):
         self.layer, self.dtype = layer, dtype
         self.originals: dict[int, tuple[mx.array, mx.array]] = {}  # id(cast): (cast, source)
         self.slots: dict[tuple[int, Any], mx.Dtype] = {}  # (id(container), key): its dtype
+        self.written: list[mx.array] = []  # what the body assigned, cast back
 
     def __enter__(self) -> nn.Module:
         self._walk(self.layer, self._swap_in)
@@ -428,6 +429,13 @@ class swapped:
     def __exit__(self, *exc_info: Any) -> None:
         if self.originals:
             self._walk(self.layer, self._swap_out)
+        if self.written:
+            # Scheduled now, under the lock: an array not yet evaluated belongs to this
+            # thread's stream, and another thread calling the layer could not evaluate it.
+            try:
+                mx.async_eval(self.written)
+            except (ValueError, RuntimeError):  # inside mx.grad/mx.compile: no evaluation
+                pass
 
     def _swap_in(self, container: Any, key: Any, value: mx.array) -> mx.array:
         if value.dtype == self.dtype or value.dtype not in CASTABLE:
@@ -443,7 +451,8 @@ class swapped:
             return held[1]
         dtype = self.slots.get((id(container), key))
         if dtype is not None and value.dtype == self.dtype:  # assigned by the body
-            return value.astype(dtype)
+            value = value.astype(dtype)
+            self.written.append(value)
         return value
 
     @staticmethod

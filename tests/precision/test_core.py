@@ -39,6 +39,17 @@ class Stateful(nn.Module):
         return x @ self.weight
 
 
+@autocast_policy("down")
+class ThreadedStateful(Stateful):
+    """Evaluates what it writes: an array made lazily on one thread's stream cannot be
+    evaluated on another's (MLX), so state shared by threads must be concrete."""
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        mx.eval(self.u)
+        return y
+
+
 class CountingDense(fl.Dense):
     def __call__(self, x):
         self.count = getattr(self, "count", 0) + 1
@@ -86,7 +97,7 @@ class TestWritesPersist:
 
 def _layers():
     return {
-        "users": Stateful(),
+        "users": ThreadedStateful(),
         "Dense": fl.Dense(3, 3),
         "nn.Linear": nn.Linear(3, 3),
     }
@@ -131,6 +142,8 @@ def test_threads_call_one_layer_under_different_scopes(name):
         t.join()
     assert errors == []
     assert all(v.dtype == F32 for _, v in tree_flatten(layer.parameters()))
+    if name == "users":  # and every call's write is there, from every thread and scope
+        assert layer.calls == 50 * len(SCOPES) and layer.u.tolist() == [150.0] * 3
 
 
 @pytest.mark.parametrize("name", ["users", "Dense", "nn.Linear"])
@@ -156,6 +169,8 @@ def test_asyncio_tasks_call_one_layer_under_different_scopes(name):
     results = asyncio.run(main())
     assert results == [[F16] * 5, [BF16] * 5, [F32] * 5]
     assert all(v.dtype == F32 for _, v in tree_flatten(layer.parameters()))
+    if name == "users":
+        assert layer.calls == 15 and layer.u.tolist() == [15.0] * 3
 
 
 class TestFp32Blocks:
