@@ -48,7 +48,7 @@ def load_data() -> tuple[Split, Split]:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        sys.exit("examples/digits.py needs scikit-learn: pip install -e '.[demo]'")
+        sys.exit("examples/digits.py needs scikit-learn: pip install -e '.[examples]'")
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     labels = digits.target.astype(np.int32)

@@ -8,7 +8,9 @@ import pytest
 
 import fluxlike as fl
 
-pytest.importorskip("sklearn", reason="the digits demo needs scikit-learn (pip install -e .[test])")
+pytest.importorskip(
+    "sklearn", reason="the digits demo needs scikit-learn: pip install -e '.[examples]'"
+)
 
 _path = Path(__file__).parent.parent / "examples" / "digits.py"
 _spec = importlib.util.spec_from_file_location("digits_demo", _path)
