@@ -238,8 +238,13 @@ def train_one(
     return run
 
 
+STYLES = {"float32": ("-", 2.5), "bfloat16": ("--", 1.5), "float16": (":", 2.0)}
+
+
 def plot(runs: list[Run], path: str, title: str) -> bool:
-    """Training and validation curves side by side; False (and a note) without matplotlib."""
+    """Training and validation curves, and each validation curve relative to the first
+    precision's (the curves themselves can lie on top of each other); False (and a note)
+    without matplotlib."""
     try:
         import matplotlib
 
@@ -248,18 +253,27 @@ def plot(runs: list[Run], path: str, title: str) -> bool:
     except ImportError:
         print("matplotlib is not installed (pip install 'fluxlike[examples]'): no plot written")
         return False
-    figure, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True, constrained_layout=True)
+    figure, axes = plt.subplots(1, 3, figsize=(12, 3.4), constrained_layout=True)
+    reference = runs[0]
     for run in runs:
-        axes[0].plot(run.steps, run.train_loss, label=run.precision)
-        axes[1].plot(run.steps, run.val_loss, label=run.precision)
-    for ax, name in zip(axes, ("training loss", "validation loss"), strict=True):
+        style, width = STYLES[run.precision]
+        line = {"label": run.precision, "linestyle": style, "linewidth": width}
+        axes[0].plot(run.steps, run.train_loss, **line)
+        axes[1].plot(run.steps, run.val_loss, **line)
+        pairs = zip(run.val_loss, reference.val_loss, strict=True)
+        relative = [100 * (v / r - 1) for v, r in pairs]
+        axes[2].plot(run.steps, relative, **line)
+    names = ("training loss", "validation loss", f"validation loss vs {reference.precision}")
+    for ax, name in zip(axes, names, strict=True):
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("cross entropy (nats per character)")
+    axes[1].sharey(axes[0])
+    axes[2].set_ylabel("difference (%)")
     axes[1].legend()
     figure.suptitle(title, fontsize=10)
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=72)
     plt.close(figure)
     return True
 
@@ -361,13 +375,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Run]:
     for run in runs.values():
         print(
             f"{run.precision:>8}: {run.val_loss[-1]:.4f} "
-            f"({100 * (run.val_loss[-1] / reference - 1):+.2f}% vs {args.precisions[0]})"
+            f"({100 * (run.val_loss[-1] / reference - 1):+.3f}% vs {args.precisions[0]})"
         )
     for run in runs.values():
         print(f"\n--- sample, {run.precision} ---\n{run.sample}")
     if args.plot:
         title = (
-            f"char transformer on pydoc_data.topics: width {args.width}, {args.layers} blocks, "
+            f"char transformer on pydoc_data.topics: width {args.width}, {args.layers} block"
+            f"{'s' * (args.layers != 1)}, "
             f"context {args.context}, batch {args.batchsize}, {args.steps} steps"
         )
         if plot(list(runs.values()), args.plot, title):
