@@ -10,6 +10,17 @@ is imported as such) and not ``fluxlike.compile``, which would shadow Python's `
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
+try:
+    import mlx.core as _mlx_core  # noqa: F401
+except ImportError as _error:  # MLX's Linux wheel alone has no backend (libmlx.so)
+    if "libmlx" not in str(_error):
+        raise
+    raise ImportError(
+        "fluxlike: MLX is installed without a backend (no libmlx.so). On Linux choose one with "
+        "fluxlike's extras: pip install 'fluxlike[cpu]', 'fluxlike[cuda12]' or "
+        "'fluxlike[cuda13]' (or mlx's own: pip install 'mlx[cpu]')"
+    ) from _error
+
 from ._blas import BlasInfo, BlasWarning, blas_info  # first: it puts an optimised BLAS under MLX
 from .activations import (
     elu,

@@ -87,21 +87,24 @@ def _run(args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """``(python, site_packages)`` of a fresh venv with the checkout pip-installed in it."""
-    where = tmp_path_factory.mktemp("install")
-    source = where / "fluxlike-src"  # a copy: building must leave no build/ in the checkout
-    source.mkdir()
+def source(tmp_path_factory):
+    """A copy of the checkout's package files: building must leave no build/ in the checkout."""
+    copy = tmp_path_factory.mktemp("source") / "fluxlike-src"
+    copy.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, source / name)
+        shutil.copy(ROOT / name, copy / name)
     shutil.copytree(
-        ROOT / "fluxlike", source / "fluxlike", ignore=shutil.ignore_patterns("__pycache__")
+        ROOT / "fluxlike", copy / "fluxlike", ignore=shutil.ignore_patterns("__pycache__")
     )
+    return copy
+
+
+def _fresh_install(where: Path, target: str) -> tuple[str, Path, Path]:
+    """``(python, site_packages, where)`` of a new venv in ``where`` with ``target`` installed."""
     venv = where / "venv"
     made = _run([sys.executable, "-m", "venv", str(venv)], timeout=60)
     assert made.returncode == 0, made.stderr
     python = str(venv / "bin" / "python")
-    target = f"{source}[cpu]" if LINUX else str(source)
     try:
         pip = _run([python, "-m", "pip", "install", "-q", target], timeout=85, cwd=where)
     except subprocess.TimeoutExpired:
@@ -111,6 +114,26 @@ def installed(tmp_path_factory):
     assert pip.returncode == 0, pip.stderr
     site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
     return python, Path(site.stdout.strip()), where
+
+
+@pytest.fixture(scope="module")
+def installed(source, tmp_path_factory):
+    """The checkout pip-installed as the README says: ``.[cpu]`` on Linux, ``.`` on macOS."""
+    target = f"{source}[cpu]" if LINUX else str(source)
+    return _fresh_install(tmp_path_factory.mktemp("install"), target)
+
+
+@pytest.mark.skipif(not LINUX, reason="on macOS the plain install is MLX's Metal build")
+def test_plain_linux_install_forces_no_backend_and_says_which_to_choose(source, tmp_path):
+    """A CUDA user installs fluxlike[cuda12]; so plain fluxlike on Linux brings no mlx-cpu, and
+    importing it without a backend says what to install."""
+    python, _, where = _fresh_install(tmp_path, str(source))
+    listed = _run([python, "-m", "pip", "list", "--format=json"], timeout=60)
+    names = {p["name"].lower().replace("_", "-") for p in json.loads(listed.stdout)}
+    assert "mlx" in names and not {"mlx-cpu", "mlx-cuda-12", "mlx-cuda-13"} & names
+    out = _run([python, "-c", "import fluxlike"], cwd=where, timeout=60)
+    assert out.returncode != 0
+    assert "pip install 'fluxlike[cpu]'" in out.stderr and "libmlx.so" in out.stderr, out.stderr
 
 
 def test_installed_package_runs_and_matches_its_metadata(installed):
