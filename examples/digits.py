@@ -10,11 +10,14 @@ float32, bfloat16 and float16 alike.
     python examples/digits.py                          # float32
     python examples/digits.py --precision bfloat16     # compute in bfloat16 (autocast)
     python examples/digits.py --epochs 5 --save digits.safetensors
+    python examples/digits.py --plot digits.png        # training and test loss curves
 
 ``--precision`` trains and evaluates under ``fluxlike.autocast``: the layers compute in the
 given dtype while the weights, their gradients and Adam's state stay float32 (float16 also
 gets a dynamic loss scale). ``--save`` writes the model and optimiser state with
-``fluxlike.savemodel``; ``fluxlike.loadcheckpoint`` reads them back.
+``fluxlike.savemodel``; ``fluxlike.loadcheckpoint`` reads them back. ``--plot`` writes a PNG of
+the training loss and the held-out (test) loss per epoch, with matplotlib
+(``pip install 'fluxlike[examples]'``; without it the plot is skipped with a note).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def load_data() -> tuple[Split, Split]:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        sys.exit("examples/digits.py needs scikit-learn: pip install -e '.[demo]'")
+        sys.exit("examples/digits.py needs scikit-learn: pip install -e '.[examples]'")
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     labels = digits.target.astype(np.int32)
@@ -88,6 +91,38 @@ def accuracy(model: fl.Chain, x: mx.array, labels: mx.array, dtype: mx.Dtype | N
     return (predicted == labels).mean().item()
 
 
+def held_out_loss(model: fl.Chain, x: mx.array, labels: mx.array, dtype: mx.Dtype | None) -> float:
+    """Mean cross entropy on ``x`` (test mode), under ``autocast(dtype)`` when a dtype is given."""
+    scope = fl.autocast(dtype) if dtype is not None else contextlib.nullcontext()
+    with scope:
+        return loss(model, x, fl.onehotbatch(labels, CLASSES)).item()
+
+
+def plot(train_loss: list[float], test_loss: list[float], path: str, title: str) -> bool:
+    """The two loss curves per epoch, as a PNG; False (and a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'fluxlike[examples]'): no plot written")
+        return False
+    epochs = range(1, len(train_loss) + 1)
+    figure, ax = plt.subplots(figsize=(5, 3.4), constrained_layout=True)
+    ax.plot(epochs, train_loss, marker="o", label="training (mean over the epoch)")
+    ax.plot(epochs, test_loss, marker="o", label="test (after the epoch)")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("cross entropy")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    return True
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=10, help="passes over the data (10)")
@@ -103,6 +138,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="compute dtype of the layers, via fluxlike.autocast (float32)",
     )
     parser.add_argument("--save", metavar="PATH", help="write a checkpoint here at the end")
+    parser.add_argument(
+        "--plot", metavar="PATH", help="write the training and test loss curves to this PNG"
+    )
     args = parser.parse_args(argv)
     for name in ("epochs", "batchsize"):
         if getattr(args, name) < 1:
@@ -115,6 +153,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         folder = os.path.dirname(args.save) or "."
         if not os.path.isdir(folder):
             parser.error(f"--save: no folder {folder!r} to write {args.save!r} in")
+    if args.plot:
+        if not args.plot.endswith(".png"):
+            parser.error(f"--plot names a PNG file (x.png), got {args.plot!r}")
+        folder = os.path.dirname(args.plot) or "."
+        if not os.path.isdir(folder):
+            parser.error(f"--plot: no folder {folder!r} to write {args.plot!r} in")
     return args
 
 
@@ -138,14 +182,22 @@ def main(argv: Sequence[str] | None = None) -> float:
     print(f"{len(y_train)} training and {len(y_test)} test images, {args.precision}")
     print(model)
     start = time.perf_counter()
+    train_losses, test_losses = [], []
     for epoch in range(1, args.epochs + 1):
         mean_loss = fl.train(loss, model, loader, opt_state, autocast=dtype, progress=False)
         test_accuracy = accuracy(model, x_test, y_test, dtype)
+        train_losses.append(mean_loss)
+        if args.plot:
+            test_losses.append(held_out_loss(model, x_test, y_test, dtype))
         print(
             f"epoch {epoch:2d}  loss {mean_loss:.4f}  test accuracy {100 * test_accuracy:.2f}%"
             f"  ({time.perf_counter() - start:.1f} s)"
         )
     print(f"final test accuracy: {100 * test_accuracy:.2f}%")
+    if args.plot:
+        title = f"UCI digits CNN, {args.precision}: {100 * test_accuracy:.2f}% test accuracy"
+        if plot(train_losses, test_losses, args.plot, title):
+            print(f"wrote the loss curves to {args.plot}")
     if args.save:
         fl.savemodel(args.save, model, opt_state)
         print(f"saved model and optimiser state to {args.save}")

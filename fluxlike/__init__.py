@@ -1,7 +1,25 @@
 """fluxlike: a Flux-style neural-network library on MLX with scoped mixed precision.
 
-This file is the public API manifest: explicit re-exports, nothing else.
+This file is the public API manifest: explicit re-exports, ``__all__`` and ``__version__``.
+
+``from fluxlike import *`` brings in exactly ``__all__``: the layers, activations, training
+functions, optimiser rules and precision tools, but not the submodules (``fluxlike.losses``
+is imported as such) and not ``fluxlike.compile``, which would shadow Python's ``compile``.
 """
+
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
+
+try:
+    import mlx.core as _mlx_core  # noqa: F401
+except ImportError as _error:  # MLX's Linux wheel alone has no backend (libmlx.so)
+    if "libmlx" not in str(_error):
+        raise
+    raise ImportError(
+        "fluxlike: MLX is installed without a backend (no libmlx.so). On Linux choose one with "
+        "fluxlike's extras: pip install 'fluxlike[cpu]', 'fluxlike[cuda12]' or "
+        "'fluxlike[cuda13]' (or mlx's own: pip install 'mlx[cpu]')"
+    ) from _error
 
 from ._blas import BlasInfo, BlasWarning, blas_info  # first: it puts an optimised BLAS under MLX
 from .activations import (
@@ -62,3 +80,33 @@ from .gradients import gradient, withgradient
 from .optstate import OptState, setup, update
 from .distributed import DataParallel, barrier
 from .training import train
+
+try:
+    __version__: str = _version("fluxlike")
+except _PackageNotFoundError:  # a checkout on sys.path that was never pip-installed
+    __version__ = "0.0.0+unknown"
+
+# Public names, grouped as above. `compile` is public as `fluxlike.compile` but not star-exported.
+__all__ = [
+    # BLAS under MLX (Linux CPU)
+    "BlasInfo", "BlasWarning", "blas_info",
+    # activations
+    "elu", "gelu", "identity", "leakyrelu", "logsoftmax", "logsumexp", "relu", "sigmoid",
+    "softmax", "softplus", "swish", "tanh",
+    # layers
+    "Layer", "Bilinear", "Chain", "Dense", "Embedding", "Parallel", "Scale", "SkipConnection",
+    "flatten", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "Conv", "ConvTranspose",
+    "AdaptiveMeanPool", "GlobalMaxPool", "GlobalMeanPool", "MaxPool", "MeanPool",
+    "MultiHeadAttention", "BatchNorm", "Dropout", "GroupNorm", "InstanceNorm", "LayerNorm",
+    "RMSNorm", "testmode", "trainmode",
+    # precision
+    "autocast", "autocast_policy", "policy_of", "clear_cast_cache", "bf16", "bf16mix", "f16",
+    "f16mix", "f32", "f64", "keep_float32", "DynamicLossScale", "StaticLossScale", "all_finite",
+    # data and checkpoints
+    "DataLoader", "onecold", "onehot", "onehotbatch", "loadcheckpoint", "loadmodel", "savemodel",
+    "state",
+    # optimiser rules, gradients, training
+    "Adam", "AdamW", "ClipNorm", "ClipValue", "Descent", "Lion", "Momentum", "Nesterov",
+    "OptimiserChain", "RMSProp", "WeightDecay", "gradient", "withgradient", "OptState", "setup",
+    "update", "train",
+]  # fmt: skip

@@ -8,12 +8,16 @@ import pytest
 
 import fluxlike as fl
 
-pytest.importorskip("sklearn", reason="the digits demo needs scikit-learn (pip install -e .[test])")
+pytest.importorskip(
+    "sklearn", reason="the digits demo needs scikit-learn: pip install -e '.[examples]'"
+)
 
 _path = Path(__file__).parent.parent / "examples" / "digits.py"
 _spec = importlib.util.spec_from_file_location("digits_demo", _path)
 digits = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(digits)
+
+NEEDS_MATPLOTLIB = "the plot needs matplotlib: pip install -e '.[examples]'"
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +90,26 @@ def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit):
         digits.main(argv)
     assert "error" in capsys.readouterr().err
+
+
+def test_plot_writes_the_loss_curves(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason=NEEDS_MATPLOTLIB)
+    path = tmp_path / "digits.png"
+    digits.main(["--epochs", "2", "--seed", "1", "--plot", str(path)])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote the loss curves to {path}" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_is_skipped_with_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import fails
+    path = tmp_path / "digits.png"
+    digits.main(["--epochs", "1", "--plot", str(path)])
+    assert not path.exists()
+    assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--plot", "curves.pdf"], ["--plot", "/no/such/folder/x.png"]])
+def test_bad_plot_arguments(argv, capsys):
+    with pytest.raises(SystemExit):
+        digits.main(argv)
+    assert "--plot" in capsys.readouterr().err
