@@ -109,4 +109,6 @@ __all__ = [
     "Adam", "AdamW", "ClipNorm", "ClipValue", "Descent", "Lion", "Momentum", "Nesterov",
     "OptimiserChain", "RMSProp", "WeightDecay", "gradient", "withgradient", "OptState", "setup",
     "update", "train",
+    # several processes
+    "DataParallel", "barrier",
 ]  # fmt: skip
