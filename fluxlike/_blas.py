@@ -34,6 +34,7 @@ import sysconfig
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import FrameType
 
 __all__ = ["BlasInfo", "BlasWarning", "blas_info"]
 
@@ -231,7 +232,8 @@ def _outside_level() -> int:
     """The ``stacklevel`` of the first caller outside fluxlike and the import machinery
     (the user's ``import fluxlike``), counted from ``_warn``."""
     package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(2), 2
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None:
         name = frame.f_code.co_filename
         if "importlib" in name and "_bootstrap" in name:  # warnings skips these itself
@@ -371,6 +373,8 @@ def _load_bias(path: str) -> int | None:
     link_map = ctypes.c_void_p()
     libc = ctypes.CDLL(None)
     if libc.dlinfo(ctypes.c_void_p(handle), 2, ctypes.byref(link_map)) != 0:  # RTLD_DI_LINKMAP
+        return None
+    if link_map.value is None:  # a null link map: nothing to read
         return None
     return ctypes.c_size_t.from_address(link_map.value).value
 

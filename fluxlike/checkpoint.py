@@ -53,9 +53,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_map_with_path, tree_unflatten
 
 from . import distributed as _distributed
+from ._mlxtyping import tree_flatten
 
 FORMAT = "fluxlike"
 _MODEL, _OPT = "model.", "opt."

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
-def is_int(value: Any) -> bool:
+
+def is_int(value: object) -> TypeIs[int | np.integer]:
     """Whether ``value`` is an integer of any type (``int``, ``np.int64``, ...) but no bool.
 
     >>> import numpy as np
@@ -202,7 +205,7 @@ def index_range(x: mx.array) -> tuple[int, int] | None:
     if x.size == 0:
         return None
     try:
-        low, high = mx.stack([mx.min(x), mx.max(x)]).tolist()
+        low, high = cast("list[int]", mx.stack([mx.min(x), mx.max(x)]).tolist())
     except ValueError as error:
         if "function transformations" not in str(error):  # MLX's message for a traced eval
             raise

@@ -22,7 +22,7 @@ import inspect
 import numbers
 from collections.abc import Callable, Hashable, ItemsView, Iterator, KeysView, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -115,6 +115,16 @@ class DataLoader:
     >>> DataLoader({"x": mx.zeros((6, 2)), "y": mx.zeros(6)}, batchsize=4, shuffle=True)
     DataLoader(dict of 2 arrays, 6 observations, batchsize=4, shuffle=True)
     """
+
+    # Declared here for the type checker: ``__init__`` is wrapped (``_clear_call_errors``).
+    shard: _distributed.DataShard | None
+    rng: np.random.Generator | None
+    _data: Any
+    _arrays_list: list[mx.array]
+    batchsize: int
+    shuffle: bool
+    partial: bool
+    nobs: int
 
     @_clear_call_errors
     def __init__(
@@ -221,7 +231,8 @@ class DataLoader:
         return batch[0]
 
     def __iter__(self) -> Iterator[Any]:
-        order = mx.array(self.rng.permutation(self.nobs)) if self.shuffle else None
+        rng = cast(np.random.Generator, self.rng)  # set whenever shuffle is
+        order = mx.array(rng.permutation(self.nobs)) if self.shuffle else None
         nobs = self.nobs
         if self.shard is not None:  # the same order on every rank: take this rank's share
             order, nobs = self.shard.positions(order), self.shard.size
@@ -265,7 +276,7 @@ def _seed(rng: np.random.Generator | int | None) -> int:
     shuffles with rank 0's."""
     if isinstance(rng, np.random.Generator):
         return int(rng.integers(0, 2**31 - 1))
-    return int(mx.random.randint(0, 2**31 - 1, ()).item()) if rng is None else int(rng)
+    return cast(int, mx.random.randint(0, 2**31 - 1, ()).item()) if rng is None else int(rng)
 
 
 def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
@@ -273,10 +284,10 @@ def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
     with the int ``rng``, or for ``None`` one seeded from MLX's global random state (as Flux
     follows Julia's default RNG)."""
     if rng is None:
-        rng = int(mx.random.randint(0, 2**31 - 1, ()).item())
-    if isinstance(rng, numbers.Integral):
-        return np.random.default_rng(int(rng))
-    return rng
+        rng = cast(int, mx.random.randint(0, 2**31 - 1, ()).item())
+    if isinstance(rng, np.random.Generator):
+        return rng
+    return np.random.default_rng(int(rng))  # an int seed (numbers.Integral)
 
 
 def _labels_list(labels: Any, where: str) -> list:
@@ -285,7 +296,7 @@ def _labels_list(labels: Any, where: str) -> list:
             raise ValueError(
                 f"[{where}] labels must be one-dimensional, got shape {tuple(labels.shape)}"
             )
-        return labels.tolist()
+        return cast(list, labels.tolist())  # one-dimensional
     if isinstance(labels, bytes) or not hasattr(labels, "__iter__"):
         raise TypeError(f"[{where}] labels must be a sequence, got {type(labels).__name__}")
     if _unordered(labels):
@@ -309,7 +320,7 @@ def _class_index(classes: Sequence[Hashable], where: str) -> dict:
     ):
         hint = f"; for {classes} classes 0 to {classes - 1} pass range({classes})" if (
             isinstance(classes, numbers.Integral) and not isinstance(classes, bool)
-            and classes > 0) else ""
+            and int(classes) > 0) else ""
         raise TypeError(
             f"[{where}] classes must be an ordered sequence of labels such as [0, 1, 2] or "
             f"'abc', got {type(classes).__name__}{hint}"

@@ -50,8 +50,9 @@ from mlx.nn.layers.distributed import (
     ShardedToAllLinear,
     sum_gradients,
 )
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
+from ._mlxtyping import tree_flatten
 from .precision import ops
 from .precision.policy import autocast_policy
 

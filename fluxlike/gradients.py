@@ -16,8 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+from mlx.utils import tree_map, tree_map_with_path
 
+from ._mlxtyping import tree_flatten
 from .modes import differentiating
 from .precision import lossscale
 from .precision.lossscale import LossScale

@@ -13,8 +13,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_map_with_path
 
+from ._mlxtyping import tree_flatten
 from .distributed import DataParallel, prepare
 from .gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
 from .optimise import Rule

@@ -22,8 +22,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
+from ._mlxtyping import tree_flatten
 from .precision.lossscale import LossScale, all_finite
 
 

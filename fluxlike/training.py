@@ -16,9 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from . import workarounds  # noqa: F401  (registers the exit guard for worker threads)
+from ._mlxtyping import tree_flatten
 from .gradients import _check_autocast, _value_and_grad
 from .optstate import OptState, claim, update
 from .optstep import COMPILED, assign

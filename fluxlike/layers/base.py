@@ -20,8 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
+from .._mlxtyping import tree_flatten
 from ..activations import identity
 from ..modes import mode_changed
 
@@ -50,7 +50,7 @@ class Layer(nn.Module):
         ``testmode`` do, so that mlx-style training loops get batch statistics and dropout."""
         super()._set_training_mode(mode)
         if "active" in self.__dict__:
-            self.active = mode
+            self.active: bool | None = mode  # None (automatic) as constructed
             mode_changed()
 
 
@@ -62,8 +62,9 @@ def act_name(act: Callable) -> str | None:
 def signature_of(args: list[str], name: str, act: Callable | None = None, **options: Any) -> str:
     """``Name(arg, ..., act, key=value, ...)`` leaving out the activation if it is identity."""
     parts = list(args)
-    if act is not None and act_name(act) is not None:
-        parts.append(act_name(act))
+    shown = None if act is None else act_name(act)
+    if shown is not None:
+        parts.append(shown)
     parts += [f"{k}={v}" for k, v in options.items()]
     return f"{name}({', '.join(parts)})"
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast, overload
 
 import mlx.core as mx
 
@@ -89,6 +89,12 @@ def _compute_dtype(x: mx.array, *params: mx.array | None) -> mx.Dtype:
     return mx.float64 if mx.float64 in dtypes else mx.float32
 
 
+@overload
+def _as(x: mx.array, dtype: mx.Dtype) -> mx.array: ...
+@overload
+def _as(x: None, dtype: mx.Dtype) -> None: ...
+@overload
+def _as(x: mx.array | None, dtype: mx.Dtype) -> mx.array | None: ...
 def _as(x: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
     return x if x is None or x.dtype == dtype else x.astype(dtype)
 
@@ -128,7 +134,7 @@ class _Norm(Layer):
         return _as(getattr(self, "act", identity)(y), out_dtype)
 
 
-class _Pinned(set):
+class _Pinned(set[str]):
     """A module's set of frozen names (``nn.Module._no_grad``) that always keeps ``pinned``.
 
     ``nn.Module.unfreeze`` empties this set of every submodule directly (``clear``, or
@@ -149,7 +155,7 @@ class _Pinned(set):
         super().difference_update(*others)
         self.update(self.pinned)
 
-    def discard(self, name: str) -> None:
+    def discard(self, name: object) -> None:
         if name not in self.pinned:
             super().discard(name)
 
@@ -186,6 +192,7 @@ class _RunningNorm(_Norm):
         """Normalise over ``axes`` with the input's statistics or the running ones; the running
         statistics are updated (with new arrays, after everything else succeeded) when active."""
         running_mean, running_var = self.get("running_mean"), self.get("running_var")
+        stats = cast("tuple[mx.array, mx.array]", (running_mean, running_var))  # both or none
         dtype = _compute_dtype(x, self.get("weight"), running_mean)
         y = _as(x, dtype)
         active = is_active(self)
@@ -196,9 +203,9 @@ class _RunningNorm(_Norm):
             var = mx.var(y, axis=axes, keepdims=True)
             if active and running_mean is not None:
                 unbiased = var * (n / (n - 1))
-                update = self._new_stats((running_mean, running_var), (mean, unbiased), dtype)
+                update = self._new_stats(stats, (mean, unbiased), dtype)
         else:
-            mean, var = _as(running_mean, dtype), _as(running_var, dtype)
+            mean, var = _as(stats[0], dtype), _as(stats[1], dtype)
         out = self._finish((y - mean) * mx.rsqrt(var + self.eps), dtype, x.dtype)
         if update is not None:
             self.running_mean, self.running_var = update
@@ -520,8 +527,8 @@ class Dropout(Layer):
         if any(not -x.ndim <= a < x.ndim for a in axes):
             raise ValueError(f"[Dropout] dims={self.dims!r} out of range for input of shape "
                              f"{tuple(x.shape)}")
-        axes = {a % x.ndim for a in axes}
-        return tuple(s if i in axes else 1 for i, s in enumerate(x.shape))
+        kept = {a % x.ndim for a in axes}
+        return tuple(s if i in kept else 1 for i, s in enumerate(x.shape))
 
     def __call__(self, x: mx.array) -> mx.array:
         _check_input(x, "Dropout", (), 0, "")

@@ -34,13 +34,13 @@ import mlx.core as mx
 from .state import context
 
 # One thread's entries: id(source) -> (weak reference to source, {dtype: source.astype(dtype)}).
-_Table = dict[int, tuple[weakref.ref, dict]]
+_Table = dict[int, tuple[weakref.ref, dict[mx.Dtype, mx.array]]]
 _thread = threading.local()
 _every: list[weakref.ref] = []  # each live thread's table, for clearing
 _every_lock = threading.Lock()
 
 
-class _Casts(dict):
+class _Casts(_Table):
     """A thread's table (a dict subclass: plain dicts take no weak references)."""
 
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
+
+from .._mlxtyping import tree_flatten
 
 Tree = Any
 
@@ -64,7 +66,7 @@ def _is_number(value: Any) -> bool:
 def _check_positive(value: Any, name: str, where: str) -> float:
     if not _is_number(value) or not value > 0:
         raise ValueError(f"[{where}] {name} must be a positive number, got {value!r}")
-    if not math.isfinite(value) or not math.isfinite(mx.array(float(value)).item()):
+    if not math.isfinite(value) or not math.isfinite(cast(float, mx.array(float(value)).item())):
         raise ValueError(f"[{where}] {name} must be finite (in float32), got {value!r}")
     return float(value)
 
@@ -75,7 +77,7 @@ _INT32_MAX = 2**31 - 1  # the counter is int32
 def _check_interval(value: Any, where: str, name: str = "growth_interval") -> int:
     if (
         isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
-        or not 1 <= value <= _INT32_MAX
+        or not 1 <= int(value) <= _INT32_MAX
     ):
         raise ValueError(
             f"[{where}] {name} must be a positive integer (at most 2**31 - 1), got {value!r}"
@@ -174,7 +176,7 @@ class LossScale:
 
     def _check_loaded(self, new: dict[str, mx.array]) -> None:
         """Raise ``ValueError`` if loaded entries hold values the scale cannot have."""
-        scale = new["loss_scale"].item() if "loss_scale" in new else 1.0
+        scale = cast(float, new["loss_scale"].item()) if "loss_scale" in new else 1.0
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"[{type(self).__name__}] state entry 'loss_scale' must be a "
                              f"finite positive number, got {scale} (in the state loaded)")
@@ -334,7 +336,7 @@ class DynamicLossScale(LossScale):
     @property
     def growth_interval(self) -> int:
         """Finite steps after which the scale grows (``state["growth_interval"]``)."""
-        return int(self._state["growth_interval"].item())
+        return cast(int, self._state["growth_interval"].item())
 
     @growth_interval.setter
     def growth_interval(self, value: int) -> None:
@@ -344,7 +346,7 @@ class DynamicLossScale(LossScale):
     @property
     def growth_factor(self) -> float:
         """What the scale is multiplied by after ``growth_interval`` finite steps."""
-        return self._state["growth_factor"].item()
+        return cast(float, self._state["growth_factor"].item())
 
     @growth_factor.setter
     def growth_factor(self, value: float) -> None:
@@ -353,7 +355,7 @@ class DynamicLossScale(LossScale):
     @property
     def backoff_factor(self) -> float:
         """What the scale is multiplied by after a step that overflowed."""
-        return self._state["backoff_factor"].item()
+        return cast(float, self._state["backoff_factor"].item())
 
     @backoff_factor.setter
     def backoff_factor(self, value: float) -> None:
@@ -384,7 +386,7 @@ class DynamicLossScale(LossScale):
     @property
     def min_scale(self) -> float:
         """The scale is never lowered below this (``state["min_scale"]``)."""
-        return self._state["min_scale"].item()
+        return cast(float, self._state["min_scale"].item())
 
     @min_scale.setter
     def min_scale(self, value: float) -> None:
@@ -430,11 +432,13 @@ class DynamicLossScale(LossScale):
                 _check_backoff(values["backoff_factor"], where)
             if "min_scale" in values:
                 _check_positive(values["min_scale"], "min_scale", where)
-            scale, floor = merged["loss_scale"].item(), merged["min_scale"].item()
+            scale, floor = cast("tuple[float, float]",
+                                (merged["loss_scale"].item(), merged["min_scale"].item()))
             if not (math.isfinite(scale) and scale >= floor > 0):
                 raise ValueError(f"[{where}] state entry 'loss_scale' must be finite and at "
                                  f"least min_scale={_shown(floor)}, got {scale}")
-            counter, interval = merged["counter"].item(), merged["growth_interval"].item()
+            counter, interval = cast("tuple[int, int]",
+                                     (merged["counter"].item(), merged["growth_interval"].item()))
             if not 0 <= counter < interval:
                 raise ValueError(f"[{where}] state entry 'counter' must be in "
                                  f"[0, growth_interval={interval}), got {counter}")

@@ -36,9 +36,11 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from typing import Any, cast, overload
 
 import mlx.core as mx
 
+from .._mlxtyping import custom_function
 from . import castcache
 from .state import CASTABLE, HALF, PLAIN, Context, context, device_index
 
@@ -118,14 +120,22 @@ def scope_dtype(*params: mx.array | None) -> mx.Dtype | None:
     state = context.get()
     if state is PLAIN:
         return None
-    dtype = state[device_index()]
+    dtype = cast("mx.Dtype | None", state[device_index()])  # a dtype slot: 0 cpu, 1 gpu
     if dtype is not None and any(p is not None and p.dtype not in CASTABLE for p in params):
         return None
     return dtype
 
 
+@overload
+def operands(x: mx.array, weight: mx.array, *, layer: str) -> tuple[mx.array, mx.array]: ...
+@overload
+def operands(x: mx.array, weight: mx.array, param: mx.array | None, /, *,
+             layer: str) -> tuple[mx.array, mx.array, mx.array | None]: ...
+@overload
 def operands(x: mx.array, weight: mx.array, *params: mx.array | None,
-             layer: str) -> tuple[mx.array, ...]:
+             layer: str) -> tuple[mx.array | None, ...]: ...
+def operands(x: mx.array, weight: mx.array, *params: mx.array | None,
+             layer: str) -> tuple[mx.array | None, ...]:
     """``(x, weight, *params)`` in the dtype a kernel computes in: inside an autocast scope
     the scope's compute dtype (weights through the kept casts), else the weight's dtype for
     ``x`` and the parameters as they are.
@@ -141,12 +151,12 @@ def operands(x: mx.array, weight: mx.array, *params: mx.array | None,
     x = match_input(x, weight, layer, dtype)
     if dtype is None:
         return (x, weight, *params)
-    cast = castcache.cast
-    return (x, cast(weight, dtype),
-            *(p if p is None or p.dtype not in CASTABLE else cast(p, dtype) for p in params))
+    kept = castcache.cast
+    return (x, kept(weight, dtype),
+            *(p if p is None or p.dtype not in CASTABLE else kept(p, dtype) for p in params))
 
 
-def emulates(*operands: mx.array | None) -> bool:
+def emulates(first: mx.array, *operands: mx.array | None) -> bool:
     """Whether a kernel on these operands runs as half precision in float32 kernels: the
     default device is the CPU and the operands are all float16 or all bfloat16.
 
@@ -156,7 +166,6 @@ def emulates(*operands: mx.array | None) -> bool:
     >>> emulates(mx.ones(2), mx.ones(2))
     False
     """
-    first = operands[0]
     if first.itemsize != 2:  # cheap: float32 layers pass here on every call
         return False
     dtype = first.dtype
@@ -248,7 +257,7 @@ def _affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
 # every optimiser op then walks it against the parameter's layout: Adam on a 2048 x 2048
 # MLP took 2.5-3.5x longer than on row-major gradients. While fluxlike differentiates, the
 # linear kernels therefore use a backward pass that forms ``dy.T @ x`` (row-major) directly.
-def _linear_grads(x: mx.array, weight: mx.array, dy: mx.array) -> tuple[mx.array, mx.array]:
+def _linear_grads(dy: mx.array, x: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
     features = x.shape[-1]
     dy2 = dy.reshape(-1, dy.shape[-1]) if dy.ndim != 2 else dy
     x2 = x.reshape(-1, features) if x.ndim != 2 else x
@@ -256,9 +265,9 @@ def _linear_grads(x: mx.array, weight: mx.array, dy: mx.array) -> tuple[mx.array
 
 
 def _affine_grads(
-    x: mx.array, weight: mx.array, bias: mx.array, dy: mx.array
+    dy: mx.array, x: mx.array, weight: mx.array, bias: mx.array
 ) -> tuple[mx.array, mx.array, mx.array]:
-    dx, dweight = _linear_grads(x, weight, dy)
+    dx, dweight = _linear_grads(dy, x, weight)
     return dx, dweight, dy.reshape(-1, dy.shape[-1]).sum(axis=0).reshape(bias.shape)
 
 
@@ -268,24 +277,24 @@ def _kernel_vjp(
     """The gradients of ``kernel`` at ``primals``; for the linear kernels, with the weight
     gradient row-major."""
     if name == "linear":
-        return list(_linear_grads(*primals, cotangent))
+        return list(_linear_grads(cotangent, *primals))
     if name == "affine":
-        return list(_affine_grads(*primals, cotangent))
+        return list(_affine_grads(cotangent, *primals))
     return mx.vjp(kernel, primals, [cotangent])[1]
 
 
-@mx.custom_function
+@custom_function
 def _row_major_linear(x: mx.array, weight: mx.array) -> mx.array:
     return x @ weight.T
 
 
-@mx.custom_function
+@custom_function
 def _row_major_affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
     return mx.addmm(bias, x, weight.T)
 
 
-_row_major_linear.vjp(lambda primals, cotangent, _: _linear_grads(*primals, cotangent))
-_row_major_affine.vjp(lambda primals, cotangent, _: _affine_grads(*primals, cotangent))
+_row_major_linear.vjp(lambda primals, cotangent, _: _linear_grads(cotangent, *primals))
+_row_major_affine.vjp(lambda primals, cotangent, _: _affine_grads(cotangent, *primals))
 
 
 # Largest float32 temporary (bytes) one piece of an emulated linear layer may make.
@@ -326,7 +335,7 @@ def rounded(
     [1.0, 0.0]
     """
     kind = _commuting(act)
-    if kind == "identity":
+    if kind == "identity" or act is None:  # _commuting: no act is "identity"
         return y32.astype(dtype)
     if kind is None:
         return act(y32.astype(dtype))
@@ -357,16 +366,17 @@ def quantized_linear(
     dtype = scope_dtype(scales)
     if dtype is not None:
         x = x.astype(dtype) if x.dtype != dtype else x
-        scales, biases, bias = (None if p is None else castcache.cast(p, dtype)
-                                for p in (scales, biases, bias))
-    options = {"transpose": True, "group_size": group_size, "bits": bits, "mode": mode}
+        scales = castcache.cast(scales, dtype)
+        biases, bias = (None if p is None else castcache.cast(p, dtype) for p in (biases, bias))
+    options: dict[str, Any] = {"transpose": True, "group_size": group_size, "bits": bits,
+                               "mode": mode}
     if emulates(x, scales, biases, bias):
         half = x.dtype
-        params32 = [None if p is None else castcache.cast(p, mx.float32)
-                    for p in (scales, biases, bias)]
-        y = mx.quantized_matmul(x.astype(mx.float32), weight, params32[0], params32[1],
-                                **options)
-        y = y if bias is None else y + params32[2]
+        scales32 = castcache.cast(scales, mx.float32)
+        biases32, bias32 = (None if p is None else castcache.cast(p, mx.float32)
+                            for p in (biases, bias))
+        y = mx.quantized_matmul(x.astype(mx.float32), weight, scales32, biases32, **options)
+        y = y if bias32 is None else y + bias32
         return y.astype(half)
     y = mx.quantized_matmul(x, weight, scales, biases, **options)
     return y if bias is None else y + bias
@@ -512,7 +522,7 @@ def _in_float32(
         y = kernel(*(a.astype(mx.float32) for a in operands))
         return (y if act is None else act(y)).astype(operands[0].dtype)
 
-    forward = mx.custom_function(plain)
+    forward = custom_function(plain)
 
     @forward.vjp
     def backward(operands: tuple, cotangent: mx.array, output: mx.array) -> tuple:
@@ -542,7 +552,9 @@ def _activated(act: Callable[[mx.array], mx.array] | None, *options) -> Callable
     if kind == "relu":
         return _in_float32(*options, act=act)
     plain = _in_float32(*options)
-    return plain if kind == "identity" else lambda *operands: act(plain(*operands))
+    if kind == "identity" or act is None:  # _commuting: no act is "identity"
+        return plain
+    return lambda *operands: act(plain(*operands))
 
 
 @functools.cache
@@ -555,7 +567,7 @@ def _in_float32_rows(name: str, step: int) -> Callable[..., mx.array]:
     def blocks(n: int) -> range:
         return range(0, n, step)
 
-    @mx.custom_function
+    @custom_function
     def forward(x: mx.array, *params: mx.array) -> mx.array:
         params32 = [p.astype(mx.float32) for p in params]
         outputs: list[mx.array] = []
@@ -582,6 +594,7 @@ def _in_float32_rows(name: str, step: int) -> Callable[..., mx.array]:
             sums = dparams if sums is None else [a + b for a, b in zip(sums, dparams, strict=True)]
             previous = dx.astype(x.dtype)
             dxs.append(previous)
+        assert sums is not None  # _emulated_linear: more than one block of rows
         dx = mx.depends(mx.concatenate(dxs, axis=0), sums)
         return (dx, *(g.astype(p.dtype) for g, p in zip(sums, params, strict=True)))
 

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -361,7 +361,7 @@ _swap_lock = threading.RLock()
 def _swapping_call(plain: Callable) -> Callable:
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = context.get()
-        dtype = None if state is PLAIN else state[device_index()]
+        dtype = None if state is PLAIN else cast("mx.Dtype | None", state[device_index()])
         with _swap_lock:
             if dtype is None:
                 return plain(self, *args, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -101,7 +101,8 @@ class autocast:
         if not barrier.crossed:
             policy.activate()
         slot = device_index() if self._slot is None else self._slot
-        _entries.set(_entries.get() + ((self, slot, context.get()[slot]),))
+        before = cast("mx.Dtype | None", context.get()[slot])  # a dtype slot: 0 cpu, 1 gpu
+        _entries.set(_entries.get() + ((self, slot, before),))
         with_dtype(slot, self.dtype if self.enabled else None)
         return self
 
@@ -168,4 +169,4 @@ class autocast:
     def get_dtype(device: Any = None) -> mx.Dtype | None:
         """The compute dtype in force for ``device``'s type, or ``None`` when off."""
         slot = _device_slot(device, "autocast.get_dtype")
-        return context.get()[device_index() if slot is None else slot]
+        return cast("mx.Dtype | None", context.get()[device_index() if slot is None else slot])

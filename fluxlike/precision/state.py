@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from contextvars import ContextVar, Token
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 
@@ -105,4 +105,4 @@ def current_dtype() -> mx.Dtype | None:
     state = context.get()
     if state is PLAIN:
         return None
-    return state[device_index()]
+    return cast("mx.Dtype | None", state[device_index()])  # a dtype slot: 0 cpu, 1 gpu
