@@ -334,13 +334,13 @@ def _probe(act: Callable, layer: str) -> None:
     """Refuse ``act`` if it returns something other than an array for a small float32 array.
     Only the graph is built (nothing is evaluated); if the call drew random numbers, the
     random state is put back, so that constructing a layer draws nothing."""
-    key = mx.random.state[0]
+    key = mx.random.state[0]  # type: ignore[index]  # MLX's stub lacks mx.random.state
     try:
         out = act(mx.zeros((1, 2)))
     except Exception:  # e.g. needs another shape: the call will tell
         return
     finally:
-        if mx.random.state[0] is not key:
+        if mx.random.state[0] is not key:  # type: ignore[index]  # (as above)
             hi, lo = key.tolist()
             mx.random.seed((hi << 32) | lo)
     if not isinstance(out, mx.array):

@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -368,7 +368,7 @@ def _read(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
             mx.eval(arrays)
         except (RuntimeError, ValueError, OSError) as e:
             raise bad(f"a damaged .npz archive ({e})") from None
-        return arrays, {}
+        return cast("dict[str, mx.array]", arrays), {}  # format="npz": a dict
     if len(data) < 8:
         raise bad(f"the file has {len(data)} bytes, too few for a safetensors header "
                   f"(an interrupted download or copy?)")

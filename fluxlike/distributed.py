@@ -37,7 +37,7 @@ import hashlib
 import zlib
 from collections.abc import Callable, Iterable
 from functools import reduce
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -102,7 +102,7 @@ def barrier(group: Group, failed: bool = False) -> int:
     ``mx.distributed`` has no barrier of its own). Each rank says whether it ``failed``;
     returns how many did, the same number on every rank."""
     count = mx.distributed.all_sum(mx.array(int(bool(failed)), mx.int32), group=group)
-    return int(count.item())
+    return cast(int, count.item())
 
 
 def _buckets(sizes: list[int], itemsize: int, limit: int) -> list[list[int]]:
@@ -142,7 +142,7 @@ def _bucketed(
             bounds = reduce(lambda acc, i: acc + [acc[-1] + arrays[i].size], members, [0])
             for i, part in zip(members, mx.split(flat, bounds[1:-1]), strict=True):
                 out[i] = part.reshape(arrays[i].shape)
-    return out  # type: ignore[return-value]
+    return cast("list[mx.array]", out)  # every slot filled
 
 
 def broadcast(arrays: list[mx.array], group: Group, root: int = 0) -> list[mx.array]:
@@ -163,13 +163,14 @@ def broadcast(arrays: list[mx.array], group: Group, root: int = 0) -> list[mx.ar
 
 def broadcast_int(value: int, group: Group, root: int = 0) -> int:
     """Rank ``root``'s non-negative int (below 2**31) on every rank (evaluated)."""
-    return int(broadcast([mx.array(value, mx.int32)], group, root)[0].item())
+    return cast(int, broadcast([mx.array(value, mx.int32)], group, root)[0].item())
 
 
 def _gather_bytes(data: bytes, group: Group) -> list[bytes]:
     """Every rank's ``data``, in rank order (two all-gathers: the lengths, then the bytes
     padded to the longest, as int32 words)."""
-    lengths = mx.distributed.all_gather(mx.array([len(data)], mx.int32), group=group).tolist()
+    lengths = cast("list[int]", mx.distributed.all_gather(mx.array([len(data)], mx.int32),
+                                                          group=group).tolist())
     longest = max(lengths) + (-max(lengths)) % 4
     words = np.frombuffer(data.ljust(longest, b"\0"), dtype=np.int32)
     gathered = mx.distributed.all_gather(mx.array(words).reshape(1, -1), group=group)
@@ -184,7 +185,8 @@ def check_same(entries: list[str], group: Group, where: str, what: str, fix: str
     text = "\n".join(entries).encode()
     digest = hashlib.sha256(text).digest()[:16]
     mine = mx.array(np.frombuffer(digest, dtype=np.int32).tolist() + [len(entries)], mx.int32)
-    prints = mx.distributed.all_gather(mine.reshape(1, -1), group=group).tolist()
+    prints = cast("list[list[int]]",
+                  mx.distributed.all_gather(mine.reshape(1, -1), group=group).tolist())
     if all(p == prints[0] for p in prints):
         return
     lists = [zlib.decompress(b).decode().split("\n") if b else []

@@ -10,7 +10,7 @@ precision array.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -67,6 +67,7 @@ def _trainable_parameters(module: nn.Module) -> tuple[dict, bool]:
 
     def walk(owner: nn.Module, key: str, value: Any) -> Any:
         nonlocal frozen
+        entries: Iterable[tuple[Any, Any]]
         if isinstance(value, nn.Module):
             owner, entries, prefix = value, value.items(), ""
         elif isinstance(value, (dict, list)):

@@ -33,7 +33,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -85,7 +85,7 @@ _ELSEWHERE = {"weight_decay": "; AdamW and Lion take weight_decay",
               "beta1": "; give betas=(beta1, beta2)", "beta2": "; give betas=(beta1, beta2)"}
 
 
-def _clear_keywords(cls: type) -> type:
+def _clear_keywords(cls: type[Any]) -> type:
     """Give a dataclass rule an ``__init__`` that names fluxlike's keyword when given another
     library's (``Adam(learning_rate=1e-3)``); its signature, repr and equality stay the
     dataclass's."""
@@ -139,10 +139,10 @@ class _HalfEps:
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
         if parameter.dtype != mx.float16 or self.eps >= FLOAT16_EPS:
-            return super().apply_single(gradient, parameter, state)  # type: ignore[misc]
+            return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
         eps, self.eps = self.eps, FLOAT16_EPS
         try:
-            return super().apply_single(gradient, parameter, state)  # type: ignore[misc]
+            return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
         finally:
             self.eps = eps
 
@@ -404,6 +404,7 @@ class WeightDecay(GradientTransform):
     def __post_init__(self) -> None:
         object.__setattr__(self, "decay", _nonnegative(self.decay, "decay", "WeightDecay"))
 
+    # uses_params: called with the parameters too, unlike the base class
     def __call__(self, grads: Tree, params: Tree) -> Tree:  # type: ignore[override]
         def decayed(g: Any, w: Any) -> Any:
             if isinstance(g, mx.array) and mx.issubdtype(g.dtype, mx.floating):
@@ -427,8 +428,8 @@ class _Chained(optim.Optimizer):
 
     def apply_gradients(self, gradients: dict, parameters: dict) -> dict:
         for transform in self.transforms:
-            if transform.uses_params:
-                gradients = transform(gradients, parameters)
+            if transform.uses_params:  # then called with the parameters too
+                gradients = cast("Callable[[dict, dict], dict]", transform)(gradients, parameters)
             else:
                 gradients = transform(gradients)
         return self.inner.apply_gradients(gradients, parameters)
@@ -482,4 +483,6 @@ class OptimiserChain(Rule):
         return hash(self.parts)
 
     def build(self) -> optim.Optimizer:
-        return _Chained(self.parts[:-1], self.parts[-1].build())
+        # (checked in __init__: transforms, then one rule)
+        transforms = cast("tuple[GradientTransform, ...]", self.parts[:-1])
+        return _Chained(transforms, cast(Rule, self.parts[-1]).build())

@@ -8,7 +8,7 @@ loss scale's unscaling, finite check and adjustment when ``opt_state`` has one.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,7 +57,7 @@ class OptState:
     ):
         self.rule = rule
         self.optimizer = optimizer
-        self._loss_scale = None
+        self._loss_scale: LossScale | None = None
         self.loss_scale = loss_scale
         self.distributed = distributed  # data parallelism (fluxlike.distributed), or None
         # the parameter names and shapes of the model setup() made this for (None: unknown)
@@ -199,7 +199,7 @@ def _check_optimizer_values(entries: list[tuple[str, mx.array]]) -> None:
                            mx.all(value.astype(mx.uint64) <= MAX_STEP)))
     if not checks:
         return
-    oks = mx.stack([ok for _, _, ok in checks]).tolist()
+    oks = cast("list[bool]", mx.stack([ok for _, _, ok in checks]).tolist())
     for (name, what, _), ok in zip(checks, oks, strict=True):
         if not ok:
             raise ValueError(
@@ -309,10 +309,10 @@ def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any, Any]:
         if not isinstance(value, mx.array):
             raise ValueError(f"update: the model has no trainable parameter {path!r}")
         if not isinstance(g, mx.array) or g.shape != value.shape:
-            found = tuple(g.shape) if isinstance(g, mx.array) else type(g).__name__
+            got = tuple(g.shape) if isinstance(g, mx.array) else type(g).__name__
             raise ValueError(
                 f"update: gradient {path!r} must be an array of shape "
-                f"{tuple(value.shape)}, got {found}"
+                f"{tuple(value.shape)}, got {got}"
             )
         if g.dtype != value.dtype and g.dtype in _INEXACT and value.dtype in _INEXACT and (
             g.dtype.size > value.dtype.size

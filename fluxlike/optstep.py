@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from types import MethodType
 from typing import Any
 
 import mlx.core as mx
@@ -149,8 +150,9 @@ def step(optimizer: optim.Optimizer, scale: LossScale | None, grads: dict,
     return new_params
 
 
-def averager(opt_state: Any) -> Callable[[dict], dict] | None:
-    """The gradient averaging of ``opt_state``'s data parallelism, if it has any to do."""
+def averager(opt_state: Any) -> MethodType | None:
+    """The gradient averaging of ``opt_state``'s data parallelism, if it has any to do (its
+    bound ``average``, a function of the gradients)."""
     parallel = getattr(opt_state, "distributed", None)
     return parallel.average if parallel is not None and parallel.active else None
 

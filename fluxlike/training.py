@@ -11,8 +11,8 @@ import inspect
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sized
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,7 +54,9 @@ def _restore(model: nn.Module, opt_state: OptState, scale_state: dict, before: t
     if compiled is not None:  # state made for thawed parts may be gone: let update look again
         compiled.initialised.clear()
     scale_state.update(scale)
-    if mx.random.state[0] is not key:  # mx.random.state takes no assignment: seed to the key
+    # mx.random.state takes no assignment: seed to the key. (MLX's stub lacks mx.random.state,
+    # a list: [key].)
+    if mx.random.state[0] is not key:  # type: ignore[index]
         hi, lo = key.tolist()
         mx.random.seed((hi << 32) | lo)
 
@@ -177,14 +179,15 @@ def train(
     if progress and hasattr(stream, "isatty") and stream.isatty() and (
         parallel is None or parallel.rank == 0  # one bar for the group
     ):
-        bar = _Progress(len(data) if hasattr(data, "__len__") else None, stream)
+        bar = _Progress(len(cast(Sized, data)) if hasattr(data, "__len__") else None, stream)
     total, count = 0.0, 0
     for i, batch in enumerate(data):
         args = batch if isinstance(batch, tuple) else (batch,)
         if i == 0:
             _check_call(loss, model, args, data, where)
+        key = mx.random.state[0]  # type: ignore[index]  # MLX's stub lacks mx.random.state
         before = (model.parameters(), dict(tree_flatten(opt_state.optimizer.state)),
-                  dict(scale_state), mx.random.state[0])
+                  dict(scale_state), key)
         try:
             value, finite = step(*args)
             mx.eval(value, finite, captured)
@@ -193,13 +196,13 @@ def train(
             # the random state included: put the arrays of before the batch back.
             _restore(model, opt_state, scale_state, before)
             raise
-        value = value.item()
-        if not math.isfinite(value):
+        loss_value = cast(float, value.item())
+        if not math.isfinite(loss_value):
             _restore(model, opt_state, scale_state, before)
             if bar is not None:
                 bar.stream.write("\n")
             raise FloatingPointError(
-                f"{where}: the loss is {value} at batch {i} (counting from 0); the model and "
+                f"{where}: the loss is {loss_value} at batch {i} (counting from 0); the model and "
                 f"optimiser state are left as they were before that batch"
             )
         if not finite.item():
@@ -208,11 +211,11 @@ def train(
                 bar.stream.write("\n")
             raise FloatingPointError(
                 f"{where}: the gradients hold inf or nan at batch {i} (counting from 0), "
-                f"although the loss is finite ({value:.6g}); the model and optimiser state "
+                f"although the loss is finite ({loss_value:.6g}); the model and optimiser state "
                 f"are left as they were before that batch (a loss scale, "
                 f"train(..., loss_scale=DynamicLossScale()), would skip such steps instead)"
             )
-        total, count = total + value, count + 1
+        total, count = total + loss_value, count + 1
         if bar is not None:
             bar.show(count, total / count)
     if bar is not None and count:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -115,7 +115,7 @@ class MultiHeadAttention(Layer):
         out, weights = self._attend(q, k, v, mask, return_weights)
         batch, _, length, _ = out.shape
         out = self["out_proj"](out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
-        return (out, weights) if return_weights else out
+        return (out, cast(mx.array, weights)) if return_weights else out  # weights: asked for
 
     def _heads(self, x: mx.array) -> mx.array:
         """``(batch, L, dims)`` split into ``(batch, nheads, L, dims // nheads)``."""

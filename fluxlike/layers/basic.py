@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -90,7 +90,7 @@ class _Container(Layer):
         if isinstance(index, slice):
             chosen = items[index]
             if isinstance(self.layers, dict):
-                return self._sliced(**dict(chosen))
+                return self._sliced(**cast("dict[str, Callable]", dict(chosen)))  # named
             return self._sliced(*(layer for _, layer in chosen))
         try:
             return items[index][1]

@@ -267,7 +267,8 @@ class _Recurrent(Layer):
     ``cell_type``) is built from them, so that an error names ``RNN`` rather than ``RNNCell``.
     """
 
-    cell_type: type[_Cell]
+    # a _Cell subclass, called as (in_dims, out_dims, *act, bias=..., init=...)
+    cell_type: Callable[..., _Cell]
 
     def __init__(self, in_dims: int, out_dims: int, *act: Callable | str, bias: bool,
                  init: Init, return_state: bool):

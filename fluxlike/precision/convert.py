@@ -45,7 +45,7 @@ def keeps_float32(layer: Any) -> bool:
 
 
 def _convert(tree: T, dtype: mx.Dtype, mixed: bool) -> T:
-    memo: dict[int, Any] = {}
+    memo: dict[int | tuple[int, mx.Dtype], Any] = {}  # modules by id, arrays by (id, dtype)
 
     def leaf(x: Any, target: mx.Dtype, cast: bool) -> Any:
         if isinstance(x, nn.Module):

@@ -67,7 +67,7 @@ def commutes_with_rounding(kind: str) -> Callable[[Activation], Activation]:
                          f"got {kind!r}")
 
     def mark(act: Activation) -> Activation:
-        act._commutes_with_rounding = kind  # type: ignore[attr-defined]
+        act._commutes_with_rounding = kind  # type: ignore[attr-defined]  # a mark on the function
         return act
 
     return mark

@@ -209,7 +209,7 @@ def is_dispatching() -> bool:
     return barrier.crossed
 
 
-def _subclasses(cls: type) -> list[type]:
+def _subclasses(cls: type[Any]) -> list[type]:
     """``cls`` and, bases first, its subclasses that need routing of their own: those
     defining ``__call__`` (or a routed method), and declared ones."""
     names = {"__call__", *policy_record(cls).methods}
@@ -227,7 +227,7 @@ def _route_tree(cls: type) -> None:
     _watch_subclasses(cls)
 
 
-def _watch_subclasses(cls: type) -> None:
+def _watch_subclasses(cls: type[Any]) -> None:
     """Route subclasses of ``cls`` defined after the barrier was crossed."""
     own = cls.__dict__.get("__init_subclass__")
     if getattr(own, "__fluxlike_watch__", False):
@@ -242,9 +242,9 @@ def _watch_subclasses(cls: type) -> None:
             with barrier.lock:
                 _route(sub)
 
-    hook = classmethod(__init_subclass__)
-    hook.__fluxlike_watch__ = True  # type: ignore[attr-defined]
-    cls.__init_subclass__ = hook  # type: ignore[assignment]
+    hook: classmethod[Any, ..., None] = classmethod(__init_subclass__)
+    hook.__fluxlike_watch__ = True  # type: ignore[attr-defined]  # a mark on the hook
+    cls.__init_subclass__ = hook  # type: ignore[assignment]  # the hook installed on the class
 
 
 def _plain(method: Callable) -> Callable:
@@ -266,7 +266,7 @@ def _route(cls: type) -> None:
     elif record.kind == "down" and forward == "ops":
         _install(cls, "__call__", plain, None, None)
     elif record.kind == "down" and forward is not None:
-        _install(cls, "__call__", plain, _scoped_call(plain, forward), "down")
+        _install(cls, "__call__", plain, _scoped_call(plain, cast(Callable, forward)), "down")
     elif record.kind == "down":
         _install(cls, "__call__", plain, _swapping_call(plain), "down")
     elif _casts_at_ops(cls, plain):  # "none" over a forward that would cast: as outside
@@ -297,10 +297,11 @@ def _install(cls: type, name: str, plain: Callable, wrapper: Callable | None,
             setattr(cls, name, plain)
         return
     own = cls.__dict__.get(name)
-    if getattr(own, "__fluxlike_policy__", None) == kind and _plain(own) is plain:
+    if own is not None and getattr(own, "__fluxlike_policy__", None) == kind and (
+            _plain(own) is plain):
         return  # already routed: keep the one wrapper
     wrapper = functools.wraps(plain)(wrapper)
-    wrapper.__fluxlike_plain__ = plain  # type: ignore[attr-defined]
+    wrapper.__fluxlike_plain__ = plain  # type: ignore[attr-defined]  # marks on the wrapper
     wrapper.__fluxlike_policy__ = kind  # type: ignore[attr-defined]
     setattr(cls, name, wrapper)
 
@@ -468,7 +469,7 @@ class swapped:
             container).__setitem__
         for key, value in items:
             if isinstance(value, mx.array):
-                new = change(container, key, value)
+                new: mx.array | tuple[Any, ...] = change(container, key, value)
             elif isinstance(value, nn.Module) or depth > 8:
                 continue
             elif isinstance(value, (list, dict)):

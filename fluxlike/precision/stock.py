@@ -26,7 +26,7 @@ from .policy import autocast_policy, keep_float32
 def _per_dim(value: int | tuple[int, ...], n: int) -> tuple[int, ...]:
     """``value`` for each of ``n`` dimensions, as Python ints. MLX's layers keep a numpy
     integer (``stride=np.int64(2)``) as it was given, and their own forward accepts it."""
-    if isinstance(value, numbers.Integral):
+    if isinstance(value, (int, numbers.Integral)):
         return (int(value),) * n
     return tuple(int(v) for v in value)
 
@@ -91,6 +91,7 @@ def _quantized_tied_head(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     return _quantized(self, x, None)
 
 
+_cls: type[nn.Module]
 for _cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
     autocast_policy("down", forward=_conv)(_cls)
 for _cls in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
