@@ -19,7 +19,7 @@ The helpers here (argument checks, padding, repr text) are shared with ``pooling
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -139,7 +139,7 @@ def check_fits(x: mx.array, extent: Sequence[int], pads: Pairs, layer: str, what
         )
 
 
-def short(values: Sequence[Any]) -> str:
+def short(values: Iterable[Any]) -> str:
     """One value when all are equal (``2`` for ``(2, 2)``), else the tuple, as Flux prints."""
     values = tuple(values)
     return str(values[0]) if len(set(values)) == 1 else str(values)
@@ -423,7 +423,9 @@ class ConvTranspose(_ConvBase):
             y = ops.conv_transpose(x, weight, *options, bias, self.act)
         starts = [lo - p for (lo, _), p in zip(padding, sym, strict=True)]
         if any(starts) or tuple(y.shape[1:-1]) != size:
-            y = y[(slice(None), *(slice(a, a + n) for a, n in zip(starts, size, strict=True)))]
+            # (the index built first: mypy reads y[(a, *b)] as Python 3.11's y[a, *b])
+            crop = (slice(None), *(slice(a, a + n) for a, n in zip(starts, size, strict=True)))
+            y = y[crop]
         return y
 
     def signature(self) -> str:

@@ -62,7 +62,9 @@ def sliding_windows(x: mx.array, window: Sequence[int], stride: Sequence[int]) -
     out = [(n - w) // s + 1 for n, w, s in zip(spatial, window, stride, strict=True)]
     if all(w == s for w, s in zip(window, stride, strict=True)):
         # Tiles: crop the ragged end, split each axis into (out, window), move windows last.
-        x = x[(slice(None), *(slice(0, o * w) for o, w in zip(out, window, strict=True)))]
+        # (the index built first: mypy reads x[(a, *b)] as Python 3.11's x[a, *b])
+        tiles = (slice(None), *(slice(0, o * w) for o, w in zip(out, window, strict=True)))
+        x = x[tiles]
         n = len(window)
         x = x.reshape(x.shape[0], *(d for o, w in zip(out, window, strict=True) for d in (o, w)),
                       x.shape[-1])
@@ -272,7 +274,7 @@ class AdaptiveMeanPool(Layer):
                 continue
             lead = (slice(None),) * axis
             x = mx.concatenate([
-                mx.mean(x[(*lead, slice(i * n // m, -(-(i + 1) * n // m)))], axis=axis,
+                mx.mean(x[lead + (slice(i * n // m, -(-(i + 1) * n // m)),)], axis=axis,
                         keepdims=True)
                 for i in range(m)
             ], axis=axis)
