@@ -151,9 +151,9 @@ def operands(x: mx.array, weight: mx.array, *params: mx.array | None,
     x = match_input(x, weight, layer, dtype)
     if dtype is None:
         return (x, weight, *params)
-    kept = castcache.cast
-    return (x, kept(weight, dtype),
-            *(p if p is None or p.dtype not in CASTABLE else kept(p, dtype) for p in params))
+    cast = castcache.cast
+    return (x, cast(weight, dtype),
+            *(p if p is None or p.dtype not in CASTABLE else cast(p, dtype) for p in params))
 
 
 def emulates(first: mx.array, *operands: mx.array | None) -> bool:
