@@ -183,7 +183,7 @@ class Dense(Layer):
         weight = self["weight"]  # item access: `self.weight` goes through a slow __getattr__
         try:
             return ops.linear(x, weight, self.get("bias"), self.act, "Dense")
-        except ValueError:  # MLX checks shapes eagerly; name the layer and the sizes
+        except (ValueError, IndexError):  # a shape MLX refused, or 0-d: name the layer and sizes
             in_dims = weight.shape[1]
             image = isinstance(x, mx.array) and x.ndim > 2 and math.prod(x.shape[1:]) == in_dims
             hint = "; flatten it first: flatten(x) or x.reshape(x.shape[0], -1)" if image else ""
