@@ -1,0 +1,52 @@
+// fluxlike-native: the Python module fluxlike_native._ext.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "matmul.h"
+#include "mlx/version.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+#define FLN_STR2(x) #x
+#define FLN_STR(x) FLN_STR2(x)
+
+NB_MODULE(_ext, m) {
+  m.doc() = "oneDNN kernels as MLX primitives for fluxlike (CPU). Use fluxlike.native.";
+
+  m.attr("built_mlx_version") = FLN_STR(MLX_VERSION_MAJOR) "." FLN_STR(
+      MLX_VERSION_MINOR) "." FLN_STR(MLX_VERSION_PATCH);
+  m.def("runtime_mlx_version", []() { return std::string(mx::version()); },
+        "The version libmlx reports in this process.");
+  m.def("cpu_isa", &fluxlike_native::cpu_isa,
+        "oneDNN's effective CPU ISA (respects ONEDNN_MAX_CPU_ISA).");
+  m.def("isa_has_bf16", &fluxlike_native::isa_has_bf16,
+        "Whether oneDNN has bfloat16 dot-product kernels here (avx512_core_bf16 or better).");
+  m.def("isa_has_avx512", &fluxlike_native::isa_has_avx512,
+        "Whether oneDNN has AVX-512 kernels here.");
+  m.def("onednn_version", &fluxlike_native::onednn_version, "oneDNN's version.");
+  m.def("cache_size", &fluxlike_native::cache_size, "Cached oneDNN primitives.");
+  m.def("clear_cache", &fluxlike_native::clear_cache, "Drop the cached oneDNN primitives.");
+  m.def("cache_impls", &fluxlike_native::cache_impls,
+        "(oneDNN implementation name, count) of the cached primitives.");
+
+  m.def(
+      "matmul",
+      &fluxlike_native::matmul,
+      "a"_a,
+      "b"_a,
+      "bias"_a = nb::none(),
+      "trans_a"_a = false,
+      "trans_b"_a = false,
+      "relu"_a = false,
+      "out_dtype"_a = nb::none(),
+      "batched"_a = false,
+      "native_bf16"_a = true,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h).)");
+}
