@@ -258,8 +258,10 @@ def test_other_activations_are_applied_after():
 
 def _laid_out(a: mx.array, layout: str) -> mx.array:
     """``a``'s values as a transposed, sliced or broadcast view (2-D ``a``)."""
-    if layout == "transposed":
-        return mx.array(np.ascontiguousarray(np.array(a).T)).T
+    if layout == "transposed":  # stored (in, rows), read through .T: column-major
+        stored = mx.array(np.ascontiguousarray(np64(a).T), dtype=mx.float32).astype(a.dtype)
+        mx.eval(stored)
+        return stored.T
     if layout == "sliced rows":
         big = mx.zeros((2 * a.shape[0], a.shape[1]), a.dtype)
         big[::2] = a
