@@ -7,8 +7,10 @@ MLX's CPU stream, with bias and ReLU fused as oneDNN post-ops, ``vjp``/``jvp`` a
 module finds it, checks it, and decides how it is used; fluxlike works without it.
 
 - :func:`native_info` says whether the kernels are in use, and why (or why not).
-- :func:`linear` (``act(x @ w.T + bias)``, ``w`` of shape ``(out, in)`` as in ``Dense``)
-  and :func:`matmul` build the primitive; :func:`pays` says whether it beats MLX's own
+- :func:`linear` (``act(x @ w.T + bias)``, ``w`` of shape ``(out, in)`` as in ``Dense``),
+  :func:`matmul` (batched, transposed operands) and :func:`conv` (``mx.conv_general``'s
+  channels-last convolution, 1-3 spatial axes, with its two gradients as oneDNN primitives)
+  build the primitives; :func:`pays` says whether it beats MLX's own
   kernels for a shape and dtype (measured; see ``bench/native.py``).
 
 Numerics: float32 operands give float32 results (float32 accumulation, as ``mx.matmul``);
@@ -35,8 +37,8 @@ from types import ModuleType
 
 import mlx.core as mx
 
-__all__ = ["NativeInfo", "NativeUnavailable", "available", "linear", "matmul", "native_info",
-           "pays"]
+__all__ = ["NativeInfo", "NativeUnavailable", "available", "conv", "linear", "matmul",
+           "native_info", "pays"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -269,6 +271,71 @@ def matmul(
     except ValueError as error:
         raise ValueError(f"fluxlike.native.matmul(a {a.shape} {a.dtype}, b {b.shape} "
                          f"{b.dtype}): {error}") from None
+
+
+def _per_axis(name: str, value: int | tuple[int, ...] | list[int], k: int,
+              what: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * k
+    values = list(value)
+    if len(values) != k or not all(isinstance(v, int) for v in values):
+        raise ValueError(f"fluxlike.native.{name}: {what} must be an int or {k} ints (one per "
+                         f"spatial axis), got {value!r}")
+    return values
+
+
+def conv(
+    x: mx.array,
+    w: mx.array,
+    bias: mx.array | None = None,
+    *,
+    stride: int | tuple[int, ...] = 1,
+    padding: int | tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]] = 0,
+    dilation: int | tuple[int, ...] = 1,
+    groups: int = 1,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """``mx.conv_general(x, w, stride, padding, kernel_dilation=dilation, groups=groups) +
+    bias`` as oneDNN primitives (forward, and for its gradients backward-data and
+    backward-weights primitives, themselves differentiable).
+
+    ``x``: ``(N, *spatial, C_in)`` with 1-3 spatial axes; ``w``: ``(C_out, *kernel, C_in //
+    groups)``; ``bias``: ``(C_out,)``. ``padding``: an int, one int per axis, or ``(low,
+    high)`` tuples of them as ``mx.conv_general`` takes. float32 or bfloat16 (one dtype;
+    bfloat16 accumulates in float32 and is rounded once). Empty operands run
+    ``mx.conv_general``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     y = native.conv(mx.ones((1, 5, 5, 2)), mx.ones((3, 3, 3, 2)), padding=1)
+    ...     assert y.shape == (1, 5, 5, 3) and y[0, 2, 2, 0].item() == 18
+    """
+    ext = _require("conv")
+    _check_arrays("conv", x=x, w=w, bias=bias)
+    k = x.ndim - 2
+    if k < 1 or k > 3 or w.ndim != x.ndim:
+        raise ValueError(f"fluxlike.native.conv: expected x (N, *spatial, C_in) with 1-3 "
+                         f"spatial axes and w (C_out, *kernel, C_in // groups) of as many axes, "
+                         f"got x {x.shape} and w {w.shape}")
+    strides = _per_axis("conv", stride, k, "stride")
+    dilations = _per_axis("conv", dilation, k, "dilation")
+    if (isinstance(padding, (tuple, list)) and len(padding) == 2
+            and all(isinstance(p, (tuple, list)) for p in padding)):
+        lo = _per_axis("conv", padding[0], k, "padding")
+        hi = _per_axis("conv", padding[1], k, "padding")
+    else:
+        lo = hi = _per_axis("conv", padding, k, "padding")
+    if x.size == 0 or w.size == 0:
+        y = mx.conv_general(x, w, stride=strides, padding=(lo, hi), kernel_dilation=dilations,
+                            groups=groups, stream=stream)
+        return y if bias is None else y + bias
+    try:
+        return ext.conv(x, w, bias, strides, lo, hi, dilations, groups, _bf16_native,
+                        stream=stream)
+    except ValueError as error:
+        raise ValueError(f"fluxlike.native.conv(x {x.shape} {x.dtype}, w {w.shape} "
+                         f"{w.dtype}): {error}") from None
 
 
 # Where the native kernel beats MLX's (on OpenBLAS for float32, MLX's own loop or fluxlike's

@@ -523,9 +523,15 @@ def test_bfloat16_on_avx2_runs_in_float32_kernels():
         f = mx.compile(lambda x: native.linear(x, w, b), shapeless=True)
         assert f(x[:4]).shape == (4, 12) and f(x).dtype == mx.bfloat16
         s = native.matmul(x[None], x[None], transpose_b=True, out_dtype=mx.float32)
+        c = native.conv(x.reshape(1, 9, 40, 1), w.reshape(12, 1, 40, 1)[:2, :, :3], padding=1)
+        assert c.dtype == mx.bfloat16 and c.shape == (1, 11, 40, 2)
+        gc = mx.grad(lambda x: native.conv(x, w.reshape(12, 1, 40, 1)[:2, :, :3]).astype(
+            mx.float32).sum())(x.reshape(1, 9, 40, 1))
+        assert gc.dtype == mx.bfloat16
+        mx.eval(c, gc)
         mx.eval(s)
         from fluxlike_native import _ext
-        impls = [name for name, _ in _ext.cache_impls()]
+        impls = [name for name, _ in _ext.cache_impls() + _ext.conv_cache_impls()]
         assert impls and not any("bf16" in name or "512" in name for name in impls), impls
         print("ok")
     """, ONEDNN_MAX_CPU_ISA="AVX2")
@@ -545,3 +551,210 @@ def test_forcing_bfloat16_into_float32_kernels():
         print("ok")
     """, FLUXLIKE_NATIVE_BF16="float32")
     assert result.returncode == 0, result.stderr
+
+
+# ---- convolution ------------------------------------------------------------------------------
+
+def np_conv(x, w, stride, lo, hi, dil, groups):
+    """float64 ``mx.conv_general`` (channels-last) and the scale ``|x| * |w|`` of its rounding."""
+    import itertools
+
+    x64 = np.pad(np64(x), [(0, 0), *zip(lo, hi, strict=True), (0, 0)])
+    w64 = np64(w)
+    k = x64.ndim - 2
+    ig, og = w64.shape[-1], w64.shape[0] // groups
+    kernel = w64.shape[1:-1]
+    spatial = [(x64.shape[i + 1] - dil[i] * (kernel[i] - 1) - 1) // stride[i] + 1
+               for i in range(k)]
+    y = np.zeros((x64.shape[0], *spatial, w64.shape[0]))
+    scale = np.zeros_like(y)
+    for off in itertools.product(*(range(s) for s in kernel)):
+        window = tuple(slice(off[i] * dil[i], off[i] * dil[i] + (spatial[i] - 1) * stride[i] + 1,
+                             stride[i]) for i in range(k))
+        patch = x64[(slice(None), *window, slice(None))]
+        for g in range(groups):
+            pg = patch[..., g * ig:(g + 1) * ig]
+            wg = w64[(slice(g * og, (g + 1) * og), *off, slice(None))]
+            y[..., g * og:(g + 1) * og] += pg @ wg.T
+            scale[..., g * og:(g + 1) * og] += np.abs(pg) @ np.abs(wg).T
+    return y, scale
+
+
+CONV_CASES = [  # x shape, w shape, stride, (lo, hi), dilation, groups
+    ((2, 9, 9, 4), (6, 3, 3, 4), (1, 1), ((1, 1), (1, 1)), (1, 1), 1),
+    ((2, 9, 8, 4), (6, 3, 3, 2), (2, 1), ((0, 1), (1, 2)), (1, 2), 2),
+    ((3, 11, 4), (8, 3, 1), (2,), ((1,), (0,)), (2,), 4),
+    ((1, 5, 6, 7, 4), (3, 2, 3, 2, 4), (1, 2, 1), ((1, 0, 1), (0, 1, 1)), (1, 1, 2), 1),
+    ((2, 7, 7, 3), (5, 1, 1, 3), (1, 1), ((0, 0), (0, 0)), (1, 1), 1),
+    ((2, 10, 10, 8), (8, 3, 3, 1), (1, 1), ((1, 1), (1, 1)), (1, 1), 8),  # depthwise
+]
+
+
+def _mlx_conv(x, w, b, stride, pad, dil, groups):
+    y = mx.conv_general(x, w, stride=list(stride), padding=(list(pad[0]), list(pad[1])),
+                        kernel_dilation=list(dil), groups=groups)
+    return y if b is None else y + b
+
+
+def _native_conv(x, w, b, stride, pad, dil, groups):
+    return native.conv(x, w, b, stride=stride, padding=pad, dilation=dil, groups=groups)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
+def test_conv_against_float64_and_mlx(dtype, case):
+    xs, ws, stride, pad, dil, groups = case
+    x, w, b = rand(xs, dtype), rand(ws, dtype), rand((ws[0],), dtype)
+    y = _native_conv(x, w, b, stride, pad, dil, groups)
+    exact, scale = np_conv(x, w, stride, *pad, dil, groups)
+    exact, scale = exact + np64(b), scale + np.abs(np64(b))
+    assert_close(y, exact, scale, dtype)
+    theirs = _mlx_conv(x, w, b, stride, pad, dil, groups)
+    assert theirs.dtype == y.dtype and theirs.shape == y.shape
+    if dtype == mx.float32:
+        np.testing.assert_allclose(np64(y), np64(theirs), rtol=0, atol=2e-5 * scale.max())
+
+
+@needs_native
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
+def test_conv_gradients_and_jvp_against_mlx(case):
+    xs, ws, stride, pad, dil, groups = case
+    x, w, b = rand(xs), rand(ws), rand((ws[0],))
+    c = rand(_mlx_conv(x, w, b, stride, pad, dil, groups).shape)
+
+    def loss(f):
+        return lambda x, w, b: (f(x, w, b, stride, pad, dil, groups) * c).sum()
+
+    mine = mx.grad(loss(_native_conv), argnums=(0, 1, 2))(x, w, b)
+    theirs = mx.grad(loss(_mlx_conv), argnums=(0, 1, 2))(x, w, b)
+    for g, h, p in zip(mine, theirs, (x, w, b), strict=True):
+        assert g.shape == p.shape and g.dtype == p.dtype
+        np.testing.assert_allclose(np.array(g), np.array(h), rtol=1e-4, atol=1e-4)
+    tangents = (rand(xs), rand(ws), rand((ws[0],)))
+    _, (jm,) = mx.jvp(lambda *a: _native_conv(*a, stride, pad, dil, groups), (x, w, b), tangents)
+    tx, tw, tb = tangents  # MLX has no jvp for its convolution: the bilinear form by hand
+    jt = (_mlx_conv(tx, w, None, stride, pad, dil, groups)
+          + _mlx_conv(x, tw, None, stride, pad, dil, groups) + tb)
+    np.testing.assert_allclose(np.array(jm), np.array(jt), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+def test_conv_gradients_by_finite_differences_and_second_order():
+    xs, ws, stride, pad, dil, groups = CONV_CASES[1]
+    x, w, b = rand(xs), rand(ws), rand((ws[0],))
+    c = rand(_mlx_conv(x, w, b, stride, pad, dil, groups).shape)
+
+    def f(x, w, b):
+        return (_native_conv(x, w, b, stride, pad, dil, groups) * c).sum()
+
+    for i, g in enumerate(mx.grad(f, argnums=(0, 1, 2))(x, w, b)):
+        d = rand(g.shape)
+        up, dn = [x, w, b], [x, w, b]
+        up[i], dn[i] = up[i] + 1e-2 * d, dn[i] - 1e-2 * d
+        numeric = (f(*up).item() - f(*dn).item()) / 2e-2
+        analytic = (g * d).sum().item()
+        assert abs(numeric - analytic) <= 2e-2 * (1 + abs(analytic)), (i, numeric, analytic)
+
+    def second(conv):  # the backward primitives are differentiable too
+        def inner(x, w):
+            gx, gw = mx.grad(lambda x, w: (conv(x, w, None, stride, pad, dil, groups) * c).sum()
+                             ** 2, argnums=(0, 1))(x, w)
+            return (gx * gx).sum() + (gw * gw).sum()
+        return mx.grad(inner, argnums=(0, 1))(x, w)
+
+    for g, h in zip(second(_native_conv), second(_mlx_conv), strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(h), rtol=1e-3, atol=1e-2)
+
+
+@needs_native
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(k=st.integers(1, 2), n=st.integers(1, 3), size=st.integers(3, 9),
+       ksize=st.integers(1, 3), groups=st.sampled_from([1, 2, 3]), cig=st.integers(1, 3),
+       cog=st.integers(1, 3), stride=st.integers(1, 3), lo=st.integers(0, 2),
+       hi=st.integers(0, 2), dil=st.integers(1, 2), layout=st.sampled_from(LAYOUTS[:3]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_conv_random_shapes_and_layouts(k, n, size, ksize, groups, cig, cog, stride, lo, hi,
+                                        dil, layout, dtype, seed):
+    mx.random.seed(seed)
+    if size + lo + hi - dil * (ksize - 1) - 1 < 0:
+        return
+    xs = (n, *([size] * k), groups * cig)
+    x = rand(xs, dtype)
+    if layout == "transposed":  # the same values through a transposed view
+        x = rand(xs[::-1], dtype).transpose(*range(x.ndim - 1, -1, -1))
+    elif layout == "sliced rows":
+        x = rand((n, *([size] * k), groups * cig + 2), dtype)[..., 1:-1]
+    w = rand((groups * cog, *([ksize] * k), cig), dtype)
+    args = ((stride,) * k, ((lo,) * k, (hi,) * k), (dil,) * k, groups)
+    y = _native_conv(x, w, None, *args)
+    exact, scale = np_conv(x, w, args[0], *args[1], args[2], groups)
+    assert_close(y, exact, scale, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("shapeless", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv_inside_compile(shapeless, dtype):
+    w, b = rand((4, 3, 3, 2), dtype), rand((4,), dtype)
+
+    def loss(w, b, x):
+        y = native.conv(x, w, b, padding=1, stride=(2, 1))
+        return mx.maximum(y, 0).astype(mx.float32).sum()
+
+    step = mx.compile(mx.value_and_grad(loss, argnums=(0, 1)), shapeless=shapeless)
+    eager = mx.value_and_grad(loss, argnums=(0, 1))
+    for batch in (2, 1, 3):
+        x = rand((batch, 6, 5, 2), dtype)
+        (v, g), (v0, g0) = step(w, b, x), eager(w, b, x)
+        assert v.item() == pytest.approx(v0.item(), rel=1e-5 if dtype == mx.float32 else 1e-2)
+        for gi, hi in zip(g, g0, strict=True):
+            assert gi.shape == hi.shape and gi.dtype == hi.dtype
+            np.testing.assert_allclose(np64(gi), np64(hi), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_conv_from_several_threads_and_cache():
+    from fluxlike_native import _ext
+
+    failures: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            dtype = DTYPES[k % 2]
+            for _ in range(4):
+                x, w = rand((2, 8 + k, 8, 3), dtype), rand((5, 3, 3, 3), dtype)
+                y = native.conv(x, w, padding=1)
+                gw = mx.grad(lambda w, x=x: native.conv(x, w, padding=1).astype(
+                    mx.float32).sum())(w)
+                mx.eval(y, gw)
+                exact, scale = np_conv(x, w, (1, 1), (1, 1), (1, 1), (1, 1), 1)
+                assert_close(y, exact, scale, dtype)
+                assert gw.shape == w.shape and gw.dtype == dtype
+        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
+            failures.append(error)
+
+    _ext.clear_cache()
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert _ext.conv_cache_size() == 4 * 2  # one forward and one weights-gradient per shape
+    assert sum(count for _, count in _ext.conv_cache_impls()) == 8
+
+
+@needs_native
+def test_conv_errors_and_empty():
+    x, w = mx.ones((1, 5, 5, 4)), mx.ones((6, 3, 3, 4))
+    with pytest.raises(ValueError, match=r"fluxlike\.native\.conv.*channels do not match"):
+        native.conv(x, mx.ones((6, 3, 3, 3)))
+    with pytest.raises(ValueError, match=r"larger than the padded input"):
+        native.conv(x, mx.ones((6, 7, 7, 4)))
+    with pytest.raises(ValueError, match=r"stride must be an int or 2 ints"):
+        native.conv(x, w, stride=(1, 2, 3))
+    with pytest.raises(ValueError, match=r"must both be float32 or both bfloat16"):
+        native.conv(x, w.astype(mx.bfloat16))
+    empty = native.conv(mx.zeros((0, 5, 5, 4)), w, mx.ones((6,)))
+    assert empty.shape == (0, 3, 3, 6)

@@ -6,6 +6,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "conv.h"
 #include "matmul.h"
 #include "mlx/version.h"
 
@@ -29,10 +30,17 @@ NB_MODULE(_ext, m) {
   m.def("isa_has_avx512", &fluxlike_native::isa_has_avx512,
         "Whether oneDNN has AVX-512 kernels here.");
   m.def("onednn_version", &fluxlike_native::onednn_version, "oneDNN's version.");
-  m.def("cache_size", &fluxlike_native::cache_size, "Cached oneDNN primitives.");
-  m.def("clear_cache", &fluxlike_native::clear_cache, "Drop the cached oneDNN primitives.");
+  m.def("cache_size", &fluxlike_native::cache_size, "Cached oneDNN matmul primitives.");
+  m.def("clear_cache", []() {
+    fluxlike_native::clear_cache();
+    fluxlike_native::conv_clear_cache();
+  }, "Drop the cached oneDNN primitives (matmul and convolution).");
   m.def("cache_impls", &fluxlike_native::cache_impls,
-        "(oneDNN implementation name, count) of the cached primitives.");
+        "(oneDNN implementation name, count) of the cached matmul primitives.");
+  m.def("conv_cache_size", &fluxlike_native::conv_cache_size,
+        "Cached oneDNN convolution primitives.");
+  m.def("conv_cache_impls", &fluxlike_native::conv_cache_impls,
+        "(oneDNN implementation name, count) of the cached convolution primitives.");
 
   m.def(
       "matmul",
@@ -49,4 +57,17 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none(),
       R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h).)");
+
+  m.def(
+      "conv",
+      [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+         std::vector<int> stride, std::vector<int> pad_lo, std::vector<int> pad_hi,
+         std::vector<int> dilation, int groups, bool native_bf16, mx::StreamOrDevice s) {
+        fluxlike_native::ConvParams p{std::move(stride), std::move(pad_lo), std::move(pad_hi),
+                                      std::move(dilation), groups};
+        return fluxlike_native::conv(x, w, bias, p, native_bf16, s);
+      },
+      "x"_a, "w"_a, "bias"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "dilation"_a, "groups"_a,
+      "native_bf16"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"(mx.conv_general's convolution (channels-last) on oneDNN (see conv.h).)");
 }
