@@ -5,9 +5,12 @@ current bfloat16 path and PyTorch, side by side in one run.
 
 Sections: one linear layer (512 x 2048 @ 2048 x 2048, bias, ReLU); the 4 x (2048 -> 2048)
 ReLU MLP at batch 512, inference and training step (loss and gradients of all weights,
-eager and compiled); and the crossover (where the native kernel starts to pay) over smaller
-linear layers. Each time is the median of ``--reps`` calls after warm-up; ratios are to MLX
-float32 on the same row. Peak memory is ``mx.get_peak_memory()`` over the timed calls.
+eager and compiled); 3x3 convolutions (padding 1, channels-last; the small CNN's two layers
+and a wider one), forward and forward+backward (gradients of input, weights, bias); and the
+crossover (where the native kernel starts to pay) over smaller
+linear layers. Each time is the fastest of ``--reps`` calls after two warm-up calls (the
+machines are shared: the minimum is the steadiest estimate); ratios are to MLX float32 on
+the same row. Peak memory is ``mx.get_peak_memory()`` over the timed calls.
 
 Variants: ``mlx f32`` hand-written MLX (``mx.addmm``) in float32, on the OpenBLAS fluxlike
 puts under MLX; ``fl bf16 today`` fluxlike's current CPU bfloat16 path (``precision.ops.
@@ -23,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +38,7 @@ from fluxlike import native
 from fluxlike.precision import ops
 
 BATCH, WIDTH, DEPTH = 512, 2048, 4
+CONVS = [(64, 28, 1, 16), (64, 14, 16, 32), (32, 32, 64, 64)]  # batch, size, C_in, C_out; 3x3
 CROSSOVER = [(8, 64, 64), (32, 128, 128), (64, 256, 256), (128, 256, 512), (128, 512, 512),
              (256, 1024, 1024), (512, 2048, 2048)]
 
@@ -50,7 +53,7 @@ def timeit(fn, reps: int) -> tuple[float, float]:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), mx.get_peak_memory()
+    return min(times), mx.get_peak_memory()
 
 
 # ------------------------------------------------------------------------------- MLX side
@@ -71,6 +74,21 @@ def _relu(y):
 def native_linear(x, w, b, act):
     return native.linear(x, w, b, "relu" if act else None)
 
+
+def mlx_conv(x, w, b):
+    return mx.conv_general(x, w, padding=1) + b
+
+
+def today_conv(x, w, b):
+    return ops.conv(x, w, (1, 1), (1, 1), (1, 1), 1, b)
+
+
+def native_conv(x, w, b):
+    return native.conv(x, w, b, padding=1)
+
+
+CONV_KERNELS = {"mlx f32": (mlx_conv, None), "fl bf16 today": (today_conv, mx.bfloat16),
+                "native f32": (native_conv, None), "native bf16": (native_conv, mx.bfloat16)}
 
 KERNELS = {"mlx f32": (mlx_linear, None), "fl bf16 today": (today_linear, mx.bfloat16),
            "native f32": (native_linear, None), "native bf16": (native_linear, mx.bfloat16)}
@@ -121,6 +139,20 @@ def mlx_rows(reps: int, quick: bool) -> dict[str, dict[str, tuple[float, float]]
         if not quick:
             step = mx.compile(grad)
             record("MLP train step compiled", name, lambda g=step: mx.eval(g(params, x, y)))
+    for n, size, cin, cout in CONVS:
+        xs = mx.random.normal((n, size, size, cin))
+        ws = 0.1 * mx.random.normal((cout, 3, 3, cin))
+        bs = mx.zeros((cout,))
+        label = f"conv {n}x{size}x{size} {cin}->{cout}"
+        for name, (kernel, dtype) in CONV_KERNELS.items():
+            if name.startswith("native") and not native.available():
+                continue
+            a = (xs, ws, bs) if dtype is None else tuple(t.astype(dtype) for t in (xs, ws, bs))
+            mx.eval(a)
+            record(f"{label} fwd", name, lambda k=kernel, a=a: mx.eval(k(*a)))
+            grad = mx.grad(lambda x, w, b, k=kernel: k(x, w, b).astype(mx.float32).sum(),
+                           argnums=(0, 1, 2))
+            record(f"{label} fwd+bwd", name, lambda g=grad, a=a: mx.eval(g(*a)))
     if not quick:
         for rows_, inner, out in CROSSOVER:
             xs, ws, bs = (mx.random.normal((rows_, inner)), mx.random.normal((out, inner)),
@@ -139,16 +171,16 @@ def mlx_rows(reps: int, quick: bool) -> dict[str, dict[str, tuple[float, float]]
 # ----------------------------------------------------------------------------- torch side
 
 TORCH_SCRIPT = r"""
-import json, statistics, sys, time
+import json, sys, time
 import torch
-reps, quick, B, W, D = json.loads(sys.argv[1])
+reps, quick, B, W, D, convs = json.loads(sys.argv[1])
 torch.manual_seed(0)
 def timeit(fn):
     fn(); fn()
     t = []
     for _ in range(reps):
         s = time.perf_counter(); fn(); t.append(time.perf_counter() - s)
-    return statistics.median(t)
+    return min(t)
 layers = [torch.nn.Linear(W, W) for _ in range(D)]
 model = torch.nn.Sequential(*sum(([l, torch.nn.ReLU()] for l in layers), [])[:-1])
 x, y = torch.randn(B, W), torch.randn(B, W)
@@ -166,6 +198,20 @@ for name, ac in (("torch f32", False), ("torch bf16", True)):
             loss = ((model(x).float() - y) ** 2).mean()
         loss.backward()
     rec("MLP train step", name, step)
+    for n, size, cin, cout in convs:
+        label = f"conv {n}x{size}x{size} {cin}->{cout}"
+        cx = torch.randn(n, cin, size, size).contiguous(memory_format=torch.channels_last)
+        cv = torch.nn.Conv2d(cin, cout, 3, padding=1).to(memory_format=torch.channels_last)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac), torch.no_grad():
+            rec(f"{label} fwd", name, lambda: cv(cx))
+        cxg = cx.clone().requires_grad_(True)
+        def cstep():
+            cv.zero_grad(set_to_none=True)
+            cxg.grad = None
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+                y = cv(cxg)
+            y.float().sum().backward()
+        rec(f"{label} fwd+bwd", name, cstep)
 print(json.dumps(out))
 """
 
@@ -181,7 +227,7 @@ def torch_python(choice: str | None) -> str | None:
 
 
 def torch_rows(python: str, reps: int, quick: bool) -> tuple[dict, str]:
-    args = json.dumps([reps, quick, BATCH, WIDTH, DEPTH])
+    args = json.dumps([reps, quick, BATCH, WIDTH, DEPTH, CONVS])
     done = subprocess.run([python, "-c", TORCH_SCRIPT, args], capture_output=True, text=True,
                           timeout=1800)
     if done.returncode != 0:
@@ -194,6 +240,11 @@ def torch_rows(python: str, reps: int, quick: bool) -> tuple[dict, str]:
 # ---------------------------------------------------------------------------------- table
 
 def flops(row: str) -> float | None:
+    if row.startswith("conv"):
+        parts = row.split()
+        n, size, _ = (int(v) for v in parts[1].split("x"))
+        cin, cout = (int(v) for v in parts[2].split("->"))
+        return 2.0 * n * size * size * cin * cout * 9 * (3 if "bwd" in row else 1)
     if row.startswith(("linear", "crossover")):
         m, k, n = (int(v) for v in row.split()[1].split("x"))
         return 2.0 * m * k * n
