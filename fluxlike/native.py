@@ -338,16 +338,20 @@ def conv(
                          f"{w.dtype}): {error}") from None
 
 
-# Where the native kernel beats MLX's (on OpenBLAS for float32, MLX's own loop or fluxlike's
-# float32 emulation for bfloat16), measured by bench/native.py: below these multiply-adds
-# per call the fixed costs (a primitive, a oneDNN dispatch) outweigh the faster kernel.
-PAYS_MIN_MACS = {mx.float32: 2**18, mx.bfloat16: 2**15}
+# Where the native kernel beats MLX's (float32: MLX on OpenBLAS; bfloat16: fluxlike's
+# float32 emulation, i.e. ``precision.ops``), measured by bench/native.py on two shared
+# cores (forward and gradients): bfloat16 pays at every size (0.5-0.7x at 2**12
+# multiply-adds, 0.13-0.45x from 2**19 up); float32 from about 2**17 (0.24-0.7x above;
+# near 1x, within noise, below).
+PAYS_MIN_MACS = {mx.float32: 2**17, mx.bfloat16: 0}
 
 
 def pays(rows: int, inner: int, cols: int, dtype: mx.Dtype) -> bool:
-    """Whether the native kernel is expected to beat MLX's for a ``(rows, inner) @ (inner,
-    cols)`` product of ``dtype`` on the CPU: the kernels are in use, the dtype is float32 or
-    bfloat16, and the product is large enough (``PAYS_MIN_MACS``).
+    """Whether the native kernel is expected to beat today's path for a ``(rows, inner) @
+    (inner, cols)`` product of ``dtype`` on the CPU: the kernels are in use, the dtype is
+    float32 or bfloat16, and the product is large enough (``PAYS_MIN_MACS``). For a
+    convolution pass its implicit GEMM: ``rows = N * prod(out_spatial)``, ``inner =
+    prod(kernel) * C_in // groups``, ``cols = C_out``.
 
     >>> import mlx.core as mx
     >>> pays(512, 2048, 2048, mx.float16)

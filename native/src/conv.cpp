@@ -159,6 +159,10 @@ std::shared_ptr<Entry> lookup(
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   auto& eng = engine();
+  double macs = static_cast<double>(ws.back());
+  for (auto d : ys) macs *= d;
+  for (size_t i = 1; i + 1 < ws.size(); ++i) macs *= ws[i];
+  OneThread one(macs < SINGLE_THREAD_MACS);
   try {
     auto fwd_hint = dnnl::convolution_forward::primitive_desc(
         eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, e->x_md,

@@ -9,6 +9,8 @@
 
 #include "matmul.h"
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -131,6 +133,29 @@ mx::Shape out_shape(
   return out;
 }
 
+// ---- OpenMP's thread count, through the libgomp that oneDNN loaded -------------------------
+
+struct Omp {
+  int (*get_max_threads)() = nullptr;
+  void (*set_num_threads)(int) = nullptr;
+  Omp() {
+    void* lib = dlopen("libgomp.so.1", RTLD_NOLOAD | RTLD_LAZY);
+    if (lib != nullptr) {
+      get_max_threads = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_max_threads"));
+      set_num_threads = reinterpret_cast<void (*)(int)>(dlsym(lib, "omp_set_num_threads"));
+      if (get_max_threads == nullptr || set_num_threads == nullptr) {
+        get_max_threads = nullptr;
+        set_num_threads = nullptr;
+      }
+    }
+  }
+};
+
+const Omp& omp() {
+  static Omp o;
+  return o;
+}
+
 // ---- the primitive cache ------------------------------------------------------------------
 
 struct Entry {
@@ -241,6 +266,9 @@ std::shared_ptr<Entry> lookup(
     ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
     attr.set_post_ops(ops);
   }
+  double macs = static_cast<double>(a.dims.back());
+  for (auto d : dst_dims) macs *= static_cast<double>(d);
+  OneThread one(macs < SINGLE_THREAD_MACS);
   dnnl::matmul::primitive_desc pd;
   try {
     pd = bias_dt ? dnnl::matmul::primitive_desc(
@@ -311,6 +339,19 @@ mx::array swap_last(const mx::array& x, bool t, mx::StreamOrDevice s) {
 }
 
 } // namespace
+
+OneThread::OneThread(bool on) {
+  if (on && omp().set_num_threads != nullptr) {
+    saved_ = omp().get_max_threads();
+    omp().set_num_threads(1);
+  }
+}
+
+OneThread::~OneThread() {
+  if (saved_ > 0) {
+    omp().set_num_threads(saved_);
+  }
+}
 
 // ---- the CPU ------------------------------------------------------------------------------
 

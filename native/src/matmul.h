@@ -28,6 +28,23 @@ void clear_cache();
 // Each cached primitive's implementation name (e.g. "brg:avx512_core_bf16") and count.
 std::vector<std::pair<std::string, int>> cache_impls();
 
+// Primitives for problems below this many multiply-adds are created on one OpenMP thread,
+// so they also run on one: on two shared cores an OpenMP barrier can wait a whole
+// scheduler tick (milliseconds) for a preempted team thread, far longer than the work.
+constexpr double SINGLE_THREAD_MACS = 1 << 20;
+
+// While alive (and `on`), oneDNN primitives created on this thread use one thread.
+class OneThread {
+ public:
+  explicit OneThread(bool on);
+  ~OneThread();
+  OneThread(const OneThread&) = delete;
+  OneThread& operator=(const OneThread&) = delete;
+
+ private:
+  int saved_ = -1;
+};
+
 // ---- the op -------------------------------------------------------------------------------
 
 // act(op(a) @ op(b) + bias), op transposing the last two axes where asked.
