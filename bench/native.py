@@ -264,7 +264,7 @@ def table(rows: dict) -> None:
         for n in names:
             if n in cols:
                 t = cols[n][0]
-                cells.append(f"{t * 1e3:8.1f} ({t / base:4.2f})")
+                cells.append(f"{t * 1e3:8.3g} ({t / base:4.2f})")
             else:
                 cells.append(" " * 15)
         print(f"{row:30s}" + "".join(f"{c:>15s}" for c in cells))
