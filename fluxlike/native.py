@@ -149,7 +149,8 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
                                        f"AVX512_CORE_BF16")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     limit = f", ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
-    reason = f"oneDNN {ext.onednn_version()} matmul in use: float32 on {isa}{limit}; {why}"
+    reason = (f"oneDNN {ext.onednn_version()} matmul and convolution in use: float32 on "
+              f"{isa}{limit}; {why}")
     return NativeInfo(True, reason, isa, how, mx.__version__, built_for,
                       ext.onednn_version(), path), ext, bf16
 
