@@ -10,8 +10,10 @@ module finds it, checks it, and decides how it is used; fluxlike works without i
 - :func:`linear` (``act(x @ w.T + bias)``, ``w`` of shape ``(out, in)`` as in ``Dense``),
   :func:`matmul` (batched, transposed operands) and :func:`conv` (``mx.conv_general``'s
   channels-last convolution, 1-3 spatial axes, with its two gradients as oneDNN primitives)
-  build the primitives; :func:`pays` says whether it beats MLX's own
-  kernels for a shape and dtype (measured; see ``bench/native.py``).
+  build the primitives; :func:`attention` is ``mx.fast.scaled_dot_product_attention`` made
+  of them (float32 scores and softmax, so no MLX half-precision kernel runs); :func:`pays`
+  says whether they beat today's kernels for a shape and dtype (measured; see
+  ``bench/native.py``).
 
 Numerics: float32 operands give float32 results (float32 accumulation, as ``mx.matmul``);
 bfloat16 operands give bfloat16 results (or float32 with ``out_dtype=mx.float32``)
@@ -37,8 +39,8 @@ from types import ModuleType
 
 import mlx.core as mx
 
-__all__ = ["NativeInfo", "NativeUnavailable", "available", "conv", "linear", "matmul",
-           "native_info", "pays"]
+__all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "conv", "linear",
+           "matmul", "native_info", "pays"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -272,6 +274,65 @@ def matmul(
     except ValueError as error:
         raise ValueError(f"fluxlike.native.matmul(a {a.shape} {a.dtype}, b {b.shape} "
                          f"{b.dtype}): {error}") from None
+
+
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float | None = None,
+    mask: str | mx.array | None = None,
+) -> mx.array:
+    """``softmax(q @ k.T * scale + mask) @ v`` as ``mx.fast.scaled_dot_product_attention``
+    computes it, on the native matmul: ``q`` ``(B, H, L_q, D)``, ``k`` ``(B, H_kv, L_k, D)``,
+    ``v`` ``(B, H_kv, L_k, D_v)`` with ``H_kv`` dividing ``H`` (grouped queries); one dtype,
+    float32 or bfloat16.
+
+    The scores are accumulated and kept in float32 (bfloat16 operands give float32 scores),
+    the softmax runs in float32, and its probabilities are rounded to the operands' dtype for
+    the product with ``v``, whose result has that dtype: no MLX half-precision kernel runs.
+    ``mask``: ``None``, ``"causal"`` (aligned to the last key, as MLX's), a boolean array
+    (``True`` = attend) or an additive array, broadcastable to ``(B, H, L_q, L_k)``.
+    ``scale`` defaults to ``D ** -0.5``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     q = mx.ones((1, 2, 4, 8), mx.bfloat16)
+    ...     assert native.attention(q, q, q, mask="causal").dtype == mx.bfloat16
+    """
+    _require("attention")
+    _check_arrays("attention", q=q, k=k, v=v)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[1] % k.shape[1] or (
+            k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]):
+        raise ValueError(f"fluxlike.native.attention: expected q (B, H, L_q, D), k (B, H_kv, "
+                         f"L_k, D), v (B, H_kv, L_k, D_v) with H_kv dividing H, got q "
+                         f"{q.shape}, k {k.shape}, v {v.shape}")
+    batch, heads, lq, depth = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    scale = depth**-0.5 if scale is None else scale
+    if groups > 1:  # grouped queries: the keys broadcast over each group's heads
+        q = q.reshape(batch, kv_heads, groups, lq, depth)
+        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+    scores = matmul(q, k, transpose_b=True, out_dtype=mx.float32) * scale
+    if groups > 1:
+        scores = scores.reshape(batch, heads, lq, lk)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"fluxlike.native.attention: mask must be None, 'causal' or an "
+                             f"array, got {mask!r}")
+        rows = mx.arange(lq)[:, None] + (lk - lq)
+        scores = mx.where(mx.arange(lk)[None] <= rows, scores, -mx.inf)
+    elif mask is not None:
+        scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
+                  else scores + mask.astype(mx.float32))
+    probs = mx.softmax(scores, axis=-1).astype(q.dtype)
+    if groups > 1:
+        probs = probs.reshape(batch, kv_heads, groups, lq, lk)
+    out = matmul(probs, v)
+    return out.reshape(batch, heads, lq, v.shape[-1]) if groups > 1 else out
 
 
 def _per_axis(name: str, value: int | tuple[int, ...] | list[int], k: int,
