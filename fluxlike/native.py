@@ -39,8 +39,8 @@ from types import ModuleType
 
 import mlx.core as mx
 
-__all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "conv", "linear",
-           "matmul", "native_info", "pays"]
+__all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "conv",
+           "conv_transpose", "linear", "matmul", "native_info", "pays"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -398,6 +398,71 @@ def conv(
     except ValueError as error:
         raise ValueError(f"fluxlike.native.conv(x {x.shape} {x.dtype}, w {w.shape} "
                          f"{w.dtype}): {error}") from None
+
+
+def conv_transpose(
+    x: mx.array,
+    w: mx.array,
+    bias: mx.array | None = None,
+    *,
+    stride: int | tuple[int, ...] = 1,
+    padding: int | tuple[int, ...] = 0,
+    dilation: int | tuple[int, ...] = 1,
+    output_padding: int | tuple[int, ...] = 0,
+    groups: int = 1,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """``mx.conv_transpose{1,2,3}d(x, w, stride, padding, dilation, output_padding, groups)
+    + bias`` as the input gradient of a convolution (oneDNN's backward-data primitive, and
+    for its own gradients the forward and backward-weights ones).
+
+    ``x``: ``(N, *spatial, C_in)``; ``w``: ``(C_out, *kernel, C_in // groups)`` (MLX's
+    layout); the result is ``(N, *out, C_out)`` with ``out = (in - 1) * stride - 2 * padding
+    + dilation * (kernel - 1) + 1 + output_padding``; ``output_padding < stride``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     y = native.conv_transpose(mx.ones((1, 4, 2)), mx.ones((3, 3, 2)), stride=2)
+    ...     assert y.shape == (1, 9, 3)
+    """
+    ext = _require("conv_transpose")
+    _check_arrays("conv_transpose", x=x, w=w, bias=bias)
+    k = x.ndim - 2
+    if k < 1 or k > 3 or w.ndim != x.ndim:
+        raise ValueError(f"fluxlike.native.conv_transpose: expected x (N, *spatial, C_in) with "
+                         f"1-3 spatial axes and w (C_out, *kernel, C_in // groups), got x "
+                         f"{x.shape} and w {w.shape}")
+    strides = _per_axis("conv_transpose", stride, k, "stride")
+    pads = _per_axis("conv_transpose", padding, k, "padding")
+    dilations = _per_axis("conv_transpose", dilation, k, "dilation")
+    extra = _per_axis("conv_transpose", output_padding, k, "output_padding")
+    if any(e < 0 or e >= s for e, s in zip(extra, strides, strict=True)):
+        raise ValueError(f"fluxlike.native.conv_transpose: output_padding must be >= 0 and "
+                         f"smaller than stride, got {extra} with stride {strides}")
+    c_out, kernel, c_in_g = w.shape[0], w.shape[1:-1], w.shape[-1]
+    if groups < 1 or c_out % groups or x.shape[-1] != c_in_g * groups:
+        raise ValueError(f"fluxlike.native.conv_transpose: channels do not match: x {x.shape} "
+                         f"has {x.shape[-1]}, w {w.shape} takes {c_in_g} x groups={groups} "
+                         f"(and C_out {c_out} must divide by groups)")
+    out = [(n - 1) * s - 2 * p + d * (q - 1) + 1 + e for n, s, p, d, q, e in
+           zip(x.shape[1:-1], strides, pads, dilations, kernel, extra, strict=True)]
+    if min(out) < 1 or x.size == 0 or w.size == 0:
+        raise ValueError(f"fluxlike.native.conv_transpose: no output for x {x.shape}, w "
+                         f"{w.shape} (output spatial size {out}); use mx.conv_transpose")
+    # The convolution whose input gradient this is maps (N, *out, C_out) to x's shape with
+    # weights (C_in, *kernel, C_out // groups): w's channel roles swapped within each group.
+    c_out_g = c_out // groups
+    w_t = w.reshape(groups, c_out_g, *kernel, c_in_g)
+    w_t = w_t.transpose(0, k + 2, *range(2, k + 2), 1).reshape(groups * c_in_g, *kernel,
+                                                                 c_out_g)
+    try:
+        y = ext.conv_backward_data(x, w_t, [*out, c_out], strides, pads, pads, dilations,
+                                   groups, _bf16_native, stream=stream)
+    except ValueError as error:
+        raise ValueError(f"fluxlike.native.conv_transpose(x {x.shape} {x.dtype}, w {w.shape} "
+                         f"{w.dtype}): {error}") from None
+    return y if bias is None else y + bias.astype(y.dtype)
 
 
 # Where the native kernel beats MLX's (float32: MLX on OpenBLAS; bfloat16: fluxlike's

@@ -845,3 +845,67 @@ def test_attention_bfloat16_training_inside_compile():
         np.testing.assert_allclose(np64(gi), np64(hi), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match=r"fluxlike\.native\.attention: expected q"):
         native.attention(q, k[:, :3], v)
+
+
+# ---- transposed convolution ---------------------------------------------------------------------
+
+TRANSPOSE_CASES = [  # x shape, w shape, stride, padding, dilation, output_padding, groups
+    ((2, 5, 4), (3, 3, 4), 2, 0, 1, 0, 1),
+    ((2, 5, 5, 4), (6, 3, 3, 2), 2, 1, 1, 1, 2),
+    ((1, 4, 3, 5, 2), (3, 2, 3, 2, 2), (1, 2, 1), (0, 1, 0), (1, 1, 2), (0, 1, 0), 1),
+    ((2, 6, 6, 4), (4, 3, 3, 4), 1, 1, 2, 0, 1),
+]
+
+
+def _mlx_conv_transpose(x, w, b, stride, padding, dilation, output_padding, groups):
+    k = x.ndim - 2
+    fn = {1: mx.conv_transpose1d, 2: mx.conv_transpose2d, 3: mx.conv_transpose3d}[k]
+
+    def one(t):
+        return t if k > 1 or isinstance(t, int) else t[0]
+
+    y = fn(x, w, stride=one(stride), padding=one(padding), dilation=one(dilation),
+           output_padding=one(output_padding), groups=groups)
+    return y if b is None else y + b
+
+
+def _native_conv_transpose(x, w, b, stride, padding, dilation, output_padding, groups):
+    return native.conv_transpose(x, w, b, stride=stride, padding=padding, dilation=dilation,
+                                 output_padding=output_padding, groups=groups)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", TRANSPOSE_CASES, ids=lambda c: f"{c[0]}*{c[1]}")
+def test_conv_transpose_against_mlx_and_its_gradients(dtype, case):
+    xs, ws, *options = case
+    x, w, b = rand(xs, dtype), rand(ws, dtype), rand((ws[0],), dtype)
+    y = _native_conv_transpose(x, w, b, *options)
+    up = [a.astype(mx.float32) for a in (x, w, b)]
+    theirs = _mlx_conv_transpose(*up, *options)
+    assert y.dtype == dtype and y.shape == theirs.shape
+    tol = 1e-5 if dtype == mx.float32 else 3e-2
+    np.testing.assert_allclose(np64(y), np.array(theirs), rtol=tol, atol=tol * 10)
+    c = rand(theirs.shape)
+    mine = mx.grad(lambda *a: (_native_conv_transpose(*a, *options).astype(mx.float32) * c)
+                   .sum(), argnums=(0, 1, 2))(x, w, b)
+    ref = mx.grad(lambda *a: (_mlx_conv_transpose(*a, *options) * c).sum(),
+                  argnums=(0, 1, 2))(*up)
+    for g, h, p in zip(mine, ref, (x, w, b), strict=True):
+        assert g.shape == p.shape and g.dtype == dtype
+        np.testing.assert_allclose(np64(g), np.array(h), rtol=tol * 10, atol=tol * 30)
+
+
+@needs_native
+def test_conv_transpose_compiled_and_errors():
+    w = rand((4, 3, 3, 2))
+    f = mx.compile(mx.grad(lambda w, x: native.conv_transpose(x, w, stride=2).sum()),
+                   shapeless=True)
+    for batch in (1, 3):
+        x = rand((batch, 4, 4, 2))
+        expected = mx.grad(lambda w, x=x: _mlx_conv_transpose(x, w, None, 2, 0, 1, 0, 1).sum())(w)
+        np.testing.assert_allclose(np.array(f(w, x)), np.array(expected), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"output_padding must be >= 0 and smaller than"):
+        native.conv_transpose(rand((1, 4, 4, 2)), w, stride=2, output_padding=2)
+    with pytest.raises(ValueError, match=r"conv_transpose: channels do not match"):
+        native.conv_transpose(rand((1, 4, 4, 3)), w)

@@ -70,4 +70,18 @@ NB_MODULE(_ext, m) {
       "x"_a, "w"_a, "bias"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "dilation"_a, "groups"_a,
       "native_bf16"_a, nb::kw_only(), "stream"_a = nb::none(),
       R"(mx.conv_general's convolution (channels-last) on oneDNN (see conv.h).)");
+
+  m.def(
+      "conv_backward_data",
+      [](const mx::array& dy, const mx::array& w, std::vector<int> x_tail,
+         std::vector<int> stride, std::vector<int> pad_lo, std::vector<int> pad_hi,
+         std::vector<int> dilation, int groups, bool native_bf16, mx::StreamOrDevice s) {
+        fluxlike_native::ConvParams p{std::move(stride), std::move(pad_lo), std::move(pad_hi),
+                                      std::move(dilation), groups};
+        return fluxlike_native::conv_backward_data(
+            dy, w, mx::Shape(x_tail.begin(), x_tail.end()), p, native_bf16, s);
+      },
+      "dy"_a, "w"_a, "x_tail"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "dilation"_a,
+      "groups"_a, "native_bf16"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"(The input gradient of conv (a transposed convolution) on oneDNN (see conv.h).)");
 }

@@ -428,6 +428,45 @@ mx::array conv(
   return forward(x, w, bias, p, stream);
 }
 
+mx::array conv_backward_data(
+    const mx::array& dy,
+    const mx::array& w,
+    const mx::Shape& x_tail,
+    const ConvParams& p,
+    bool native_bf16,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(FN) + ": oneDNN kernels run on the CPU");
+  }
+  auto dt = dy.dtype();
+  if (w.dtype() != dt || (dt != mx::float32 && dt != mx::bfloat16)) {
+    std::ostringstream os;
+    os << FN << ": dy and w must both be float32 or both bfloat16, got " << dy.dtype()
+       << " and " << w.dtype();
+    throw std::invalid_argument(os.str());
+  }
+  mx::Shape xs{dy.ndim() > 0 ? dy.shape(0) : 0};
+  xs.insert(xs.end(), x_tail.begin(), x_tail.end());
+  auto expect = conv_out_shape(xs, w.shape(), p);
+  if (expect != dy.shape()) {
+    throw std::invalid_argument(std::string(FN) + ": a convolution of an input " +
+                                shape_str(xs) + " with w " + shape_str(w.shape()) +
+                                " gives " + shape_str(expect) + ", not dy's " +
+                                shape_str(dy.shape()));
+  }
+  if (dt == mx::bfloat16 && !native_bf16) {
+    auto y = conv_backward_data(mx::astype(dy, mx::float32, stream),
+                                mx::astype(w, mx::float32, stream), x_tail, p, false, stream);
+    return mx::astype(y, dt, stream);
+  }
+  if (dt == mx::bfloat16 && !isa_has_bf16()) {
+    throw std::invalid_argument(std::string(FN) + ": native bfloat16 kernels were asked for, "
+                                "but oneDNN's CPU ISA is " + cpu_isa());
+  }
+  return backward_data(dy, w, x_tail, p, stream);
+}
+
 void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& in0 = inputs[0];
   auto& in1 = inputs[1];

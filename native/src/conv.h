@@ -33,6 +33,16 @@ mx::array conv(
     bool native_bf16,
     mx::StreamOrDevice s = {});
 
+// The input gradient of that convolution (a transposed convolution): dy (N, *out_spatial,
+// C_out), w as above, x_tail = (*spatial, C_in) of the convolution's input; -> (N, *x_tail).
+mx::array conv_backward_data(
+    const mx::array& dy,
+    const mx::array& w,
+    const mx::Shape& x_tail,
+    const ConvParams& p,
+    bool native_bf16,
+    mx::StreamOrDevice s = {});
+
 // The convolution primitive cache (as matmul's).
 size_t conv_cache_size();
 void conv_clear_cache();
