@@ -6,8 +6,10 @@ current bfloat16 path and PyTorch, side by side in one run.
 Sections: one linear layer (512 x 2048 @ 2048 x 2048, bias, ReLU); the 4 x (2048 -> 2048)
 ReLU MLP at batch 512, inference and training step (loss and gradients of all weights,
 eager and compiled); 3x3 convolutions (padding 1, channels-last; the small CNN's two layers
-and a wider one), forward and forward+backward (gradients of input, weights, bias); and the
-crossover (where the native kernel starts to pay) over smaller
+and a wider one), forward and forward+backward (gradients of input, weights, bias); causal
+attention at the transformer LM's shape (batch 4, 8 heads, context 128, head 64; ``fl bf16
+today`` is MLX's bfloat16 ``scaled_dot_product_attention``, what autocast leaves today); and
+the crossover (where the native kernel starts to pay) over smaller
 linear layers. Each time is the fastest of ``--reps`` calls after two warm-up calls (the
 machines are shared: the minimum is the steadiest estimate); ratios are to MLX float32 on
 the same row. Peak memory is ``mx.get_peak_memory()`` over the timed calls.
@@ -153,6 +155,22 @@ def mlx_rows(reps: int, quick: bool) -> dict[str, dict[str, tuple[float, float]]
             grad = mx.grad(lambda x, w, b, k=kernel: k(x, w, b).astype(mx.float32).sum(),
                            argnums=(0, 1, 2))
             record(f"{label} fwd+bwd", name, lambda g=grad, a=a: mx.eval(g(*a)))
+    q, k, v = (mx.random.normal((4, 8, 128, 64)) for _ in range(3))
+    sdpa = mx.fast.scaled_dot_product_attention
+    attention = {"mlx f32": (sdpa, None), "fl bf16 today": (sdpa, mx.bfloat16),
+                 "native f32": (native.attention, None), "native bf16": (native.attention,
+                                                                        mx.bfloat16)}
+    for name, (fn, dtype) in attention.items():
+        if name.startswith("native") and not native.available():
+            continue
+        a = (q, k, v) if dtype is None else tuple(t.astype(dtype) for t in (q, k, v))
+        mx.eval(a)
+        label = "attention 4x8x128x64 causal"
+        record(f"{label} fwd", name, lambda f=fn, a=a: mx.eval(f(*a, scale=0.125,
+                                                                  mask="causal")))
+        grad = mx.grad(lambda q, k, v, f=fn: f(q, k, v, scale=0.125, mask="causal").astype(
+            mx.float32).sum(), argnums=(0, 1, 2))
+        record(f"{label} fwd+bwd", name, lambda g=grad, a=a: mx.eval(g(*a)))
     if not quick:
         for rows_, inner, out in CROSSOVER:
             xs, ws, bs = (mx.random.normal((rows_, inner)), mx.random.normal((out, inner)),
@@ -240,6 +258,8 @@ def torch_rows(python: str, reps: int, quick: bool) -> tuple[dict, str]:
 # ---------------------------------------------------------------------------------- table
 
 def flops(row: str) -> float | None:
+    if row.startswith("attention"):
+        return 2.0 * 2 * 4 * 8 * 128 * 128 * 64 * (3 if "bwd" in row else 1)
     if row.startswith("conv"):
         parts = row.split()
         n, size, _ = (int(v) for v in parts[1].split("x"))
