@@ -530,6 +530,12 @@ def test_bfloat16_on_avx2_runs_in_float32_kernels():
         assert gc.dtype == mx.bfloat16
         mx.eval(c, gc)
         mx.eval(s)
+        q = x.reshape(1, 1, 9, 40)
+        att = native.attention(q, q, q, mask="causal")
+        ct = native.conv_transpose(x.reshape(1, 9, 40, 1), w.reshape(12, 1, 40, 1)[:2, :, :3],
+                                   stride=2)
+        assert att.dtype == ct.dtype == mx.bfloat16 and ct.shape == (1, 17, 81, 2)
+        mx.eval(att, ct)
         from fluxlike_native import _ext
         impls = [name for name, _ in _ext.cache_impls() + _ext.conv_cache_impls()]
         assert impls and not any("bf16" in name or "512" in name for name in impls), impls
