@@ -10,9 +10,11 @@ and a wider one), forward and forward+backward (gradients of input, weights, bia
 attention at the transformer LM's shape (batch 4, 8 heads, context 128, head 64; ``fl bf16
 today`` is MLX's bfloat16 ``scaled_dot_product_attention``, what autocast leaves today); and
 the crossover (where the native kernel starts to pay) over smaller
-linear layers. Each time is the fastest of ``--reps`` calls after two warm-up calls (the
-machines are shared: the minimum is the steadiest estimate); ratios are to MLX float32 on
-the same row. Peak memory is ``mx.get_peak_memory()`` over the timed calls.
+linear layers. Each time is the fastest of ``--reps`` calls after two warm-up calls, the
+variants of a row called in turn (round robin), so that the machine's load falls on all
+alike (the machines are shared: the minimum is the steadiest estimate); ratios are to MLX
+float32 on the same row. PyTorch runs afterwards, in its own process. Peak memory is
+``mx.get_peak_memory()`` over one call.
 
 Variants: ``mlx f32`` hand-written MLX (``mx.addmm``) in float32, on the OpenBLAS fluxlike
 puts under MLX; ``fl bf16 today`` fluxlike's current CPU bfloat16 path (``precision.ops.
@@ -45,17 +47,24 @@ CROSSOVER = [(8, 64, 64), (32, 128, 128), (64, 256, 256), (128, 256, 512), (128,
              (256, 1024, 1024), (512, 2048, 2048)]
 
 
-def timeit(fn, reps: int) -> tuple[float, float]:
-    """(median seconds per call, peak bytes) of ``fn`` (which evaluates its result)."""
-    fn()
-    fn()
-    mx.reset_peak_memory()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def measure(fns: dict, reps: int) -> dict[str, tuple[float, float]]:
+    """(fastest seconds per call, peak bytes of one call) of each of ``fns``, timed round
+    robin (one call of each in turn, ``reps`` rounds) so that the machine's load at any
+    moment falls on all of them alike."""
+    peaks = {}
+    for name, fn in fns.items():
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times), mx.get_peak_memory()
+        fn()
+        mx.reset_peak_memory()
+        fn()
+        peaks[name] = mx.get_peak_memory()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: (best[name], peaks[name]) for name in fns}
 
 
 # ------------------------------------------------------------------------------- MLX side
@@ -122,11 +131,12 @@ def mlx_rows(reps: int, quick: bool) -> dict[str, dict[str, tuple[float, float]]
     y = mx.random.normal((BATCH, WIDTH))
     mx.eval(params, x, y)
     rows: dict[str, dict[str, tuple[float, float]]] = {}
+    pending: dict[str, dict] = {}
     variants = {k: v for k, v in KERNELS.items()
                 if native.available() or not k.startswith("native")}
 
-    def record(row, name, fn):
-        rows.setdefault(row, {})[name] = timeit(fn, reps)
+    def record(row, name, fn):  # measured below, row by row, all variants round robin
+        pending.setdefault(row, {})[name] = fn
 
     w, b = params[0]
     for name, (kernel, dtype) in variants.items():
@@ -180,9 +190,10 @@ def mlx_rows(reps: int, quick: bool) -> dict[str, dict[str, tuple[float, float]]
                 a = (xs, ws, bs) if dtype is None else tuple(t.astype(dtype)
                                                              for t in (xs, ws, bs))
                 mx.eval(a)
-                n = max(reps, min(50, int(2e9 / (2 * rows_ * inner * out))))
-                rows.setdefault(label, {})[name] = timeit(
-                    lambda k=kernel, a=a: mx.eval(k(*a, True)), n)
+                record(label, name, lambda k=kernel, a=a: mx.eval(k(*a, True)))
+    for row, fns in pending.items():
+        calls = reps if not row.startswith("crossover") else max(reps, 30)
+        rows[row] = measure(fns, calls)
     return rows
 
 
@@ -294,7 +305,7 @@ def table(rows: dict) -> None:
         f = flops(row)
         print(f"{row:30s}" + "".join(
             f"{f / cols[n][0] / 1e9:15.0f}" if n in cols else " " * 15 for n in names))
-    print("\npeak memory, MiB (mx.get_peak_memory over the timed calls; MLX variants only)")
+    print("\npeak memory, MiB (mx.get_peak_memory over one call; MLX variants only)")
     print(head)
     for row, cols in rows.items():
         if row.startswith("crossover"):
