@@ -175,26 +175,29 @@ def _check_arrays(name: str, **arrays: mx.array | None) -> None:
                             f"{type(value).__name__}")
 
 
-def _relu_functions() -> tuple[Callable, ...]:
-    import mlx.nn
-
-    from . import activations
-    return (activations.relu, mlx.nn.relu)
-
-
 def _split_act(act: str | Callable | None) -> tuple[bool, Callable | None]:
-    """``(fuse a ReLU, activation applied afterwards)`` for ``act``."""
-    if act is None or act == "identity":
+    """``(fuse a ReLU, activation applied afterwards)`` for ``act``: fluxlike's ``identity``
+    and ``relu`` say what they are (their ``_commutes_with_rounding`` mark), as ``mlx.nn``'s
+    ``relu`` does by being it."""
+    if act is None or (isinstance(act, str) and act == "identity"):
         return False, None
-    if act == "relu" or act in _relu_functions():
-        return True, None
     if isinstance(act, str):
+        if act == "relu":
+            return True, None
         raise ValueError(f"fluxlike.native.linear: act must be None, 'relu' or a function, "
                          f"got {act!r}")
-    from . import activations
-    if act is activations.identity:
+    mark = getattr(act, "_commutes_with_rounding", None)
+    if mark == "identity":
         return False, None
+    if mark == "relu" or act is _nn_relu():
+        return True, None
     return False, act
+
+
+def _nn_relu() -> Callable:
+    import mlx.nn
+
+    return mlx.nn.relu
 
 
 def linear(
