@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from .. import workarounds
 from . import castcache
 from .state import CASTABLE, HALF, PLAIN, Context, context, device_index
 
@@ -237,11 +238,9 @@ def _kept_cpu_half(state: Context, x: mx.array, weight: mx.array, bias: mx.array
 
 
 def _affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
-    """``x @ weight.T + bias``: one ``addmm``, except in a shapeless trace, whose replay at
-    a smaller batch crashes in MLX 0.32's ``addmm`` (even for a bare ``nn.Linear``)."""
-    if context.get().shapeless:
-        return x @ weight.T + bias
-    return mx.addmm(bias, x, weight.T)
+    """``x @ weight.T + bias`` (:func:`fluxlike.workarounds.affine`: not ``addmm`` in a
+    shapeless trace)."""
+    return workarounds.affine(x, weight, bias, context.get().shapeless)
 
 
 # MLX differentiates ``x @ weight.T`` into a column-major (transposed) weight gradient, and
