@@ -198,7 +198,8 @@ def _keep_step_buffers(nbytes: int) -> None:
     it is MLX's default or the value this function set; never lower it, never override a
     limit the user chose. Without this a step whose arrays exceed the default 32 MiB hands
     them back to the C allocator, which returns them to the OS, and the next step takes them
-    again as fresh pages (page faults: about 15% of a 17M-parameter MLP's step)."""
+    again as fresh pages (page faults, a sizeable part of a large MLP's step: see
+    ``bench/README.md``)."""
     if mx.default_device() != mx.cpu:
         return
     current = mx.set_cache_limit(sys.maxsize)  # reads the limit (and restores it below)
