@@ -90,7 +90,7 @@ def test_canary_mlx_still_aborts_at_exit_after_compiled_calls_in_threads():
     if any(_aborted(_PLAIN_MLX) for _ in range(12)):
         return
     raise AssertionError(
-        f"{fixed('wait_for_exiting_threads')} (and its README note): 12 runs of the plain-MLX "
+        f"{fixed('wait_for_exiting_threads')}: 12 runs of the plain-MLX "
         f"reproducer of ml-explore/mlx#3126 (threads calling an mx.compile-d function, then "
         f"exit) all exited cleanly")
 
