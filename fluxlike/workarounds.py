@@ -112,9 +112,11 @@ def affine(x: mx.array, weight: mx.array, bias: mx.array, shapeless: bool) -> mx
     an add.
 
     MLX 0.32.4: an ``mx.compile(..., shapeless=True)`` trace of ``addmm`` replayed at a
-    smaller batch than it was traced at writes past its output (heap corruption, then an
-    abort: ``corrupted size vs. prev_size``), even for a bare ``nn.Linear``. ``x @ weight.T +
-    bias`` replays correctly at any batch."""
+    smaller batch than it was traced at corrupts the heap (glibc then aborts the process:
+    ``free(): invalid pointer``, ``corrupted size vs. prev_size``), even for a bare
+    ``nn.Linear``; the values it returns are right. ``AddMM``'s shape inference for shapeless
+    traces came with ml-explore/mlx#3262; no report of this crash was found upstream.
+    ``x @ weight.T + bias`` replays correctly at any batch."""
     if shapeless:
         return x @ weight.T + bias
     return mx.addmm(bias, x, weight.T)
