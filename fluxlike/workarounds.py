@@ -30,6 +30,12 @@ here with their canaries all the same:
   entry raises ``[safetensor] unsupported dtype F64``. ``fluxlike/checkpoint.py`` reads
   safetensors files itself (``_read``; it also does so to read the file whole and to name
   every fault), so other writers' float64 entries load.
+- **No ``sum_scatter`` in the ring backend** (MLX 0.32.4): ``mx.distributed.sum_scatter``
+  on a ring group of two or more raises ``[ring] sum_scatter not supported``, and
+  ``fully_shard``'s backward needs it. ``fluxlike/distributed.py`` (``fit_backend``) gives
+  such modules a backward that reduces with ``all_sum`` instead. Its canary needs a
+  two-process ring launch, so it lives with the other two-process checks
+  (``tests/test_distributed.py``, ``test_ring_still_lacks_sum_scatter``).
 - **A reference BLAS under the Linux wheel** (``mlx[cpu]`` 0.32.4): MLX's CPU matmul calls a
   bundled netlib BLAS; ``fluxlike/_blas.py`` points it at an optimised one (figures in
   ``bench/README.md``).
