@@ -2,7 +2,7 @@
 kept with a canary in ``tests/test_workarounds.py``: a test that passes while MLX still
 misbehaves and fails, saying which workaround to remove, once MLX is fixed.
 
-This module imports only MLX, numpy and the standard library: it sits below every other
+This module imports only MLX and the standard library: it sits below every other
 module of the package (layers -> precision -> workarounds -> MLX), so any of them may call it.
 
 The functions below replace an MLX call at the place it misbehaves. Some limitations are
