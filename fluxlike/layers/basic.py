@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import workarounds
 from ..activations import identity, resolve
 from ..checks import check_features, check_flag, check_size, index_range, initialise, is_int
 from ..init import glorot_uniform
@@ -515,9 +516,7 @@ class Embedding(Layer):
         vocab = weight.shape[0]
         bounds = index_range(x)
         if bounds is None:  # traced (or empty): nothing to read back, mask instead
-            valid = (x >= 0) & (x < vocab)
-            rows = weight[mx.where(valid, x, 0)]
-            return mx.where(valid[..., None], rows, mx.array(float("nan"), rows.dtype))
+            return workarounds.take_rows(weight, x)
         if bounds[0] < 0 or bounds[1] >= vocab:
             raise ValueError(
                 f"[Embedding] indices must lie in [0, {vocab}), "

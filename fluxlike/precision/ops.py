@@ -13,7 +13,7 @@ themselves. A float64 layer is never cast. Weight casts are kept across calls ou
 differentiation (:mod:`.castcache`).
 
 Half precision on the CPU: MLX's CPU float16/bfloat16 GEMM and convolution gradients are
-scalar loops, 5-50x slower than float32 on an optimised BLAS. When the default device is the
+scalar loops, far slower than float32 on an optimised BLAS. When the default device is the
 CPU and the operands are float16 or bfloat16 (all of one dtype), each kernel here keeps the
 numerics of half precision - operands already rounded to the half dtype, float32
 accumulation, the result rounded to the half dtype - but runs the arithmetic in float32
@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from .. import native
+from .. import native, workarounds
 from . import castcache
 from .state import CASTABLE, HALF, PLAIN, Context, context, device_index
 
@@ -268,16 +268,14 @@ def _kept_cpu_half(state: Context, x: mx.array, weight: mx.array, bias: mx.array
 
 
 def _affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
-    """``x @ weight.T + bias``: one ``addmm``, except in a shapeless trace, whose replay at
-    a smaller batch crashes in MLX 0.32's ``addmm`` (even for a bare ``nn.Linear``)."""
-    if context.get().shapeless:
-        return x @ weight.T + bias
-    return mx.addmm(bias, x, weight.T)
+    """``x @ weight.T + bias`` (:func:`fluxlike.workarounds.affine`: not ``addmm`` in a
+    shapeless trace)."""
+    return workarounds.affine(x, weight, bias, context.get().shapeless)
 
 
 # MLX differentiates ``x @ weight.T`` into a column-major (transposed) weight gradient, and
-# every optimiser op then walks it against the parameter's layout: Adam on a 2048 x 2048
-# MLP took 2.5-3.5x longer than on row-major gradients. While fluxlike differentiates, the
+# every optimiser op then walks it against the parameter's layout, several times slower than
+# on row-major gradients (bench/README.md). While fluxlike differentiates, the
 # linear kernels therefore use a backward pass that forms ``dy.T @ x`` (row-major) directly.
 def _linear_grads(x: mx.array, weight: mx.array, dy: mx.array) -> tuple[mx.array, mx.array]:
     features = x.shape[-1]
@@ -552,7 +550,7 @@ def _in_float32(
         upcast = [a.astype(mx.float32) for a in mx.depends(list(operands), [cotangent])]
         cotangent32 = cotangent.astype(mx.float32)
         if act is not None:  # relu'(y) is y > 0, and y > 0 exactly where its rounding is
-            # (a product, not mx.where: MLX's CPU where is ~5x slower)
+            # (a product, not mx.where, which is slower on the CPU: bench/README.md)
             cotangent32 = cotangent32 * (output > 0)
         grads = _kernel_vjp(name, kernel, upcast, cotangent32)
         grads = [g.astype(a.dtype) for g, a in zip(grads, operands, strict=True)]
