@@ -1,13 +1,13 @@
 """An optimised BLAS under MLX on Linux.
 
-The Linux ``mlx-cpu`` wheel links a bundled *reference* BLAS and LAPACK (netlib, ~8 GFLOP/s
-sgemm). At ``import fluxlike`` an optimised BLAS is opened privately (``RTLD_LOCAL``) and
-``libmlx.so``'s calls into BLAS and LAPACK are pointed at it: every slot of ``libmlx.so``'s
-global offset table for a BLAS or LAPACK routine (``cblas_sgemm``, ``sgetrf_``, ...) that the
-library defines itself gets that library's function (~200-250 GFLOP/s with OpenBLAS on two
-cores). Nothing else in
-the process sees the library, so a torch (or anything) loaded later keeps its own BLAS, and
-it works whether ``mlx.core`` was imported before fluxlike or after.
+The Linux ``mlx-cpu`` wheel links a bundled *reference* BLAS and LAPACK (netlib, far slower
+than an optimised one: figures in ``bench/README.md``). At ``import fluxlike`` an optimised
+BLAS is opened privately (``RTLD_LOCAL``) and ``libmlx.so``'s calls into BLAS and LAPACK are
+pointed at it: every slot of ``libmlx.so``'s global offset table for a BLAS or LAPACK routine
+(``cblas_sgemm``, ``sgetrf_``, ...) that the library defines itself gets that library's
+function. Nothing else in the process sees the library, so a torch (or anything) loaded
+later keeps its own BLAS, and it works whether ``mlx.core`` was imported before fluxlike or
+after.
 
 ``FLUXLIKE_BLAS`` chooses: a path to a library (used instead of the search), or ``0``/``off``/
 ``none`` to leave MLX's BLAS alone. Otherwise the search tries Debian's OpenBLAS

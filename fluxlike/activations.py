@@ -20,6 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import workarounds
 from .precision.ops import commutes_with_rounding
 from .precision.state import HALF, current_dtype
 
@@ -60,8 +61,7 @@ def leakyrelu(x: mx.array, a: float = 0.01) -> mx.array:
     >>> leakyrelu(mx.ones(2, dtype=mx.bfloat16)).dtype
     mlx.core.bfloat16
     """
-    # not nn.leaky_relu: its max(a * x, x) is wrong for a > 1
-    return mx.where(x > 0, x, a * x)
+    return workarounds.leaky_relu(x, a)  # not nn.leaky_relu: wrong for a > 1
 
 
 def elu(x: mx.array, alpha: float = 1.0) -> mx.array:
@@ -74,11 +74,7 @@ def elu(x: mx.array, alpha: float = 1.0) -> mx.array:
     >>> elu(mx.ones(2, dtype=mx.float16), alpha=2.0).dtype
     mlx.core.float16
     """
-    # not nn.elu: exp of a large positive x overflows (above ~11 in float16) in the branch
-    # where() discards, and its gradient there is 0 * inf = NaN. minimum(0, x), not
-    # minimum(x, 0): MLX gives a tie's gradient to the second operand, and the slope at
-    # x == 0 must be alpha (as in PyTorch, Flux and nn.elu).
-    return mx.where(x > 0, x, alpha * mx.expm1(mx.minimum(0, x)))
+    return workarounds.elu(x, alpha)  # not nn.elu: NaN gradients for large x
 
 
 def gelu(x: mx.array) -> mx.array:

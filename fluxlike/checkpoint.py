@@ -337,7 +337,8 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
     return model
 
 
-# safetensors' dtype names; MLX's own reader refuses F64, so fluxlike reads the files itself
+# safetensors' dtype names; MLX's own reader refuses F64 (see fluxlike.workarounds), one
+# reason why fluxlike reads the files itself
 _DTYPES = {
     "BOOL": (np.bool_, mx.bool_), "U8": (np.uint8, mx.uint8), "I8": (np.int8, mx.int8),
     "U16": (np.uint16, mx.uint16), "I16": (np.int16, mx.int16),

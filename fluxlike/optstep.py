@@ -87,7 +87,8 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
     """Give ``optimizer`` state for every parameter of ``params`` (in the structure of the
     gradients) that has none: parameters frozen at ``setup`` and thawed since. An optimiser
     never initialised gets MLX's ``init``; otherwise only the missing entries are made, in
-    place (MLX's ``init`` cannot extend a list it has only part of)."""
+    place (MLX's ``init`` raises on a parameter list shorter than the state's, and replaces
+    the lists it extends: see :mod:`fluxlike.workarounds`)."""
     inner = getattr(optimizer, "inner", None)  # fluxlike's OptimiserChain
     if isinstance(inner, optim.Optimizer):
         init_missing(inner, params)
@@ -200,7 +201,8 @@ def _keep_step_buffers(nbytes: int) -> None:
     it is MLX's default or the value this function set; never lower it, never override a
     limit the user chose. Without this a step whose arrays exceed the default 32 MiB hands
     them back to the C allocator, which returns them to the OS, and the next step takes them
-    again as fresh pages (page faults: about 15% of a 17M-parameter MLP's step)."""
+    again as fresh pages (page faults, a sizeable part of a large MLP's step: see
+    ``bench/README.md``)."""
     if mx.default_device() != mx.cpu:
         return
     current = mx.set_cache_limit(sys.maxsize)  # reads the limit (and restores it below)
@@ -269,7 +271,8 @@ class Compiled:
             try:
                 new_params = fn(grads, params)
             except BaseException as e:
-                # MLX leaves its tracers in the captured state when the traced function raises.
+                # MLX leaves its tracers in the captured state when the traced function
+                # raises (see fluxlike.workarounds).
                 rollback(model, params, captured, before)
                 if not isinstance(e, Exception):
                     raise

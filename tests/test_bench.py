@@ -127,3 +127,17 @@ def test_jit_rebuild_reports_each_kernel_and_variant():
     for variant in ("f32", "f32 compiled", "autocast"):
         cells = rows[variant]
         assert len(cells) == 4 and float(cells[1]) > 0 and float(cells[2]) > 0
+
+
+def test_an_autocast_call_runs_little_python():
+    """bench/calls.py's count (deterministic, not a timing): the warm autocast call of
+    Chain(Dense, LayerNorm, Dense), the `with` included, makes at most 50 Python calls in
+    fluxlike and mlx with at most 20 switches between files; the plain call at most 24 and 8."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "calls.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split(" | ")[0]: [int(v) for v in line.split(" | ")[1:]]
+            for line in done.stdout.splitlines() if line.startswith(("autocast |", "plain |"))}
+    assert rows["autocast"][0] <= 50 and rows["autocast"][1] <= 20, rows
+    assert rows["plain"][0] <= 24 and rows["plain"][1] <= 8, rows
+    assert "fluxlike/precision/ops.py: linear" in done.stdout  # and the call path is printed

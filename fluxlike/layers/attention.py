@@ -113,14 +113,14 @@ class MultiHeadAttention(Layer):
         mask = self._check_mask(mask, (q.shape[0], self.nheads, q.shape[1], k.shape[1]))
         q, k, v = (self._heads(p(x)) for p, x in zip(projections, (q, k, v), strict=True))
         out, weights = self._attend(q, k, v, mask, return_weights)
-        batch, _, length, _ = out.shape
-        out = self["out_proj"](out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        batch, heads, length, size = out.shape
+        out = self["out_proj"](out.transpose(0, 2, 1, 3).reshape(batch, length, heads * size))
         return (out, cast(mx.array, weights)) if return_weights else out  # weights: asked for
 
     def _heads(self, x: mx.array) -> mx.array:
         """``(batch, L, dims)`` split into ``(batch, nheads, L, dims // nheads)``."""
-        batch, length, _ = x.shape
-        return x.reshape(batch, length, self.nheads, -1).transpose(0, 2, 1, 3)
+        batch, length, dims = x.shape  # (no -1: it cannot be inferred for an empty batch)
+        return x.reshape(batch, length, self.nheads, dims // self.nheads).transpose(0, 2, 1, 3)
 
     def _attend(
         self, q: mx.array, k: mx.array, v: mx.array, mask: Mask, return_weights: bool

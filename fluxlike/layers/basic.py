@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from .. import workarounds
 from ..activations import identity, resolve
 from ..checks import check_features, check_flag, check_size, index_range, initialise, is_int
 from ..init import glorot_uniform
@@ -183,7 +184,7 @@ class Dense(Layer):
         weight = self["weight"]  # item access: `self.weight` goes through a slow __getattr__
         try:
             return ops.linear(x, weight, self.get("bias"), self.act, "Dense")
-        except ValueError:  # MLX checks shapes eagerly; name the layer and the sizes
+        except (ValueError, IndexError):  # a shape MLX refused, or 0-d: name the layer and sizes
             in_dims = weight.shape[1]
             image = isinstance(x, mx.array) and x.ndim > 2 and math.prod(x.shape[1:]) == in_dims
             hint = "; flatten it first: flatten(x) or x.reshape(x.shape[0], -1)" if image else ""
@@ -515,9 +516,7 @@ class Embedding(Layer):
         vocab = weight.shape[0]
         bounds = index_range(x)
         if bounds is None:  # traced (or empty): nothing to read back, mask instead
-            valid = (x >= 0) & (x < vocab)
-            rows = weight[mx.where(valid, x, 0)]
-            return mx.where(valid[..., None], rows, mx.array(float("nan"), rows.dtype))
+            return workarounds.take_rows(weight, x)
         if bounds[0] < 0 or bounds[1] >= vocab:
             raise ValueError(
                 f"[Embedding] indices must lie in [0, {vocab}), "

@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import workarounds
 from ..activations import identity, resolve
 from ..checks import (
     channels_first_hint,
@@ -172,21 +173,6 @@ def _options(layer: Any, extra: dict[str, str] | None = None) -> dict[str, str]:
     return options
 
 
-def _split(x: mx.array, groups: int) -> bool:
-    """Whether a convolution of ``x`` runs one call per group: MLX's convolutions accept
-    ``groups > 1`` only in 1-D and 2-D."""
-    return groups > 1 and x.ndim >= 5
-
-
-def _grouped(kernel: Callable, x: mx.array, weight: mx.array, *options: Any) -> mx.array:
-    """``kernel(x, weight, *options, groups)``, one call per group when :func:`_split`."""
-    groups = options[-1]
-    if not _split(x, groups):
-        return kernel(x, weight, *options)
-    parts = zip(mx.split(x, groups, axis=-1), mx.split(weight, groups, axis=0), strict=True)
-    return mx.concatenate([kernel(a, w, *options[:-1], 1) for a, w in parts], axis=-1)
-
-
 class _ConvBase(Layer):
     """What ``Conv`` and ``ConvTranspose`` share: checks, parameters and the repr.
 
@@ -300,8 +286,8 @@ class Conv(_ConvBase):
         x, weight, bias = ops.operands(x, weight, self.get("bias"), layer="Conv")
         lo, hi = zip(*padding, strict=True)
         options = (self["stride"], (lo, hi), dilation, self.groups)
-        if _split(x, self.groups):
-            return self._finish(_grouped(ops.conv, x, weight, *options), bias)
+        if workarounds.splits_groups(x, self.groups):
+            return self._finish(workarounds.grouped(ops.conv, x, weight, *options), bias)
         return ops.conv(x, weight, *options, bias, self.act)
 
     def signature(self) -> str:
@@ -400,20 +386,16 @@ class ConvTranspose(_ConvBase):
                 f"{tuple(x.shape)} to nothing (spatial size {size}); use less padding"
             )
         x, weight, bias = ops.operands(x, weight, self.get("bias"), layer="ConvTranspose")
-        # MLX pads symmetrically, and only up to dilation * (k - 1) (more, with stride > 1,
-        # shifts its output): pad by the smaller side within that, then crop the rest.
-        dims = zip(padding, self.kernel, self["dilation"], strict=True)
-        sym = tuple(min(lo, hi, d * (k - 1)) for (lo, hi), k, d in dims)
-        # MLX's output_padding beyond its padding gives a short input gradient (wrong, with no
-        # error): ask it for at most its padding; positions past its output are zeros, added
-        # below (before the bias and activation).
-        out_pad = tuple(min(op, p) for op, p in zip(self["output_padding"], sym, strict=True))
-        extra = [max(0, op - o - (hi - p)) for op, o, (_, hi), p
-                 in zip(self["output_padding"], out_pad, padding, sym, strict=True)]
+        # What MLX's conv_transpose computes correctly: a symmetric padding of at most
+        # dilation * (k - 1), cropped below, and an output padding of at most that, the rest
+        # appended as zeros (before the bias and activation).
+        sym = workarounds.conv_transpose_padding(padding, self.kernel, self["dilation"])
+        out_pad, extra = workarounds.conv_transpose_output_padding(
+            self["output_padding"], padding, sym)
         options = (self["stride"], sym, self["dilation"], out_pad, self.groups)
-        if _split(x, self.groups) or any(extra):
-            if _split(x, self.groups):
-                y = _grouped(ops.conv_transpose, x, weight, *options)
+        if workarounds.splits_groups(x, self.groups) or any(extra):
+            if workarounds.splits_groups(x, self.groups):
+                y = workarounds.grouped(ops.conv_transpose, x, weight, *options)
             else:
                 y = ops.conv_transpose(x, weight, *options)
             if any(extra):

@@ -29,6 +29,7 @@ from typing import Any, cast, overload
 
 import mlx.core as mx
 
+from .. import workarounds
 from ..activations import identity, resolve
 from ..checks import (
     channels_first_hint,
@@ -134,36 +135,6 @@ class _Norm(Layer):
         return _as(getattr(self, "act", identity)(y), out_dtype)
 
 
-class _Pinned(set[str]):
-    """A module's set of frozen names (``nn.Module._no_grad``) that always keeps ``pinned``.
-
-    ``nn.Module.unfreeze`` empties this set of every submodule directly (``clear``, or
-    ``difference_update`` for some keys), without calling the submodule's own ``unfreeze``: so
-    ``model.freeze(); model.unfreeze()`` on a model holding a BatchNorm would otherwise make its
-    running statistics trainable, and every gradient step would then put them back.
-    """
-
-    def __init__(self, pinned: list[str]):
-        super().__init__(pinned)
-        self.pinned = frozenset(pinned)
-
-    def clear(self) -> None:
-        super().clear()
-        self.update(self.pinned)
-
-    def difference_update(self, *others: Any) -> None:
-        super().difference_update(*others)
-        self.update(self.pinned)
-
-    def discard(self, name: object) -> None:
-        if name not in self.pinned:
-            super().discard(name)
-
-    def remove(self, name: str) -> None:
-        if name not in self.pinned:
-            super().remove(name)
-
-
 class _RunningNorm(_Norm):
     """BatchNorm and InstanceNorm: optional running statistics, frozen, updated when active."""
 
@@ -186,7 +157,7 @@ class _RunningNorm(_Norm):
         self.running_var = mx.ones((channels,)) if track_stats else None
         if track_stats:
             # In parameters() (so checkpoints keep them) but never trained, whatever unfreezes.
-            self._no_grad = _Pinned(self._STATS)
+            self._no_grad = workarounds.always_frozen(self._STATS)
 
     def _normalise(self, x: mx.array, axes: tuple[int, ...], name: str) -> mx.array:
         """Normalise over ``axes`` with the input's statistics or the running ones; the running
@@ -413,7 +384,7 @@ class _LastAxesNorm(_Norm):
         if len(dims) > 1:  # flatten the normalised axes into one
             y = y.reshape(*x.shape[: x.ndim - len(dims)], -1)
             weight, bias = (None if p is None else p.reshape(-1) for p in (weight, bias))
-        if dtype == mx.float64:  # the mx.fast kernels compute in float32 internally
+        if not workarounds.fast_kernels_exact(dtype):  # float64: computed in float32
             return self._finish(self._exact(y).reshape(x.shape), dtype, x.dtype)
         y = self._fast(y, _as(weight, dtype), _as(bias, dtype))
         return _as(y.reshape(x.shape), x.dtype)

@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import workarounds
 from ..precision.state import HALF
 from .base import Layer
 from .conv import (
@@ -31,15 +32,6 @@ from .conv import (
     same_padding,
     short,
 )
-
-
-def _mean(x: mx.array, axis: int | tuple[int, ...], keepdims: bool = False) -> mx.array:
-    """``mx.mean``, accumulating half precision in float32 and returning the input dtype."""
-    if x.dtype in HALF:
-        # MLX rounds the sum to the input dtype before dividing: a float16 sum overflows
-        # above 65504, a bfloat16 one loses digits.
-        return mx.mean(x.astype(mx.float32), axis=axis, keepdims=keepdims).astype(x.dtype)
-    return mx.mean(x, axis=axis, keepdims=keepdims)
 
 
 def check_nonempty(x: mx.array, layer: str) -> None:
@@ -176,8 +168,9 @@ class MeanPool(_WindowPool):
 
     def __call__(self, x: mx.array) -> mx.array:
         half = isinstance(x, mx.array) and x.dtype in HALF
-        # Sum half precision in float32 (see _mean); upcast before windowing, as overlapping
-        # windows are a view of the input but a copy of any result computed from them.
+        # Sum half precision in float32 (see workarounds.mean); upcast before windowing, as
+        # overlapping windows are a view of the input but a copy of any result computed
+        # from them.
         y = mx.mean(self._windows(x.astype(mx.float32) if half else x), axis=self._axes())
         return y.astype(x.dtype) if half else y
 
@@ -232,7 +225,7 @@ class GlobalMeanPool(_GlobalPool):
     array([[[[3, 4]]]], dtype=float32)
     """
 
-    reduce = _mean
+    reduce = workarounds.mean  # mx.mean, summing half precision in float32
 
 
 class AdaptiveMeanPool(Layer):
@@ -262,7 +255,7 @@ class AdaptiveMeanPool(Layer):
         check_input(x, len(out_size), "AdaptiveMeanPool", "pool")
         check_nonempty(x, "AdaptiveMeanPool")
         half = x.dtype if x.dtype in HALF else None
-        if half is not None:  # sum in float32 (see _mean), and stay in it between the axes
+        if half is not None:  # sum in float32 (workarounds.mean), stay in it between axes
             x = x.astype(mx.float32)
         # A box mean is a mean along each axis in turn (the weights factorise).
         for axis, (n, m) in enumerate(zip(x.shape[1:-1], out_size, strict=True), start=1):

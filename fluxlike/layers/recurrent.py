@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import workarounds
 from ..activations import resolve, tanh
 from ..checks import check_features, check_flag, check_size, checked_init, initialise
 from ..init import glorot_uniform
@@ -23,12 +24,6 @@ from .base import Layer, act_name, signature_of
 
 State = mx.array | tuple[mx.array, mx.array]
 Init = Callable[[tuple[int, ...]], mx.array]
-
-
-def _sigmoid(x: mx.array) -> mx.array:
-    """``mx.sigmoid``, or for float64 the same function through ``tanh``: MLX's CPU ``exp``
-    (and so its sigmoid) is only float32-accurate in float64, ``tanh`` is exact."""
-    return 0.5 + 0.5 * mx.tanh(0.5 * x) if x.dtype == mx.float64 else mx.sigmoid(x)
 
 
 class _Cell(Layer):
@@ -194,8 +189,8 @@ class LSTMCell(_Cell):
     def step(self, xp: mx.array, state: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
         h, c = state
         i, f, g, o = mx.split(xp + self.recur(h), 4, axis=-1)
-        c = _sigmoid(f) * c + _sigmoid(i) * mx.tanh(g)
-        return _sigmoid(o) * mx.tanh(c), c
+        c = workarounds.sigmoid(f) * c + workarounds.sigmoid(i) * mx.tanh(g)
+        return workarounds.sigmoid(o) * mx.tanh(c), c
 
     def output(self, state: tuple[mx.array, mx.array]) -> mx.array:
         return state[0]
@@ -254,8 +249,8 @@ class GRUCell(_Cell):
     def step(self, xp: mx.array, h: mx.array) -> mx.array:
         xr, xz, xn = mx.split(xp, 3, axis=-1)
         hr, hz, hn = mx.split(self.recur(h), 3, axis=-1)
-        r = _sigmoid(xr + hr)
-        z = _sigmoid(xz + hz)
+        r = workarounds.sigmoid(xr + hr)
+        z = workarounds.sigmoid(xz + hz)
         n = mx.tanh(xn + r * hn)
         return n + z * (h - n)
 

@@ -3,10 +3,9 @@ one place its dtypes are decided (float32 softmax; CPU half precision in float32
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
+from .. import workarounds
 from . import ops
 from .state import HALF
 
@@ -33,7 +32,8 @@ def attend(
     >>> out.shape, out.dtype, weights.shape
     ((1, 2, 3, 4), mlx.core.bfloat16, (1, 2, 3, 3))
     """
-    if not (dropout or return_weights or q.dtype == mx.float64 or ops.emulates(q, k, v)):
+    fused = workarounds.fast_kernels_exact(q.dtype) and not (dropout or return_weights)
+    if fused and not ops.emulates(q, k, v):
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             mask = _finite(mask.astype(q.dtype))  # sdpa wants the scores' dtype
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
@@ -48,7 +48,7 @@ def attend(
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     elif mask is not None:
         scores = _finite(scores + mask.astype(scores.dtype))
-    weights = _softmax(scores)
+    weights = workarounds.softmax(scores)  # exact in float64 too
     if dropout:
         keep = mx.random.bernoulli(1 - dropout, weights.shape)
         weights = mx.where(keep, weights / (1 - dropout), mx.zeros_like(weights))
@@ -62,12 +62,3 @@ def _finite(x: mx.array) -> mx.array:
     gradient of the batch); with ``-inf`` it averages, as a boolean mask does. A float32 mask
     of ``-1e9`` is ``-inf`` once autocast has cast it to float16."""
     return mx.maximum(x, mx.array(mx.finfo(x.dtype).min, x.dtype))
-
-
-def _softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis. In float64 ``exp`` is ``power(e, .)``: MLX's CPU ``exp``
-    is only float32-accurate in float64, its ``power`` is exact."""
-    if scores.dtype != mx.float64:
-        return mx.softmax(scores, axis=-1, precise=True)
-    e = mx.power(math.e, scores - mx.stop_gradient(mx.max(scores, axis=-1, keepdims=True)))
-    return e / mx.sum(e, axis=-1, keepdims=True)

@@ -13,10 +13,12 @@ is made once and reused for as long as its source array is alive and not replace
   float32 upcast of it.
 - Each thread has entries of its own: a cast not evaluated yet belongs to the stream of the
   thread that made it, and another thread cannot evaluate it.
-- Nothing is cached while fluxlike differentiates (:func:`~fluxlike.gradient`,
-  :func:`~fluxlike.train`): parameters are new arrays on every step there, and the casts
-  must stay in the graph. Under ``mx.grad``/``mx.compile`` the parameters are tracers, new
-  arrays per trace, so they miss and their entries go with them.
+- While fluxlike differentiates (:func:`~fluxlike.gradient`, :func:`~fluxlike.train`) and
+  under ``mx.grad``/``mx.compile`` the parameters are the transformation's arrays, new at
+  every step or trace: their casts serve that step only (a layer applied several times, a
+  recurrent layer's time steps) and go with them. The float32 values of the half casts
+  (:func:`reused`, :func:`rounded_upcast`) are never kept for them: computed as constants, they
+  would hold float32 copies for the backward pass.
 - MLX arrays are values, but ``w[i] = v`` and ``w += v`` rewrite an array in place, under
   the same identity; the cache cannot see that. Assign a new array instead (``layer.weight
   = layer.weight + v``, as ``Module.update`` and the optimisers do) or call
@@ -66,8 +68,10 @@ def _forget(table: dict, key: int) -> Callable[[weakref.ref], None]:
 
 
 def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
-    """``source.astype(dtype)``, the same array object on every call while ``source`` lives
-    (a fresh cast, in the graph, while fluxlike differentiates).
+    """``source.astype(dtype)``, the same array object on every call while ``source`` lives.
+    While fluxlike differentiates, the parameters are the transformation's own arrays, new at
+    every step: their casts are kept for that step (a recurrent layer's weights are cast once
+    per sequence, not at every time step) and go with them.
 
     >>> import mlx.core as mx
     >>> w = mx.ones((2, 2))
@@ -78,8 +82,6 @@ def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     """
     if source.dtype == dtype:
         return source
-    if context.get().differentiating:
-        return source.astype(dtype)
     table = _table()
     key = id(source)
     entry = table.get(key)

@@ -13,7 +13,7 @@ themselves. A float64 layer is never cast. Weight casts are kept across calls ou
 differentiation (:mod:`.castcache`).
 
 Half precision on the CPU: MLX's CPU float16/bfloat16 GEMM and convolution gradients are
-scalar loops, 5-50x slower than float32 on an optimised BLAS. When the default device is the
+scalar loops, far slower than float32 on an optimised BLAS. When the default device is the
 CPU and the operands are float16 or bfloat16 (all of one dtype), each kernel here keeps the
 numerics of half precision - operands already rounded to the half dtype, float32
 accumulation, the result rounded to the half dtype - but runs the arithmetic in float32
@@ -40,6 +40,7 @@ from typing import Any, cast, overload
 
 import mlx.core as mx
 
+from .. import native, workarounds
 from .._mlxtyping import custom_function
 from . import castcache
 from .state import CASTABLE, HALF, PLAIN, Context, context, device_index
@@ -47,6 +48,7 @@ from .state import CASTABLE, HALF, PLAIN, Context, context, device_index
 _warned_float64: set[str] = set()
 _HALF = frozenset(HALF)
 _F32 = mx.float32
+_BF16 = mx.bfloat16
 _state = context.get  # bound once: read on every call of every layer
 
 Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]
@@ -194,13 +196,17 @@ def linear(
     # The everyday float32 call first: one addmm, as little Python as can be.
     state = _state()
     if state is PLAIN and weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
-        y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
-        return y if act is None else act(y)
+        if weight.size < NATIVE_FLOAT32_WEIGHTS or not _native_cpu():
+            y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+            return y if act is None else act(y)
+        return native.linear(x, weight, bias, act)
     if not (state.differentiating or state.shapeless) and type(x) is mx.array:
         kept = _kept_cpu_half(state, x, weight, bias, act)  # repeated inference, CPU half
         if kept is not None:
             return kept
     x, weight, bias = operands(x, weight, bias, layer=layer)
+    if _native_takes(x, weight, bias):
+        return native.linear(x, weight, bias, act)
     # The row-major custom gradients cannot be traced shapeless (MLX cannot infer their
     # output shapes): there the plain ops are differentiated.
     row_major = state.differentiating and not state.shapeless
@@ -213,6 +219,27 @@ def linear(
     else:
         y = _row_major_affine(x, weight, bias) if row_major else _affine(x, weight, bias)
     return y if act is None else act(y)
+
+
+# oneDNN's float32 matmul beats MLX's (OpenBLAS) from about 2**17 multiply-adds; a weight of
+# that many entries makes every product of it at least that large (bench/native.py).
+NATIVE_FLOAT32_WEIGHTS = 2**17
+
+
+def _native_cpu() -> bool:
+    """Whether fluxlike's native kernels run here: the companion is in use (see
+    :func:`fluxlike.native.native_info`) and the default device is the CPU."""
+    return native.available() and mx.default_device().type is mx.cpu
+
+
+def _native_takes(x: mx.array, weight: mx.array, bias: mx.array | None) -> bool:
+    """Whether the native kernel computes this float32 linear (CPU, operands of one dtype, a
+    weight of ``NATIVE_FLOAT32_WEIGHTS`` entries or more), forward and backward. Half
+    precision under differentiation stays on the float32-kernel emulation, which keeps less
+    for the backward pass (bench/README.md); inference takes oneDNN's bfloat16 kernel in
+    :func:`_kept_cpu_half`."""
+    return (x.dtype == _F32 and weight.dtype == _F32 and (bias is None or bias.dtype == _F32)
+            and weight.size >= NATIVE_FLOAT32_WEIGHTS and _native_cpu())
 
 
 def _kept_cpu_half(state: Context, x: mx.array, weight: mx.array, bias: mx.array | None,
@@ -240,22 +267,24 @@ def _kept_cpu_half(state: Context, x: mx.array, weight: mx.array, bias: mx.array
     b32 = None if bias is None else castcache.rounded_upcast(bias, dtype)
     if w32 is None or (bias is not None and b32 is None):
         return None
-    x32 = (x.astype(dtype) if given == _F32 else x).astype(_F32)
+    xh = x.astype(dtype) if given == _F32 else x
+    if dtype == _BF16 and _native_cpu():  # oneDNN's bfloat16 kernel on the kept half casts
+        return native.linear(xh, castcache.cast(weight, dtype),
+                             None if bias is None else castcache.cast(bias, dtype), act)
+    x32 = xh.astype(_F32)
     y32 = x32 @ w32.T if b32 is None else mx.addmm(b32, x32, w32.T)
     return rounded(y32, dtype, act)
 
 
 def _affine(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
-    """``x @ weight.T + bias``: one ``addmm``, except in a shapeless trace, whose replay at
-    a smaller batch crashes in MLX 0.32's ``addmm`` (even for a bare ``nn.Linear``)."""
-    if context.get().shapeless:
-        return x @ weight.T + bias
-    return mx.addmm(bias, x, weight.T)
+    """``x @ weight.T + bias`` (:func:`fluxlike.workarounds.affine`: not ``addmm`` in a
+    shapeless trace)."""
+    return workarounds.affine(x, weight, bias, context.get().shapeless)
 
 
 # MLX differentiates ``x @ weight.T`` into a column-major (transposed) weight gradient, and
-# every optimiser op then walks it against the parameter's layout: Adam on a 2048 x 2048
-# MLP took 2.5-3.5x longer than on row-major gradients. While fluxlike differentiates, the
+# every optimiser op then walks it against the parameter's layout, several times slower than
+# on row-major gradients (bench/README.md). While fluxlike differentiates, the
 # linear kernels therefore use a backward pass that forms ``dy.T @ x`` (row-major) directly.
 def _linear_grads(dy: mx.array, x: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
     features = x.shape[-1]
@@ -531,7 +560,7 @@ def _in_float32(
         upcast = [a.astype(mx.float32) for a in mx.depends(list(operands), [cotangent])]
         cotangent32 = cotangent.astype(mx.float32)
         if act is not None:  # relu'(y) is y > 0, and y > 0 exactly where its rounding is
-            # (a product, not mx.where: MLX's CPU where is ~5x slower)
+            # (a product, not mx.where, which is slower on the CPU: bench/README.md)
             cotangent32 = cotangent32 * (output > 0)
         grads = _kernel_vjp(name, kernel, upcast, cotangent32)
         grads = [g.astype(a.dtype) for g, a in zip(grads, operands, strict=True)]

@@ -352,3 +352,16 @@ def test_active_keyword_like_dropout():
     with pytest.raises(ValueError, match=r"\[MultiHeadAttention\] active must be True, False "
                                          r"or None, got 'yes'"):
         MultiHeadAttention(8, 2, active="yes")
+
+
+@pytest.mark.parametrize("dtype", [None, mx.bfloat16])
+def test_an_empty_batch_gives_an_empty_result(dtype):
+    mha = MultiHeadAttention(8, 2)
+    x = mx.ones((0, 5, 8))
+    if dtype is None:
+        out, weights = mha(x, return_weights=True)
+        assert weights.shape == (0, 2, 5, 5)
+    else:
+        with fluxlike.autocast(dtype, device="cpu"):
+            out = mha(x, mask="causal")
+    assert out.shape == (0, 5, 8)

@@ -582,3 +582,14 @@ def test_only_named_layers_are_attributes():
     assert not hasattr(c, "enc")
     c.extra = Dense(2, 2)  # an ordinary new entry, as in mlx.nn
     assert sorted(c.keys()) == ["extra", "layers"]
+
+
+@pytest.mark.parametrize("dtype", [None, mx.bfloat16, mx.float16])
+def test_dense_refuses_a_0d_input_inside_and_outside_a_scope(dtype):
+    layer = Dense(3, 2)
+    with pytest.raises(ValueError, match=r"\[Dense\] expected input with 3 features"):
+        if dtype is None:
+            layer(mx.array(1.0))
+        else:
+            with autocast(dtype, device="cpu"):
+                layer(mx.array(1.0))

@@ -1,0 +1,494 @@
+"""Optional native kernels for the CPU: oneDNN matrix multiplication inside MLX's graph.
+
+The companion package ``fluxlike-native`` (built from ``native/`` by ``./dev setup`` on
+Linux x86-64) holds an MLX primitive whose CPU evaluation runs a cached oneDNN matmul on
+MLX's CPU stream, with bias and ReLU fused as oneDNN post-ops, ``vjp``/``jvp`` and
+``output_shapes`` (so ``mx.grad``, ``mx.jvp`` and ``mx.compile``, shapeless too, work). This
+module finds it, checks it, and decides how it is used; fluxlike works without it.
+
+- :func:`native_info` says whether the kernels are in use, and why (or why not).
+- :func:`linear` (``act(x @ w.T + bias)``, ``w`` of shape ``(out, in)`` as in ``Dense``),
+  :func:`matmul` (batched, transposed operands) and :func:`conv` (``mx.conv_general``'s
+  channels-last convolution, 1-3 spatial axes, with its two gradients as oneDNN primitives)
+  build the primitives; :func:`attention` is ``mx.fast.scaled_dot_product_attention`` made
+  of them (float32 scores and softmax, so no MLX half-precision kernel runs); :func:`pays`
+  says whether they beat today's kernels for a shape and dtype (measured; see
+  ``bench/native.py``).
+
+Numerics: float32 operands give float32 results (float32 accumulation, as ``mx.matmul``);
+bfloat16 operands give bfloat16 results (or float32 with ``out_dtype=mx.float32``)
+accumulated in float32, rounded once. On a CPU with AVX-512-BF16, bfloat16 runs in
+oneDNN's native bfloat16 kernels; without it (or with ``ONEDNN_MAX_CPU_ISA`` set below
+``AVX512_CORE_BF16``), bfloat16 operands are upcast and run in float32 kernels with the same
+numerics - decided once, when the first op is built, never inside ``mx.eval``.
+
+Environment: ``FLUXLIKE_NATIVE=0`` (or ``off``) leaves the kernels unused;
+``FLUXLIKE_NATIVE_BF16=float32`` runs bfloat16 in float32 kernels even where native ones
+exist. Both, like ``ONEDNN_MAX_CPU_ISA``, are read once, at the first use.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "conv",
+           "conv_transpose", "linear", "matmul", "native_info", "pays"]
+
+_DISABLED = ("0", "off", "no", "false", "none")
+
+
+class NativeUnavailable(RuntimeError):
+    """A native kernel was called where the native companion is not in use; the message
+    says why (see :func:`native_info`) and how to fix it."""
+
+
+@dataclass(frozen=True)
+class NativeInfo:
+    """What the native companion provides in this process.
+
+    ``available``: whether its kernels are in use; ``reason``: why, or why not, in words;
+    ``isa``: oneDNN's effective CPU ISA (``None`` when not loaded); ``bfloat16``: how
+    bfloat16 operands run - ``"native"`` (oneDNN's bfloat16 kernels), ``"float32 kernels"``
+    (upcast, bfloat16 numerics) or ``None``; ``mlx``: the running MLX version;
+    ``built_for``: the MLX version the companion was built against; ``onednn``: oneDNN's
+    version; ``path``: where the companion was found.
+    """
+
+    available: bool
+    reason: str
+    isa: str | None = None
+    bfloat16: str | None = None
+    mlx: str = mx.__version__  # type: ignore[attr-defined]  # not in MLX's stub
+    built_for: str | None = None
+    onednn: str | None = None
+    path: str | None = None
+
+
+_lock = threading.Lock()
+_info: NativeInfo | None = None
+_ext: ModuleType | None = None
+_bf16_native = False
+
+
+def native_info() -> NativeInfo:
+    """Whether the native kernels are in use, and why; the first call loads them.
+
+    >>> from fluxlike.native import native_info
+    >>> info = native_info()
+    >>> isinstance(info.available, bool) and bool(info.reason)
+    True
+    """
+    if _info is None:
+        _load()
+    assert _info is not None
+    return _info
+
+
+def available() -> bool:
+    """Whether the native kernels are in use (:func:`native_info`'s ``available``)."""
+    return (_info if _info is not None else native_info()).available
+
+
+def _load() -> None:
+    """Find, check and import the companion once (thread-safe); sets ``_info``."""
+    global _info, _ext, _bf16_native
+    with _lock:
+        if _info is not None:
+            return
+        info, ext, bf16 = _find()
+        _ext, _bf16_native = ext, bf16
+        _info = info
+
+
+def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
+    choice = os.environ.get("FLUXLIKE_NATIVE", "").strip().lower()
+    if choice in _DISABLED and choice:
+        return NativeInfo(False, f"disabled by FLUXLIKE_NATIVE={choice}"), None, False
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        return NativeInfo(False, f"no native kernels for {sys.platform} "
+                                 f"{platform.machine()} (Linux x86-64 only)"), None, False
+    try:
+        from fluxlike_native import _build  # pure Python: safe whatever MLX is installed
+    except ImportError as error:
+        return NativeInfo(False, f"fluxlike-native is not installed ({error}); on Linux "
+                                 f"x86-64, `./dev setup` builds it"), None, False
+    built_for = getattr(_build, "MLX_VERSION", None)
+    path = os.path.dirname(_build.__file__)
+    if built_for != mx.__version__:  # type: ignore[attr-defined]  # not in MLX's stub
+        return NativeInfo(
+            False, f"fluxlike-native at {path} was built for MLX {built_for}, this is MLX "
+                   f"{mx.__version__}: rebuild it (./dev setup, or pip install "  # type: ignore[attr-defined]  # not in MLX's stub
+                   f"--no-build-isolation ./native)", built_for=built_for, path=path,
+        ), None, False
+    try:
+        from fluxlike_native import _ext as ext
+    except ImportError as error:
+        return NativeInfo(False, f"fluxlike-native at {path} could not be loaded ({error}); "
+                                 f"reinstall it with ./dev setup", built_for=built_for,
+                          path=path), None, False
+    if ext.runtime_mlx_version() != mx.__version__ or ext.built_mlx_version != built_for:  # type: ignore[attr-defined]  # not in MLX's stub
+        return NativeInfo(False, f"fluxlike-native's module reports MLX "
+                                 f"{ext.built_mlx_version} (libmlx: "
+                                 f"{ext.runtime_mlx_version()}), expected {mx.__version__}: "  # type: ignore[attr-defined]  # not in MLX's stub
+                                 f"rebuild it", built_for=built_for, path=path), None, False
+    isa = ext.cpu_isa()
+    forced = os.environ.get("FLUXLIKE_NATIVE_BF16", "").strip().lower()
+    bf16 = ext.isa_has_bf16() and forced != "float32"
+    if bf16:
+        how, why = "native", f"oneDNN's bfloat16 kernels ({isa})"
+    elif forced == "float32":
+        how, why = "float32 kernels", "bfloat16 in float32 kernels (FLUXLIKE_NATIVE_BF16=float32)"
+    else:
+        how, why = "float32 kernels", (f"bfloat16 in float32 kernels: the CPU ISA {isa} has no "
+                                       f"AVX512_CORE_BF16")
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    limit = f", ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
+    reason = (f"oneDNN {ext.onednn_version()} matmul and convolution in use: float32 on "
+              f"{isa}{limit}; {why}")
+    return NativeInfo(True, reason, isa, how, mx.__version__, built_for,  # type: ignore[attr-defined]  # not in MLX's stub
+                      ext.onednn_version(), path), ext, bf16
+
+
+def _require(name: str) -> ModuleType:
+    if _ext is None:
+        info = native_info()
+        if _ext is None:
+            raise NativeUnavailable(
+                f"fluxlike.native.{name}: the native kernels are not in use: {info.reason}. "
+                f"Check fluxlike.native.available() first, or use MLX's kernels (mx.matmul)"
+            )
+    return _ext
+
+
+def _check_arrays(name: str, **arrays: mx.array | None) -> None:
+    for key, value in arrays.items():
+        if value is not None and not isinstance(value, mx.array):
+            raise TypeError(f"fluxlike.native.{name}: expected {key} to be an mx.array, got "
+                            f"{type(value).__name__}")
+
+
+def _split_act(act: str | Callable | None) -> tuple[bool, Callable | None]:
+    """``(fuse a ReLU, activation applied afterwards)`` for ``act``: fluxlike's ``identity``
+    and ``relu`` say what they are (their ``_commutes_with_rounding`` mark), as ``mlx.nn``'s
+    ``relu`` does by being it."""
+    if act is None or (isinstance(act, str) and act == "identity"):
+        return False, None
+    if isinstance(act, str):
+        if act == "relu":
+            return True, None
+        raise ValueError(f"fluxlike.native.linear: act must be None, 'relu' or a function, "
+                         f"got {act!r}")
+    mark = getattr(act, "_commutes_with_rounding", None)
+    if mark == "identity":
+        return False, None
+    if mark == "relu" or act is _nn_relu():
+        return True, None
+    return False, act
+
+
+def _nn_relu() -> Callable:
+    import mlx.nn
+
+    return mlx.nn.relu
+
+
+def linear(
+    x: mx.array,
+    w: mx.array,
+    bias: mx.array | None = None,
+    act: str | Callable[[mx.array], mx.array] | None = None,
+    *,
+    out_dtype: mx.Dtype | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """``act(x @ w.T + bias)`` in one oneDNN primitive, ``w`` of shape ``(out, in)``.
+
+    ``x``: ``(..., in)``, any leading axes; ``w``, ``x`` (and ``bias``, shape ``(out,)``,
+    also allowed float32 for bfloat16 operands) float32 or bfloat16, one dtype. ``act``:
+    ``None``, ``"relu"`` or fluxlike's/``mlx.nn``'s ``relu`` are fused into the kernel
+    (oneDNN post-op); any other function is applied to the result. The result is
+    ``(..., out)`` in the operands' dtype (or ``out_dtype=mx.float32``); its gradients with
+    respect to ``w`` are row-major, in ``w``'s dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     y = native.linear(mx.ones((2, 3), mx.bfloat16), mx.ones((4, 3), mx.bfloat16))
+    ...     assert y.shape == (2, 4) and y.dtype == mx.bfloat16
+    """
+    ext = _require("linear")
+    _check_arrays("linear", x=x, w=w, bias=bias)
+    fused, after = _split_act(act)
+    try:
+        y = ext.matmul(x, w, bias, trans_b=True, relu=fused, out_dtype=out_dtype,
+                       native_bf16=_bf16_native, stream=stream)
+    except ValueError as error:
+        raise ValueError(f"fluxlike.native.linear(x {x.shape} {x.dtype}, w {w.shape} "
+                         f"{w.dtype}): {error}") from None
+    return y if after is None else after(y)
+
+
+def matmul(
+    a: mx.array,
+    b: mx.array,
+    *,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    out_dtype: mx.Dtype | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """``op(a) @ op(b)`` in one oneDNN primitive, ``op`` transposing the last two axes where
+    asked (without a copy: the kernel reads the operand transposed).
+
+    ``b`` 2-D: ``a`` has any leading axes (a transposed ``a`` must be 2-D). ``b`` with batch
+    axes: ``a`` and ``b`` are broadcast against each other over them, as ``mx.matmul`` does
+    (e.g. attention's ``q @ k.T`` is ``matmul(q, k, transpose_b=True)`` on ``(B, H, L, D)``).
+    Dtypes and numerics as :func:`linear`; ``out_dtype=mx.float32`` keeps a bfloat16
+    product's float32 accumulation (e.g. for a float32 softmax).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     assert native.matmul(mx.ones((2, 5, 3)), mx.ones((3, 4))).shape == (2, 5, 4)
+    """
+    ext = _require("matmul")
+    _check_arrays("matmul", a=a, b=b)
+    batched = b.ndim > 2
+    if batched:
+        if a.ndim < 2:
+            raise ValueError(f"fluxlike.native.matmul: a must have 2 or more axes when b has "
+                             f"batch axes, got a {a.shape} and b {b.shape}")
+        if a.ndim < b.ndim:
+            a = a.reshape((1,) * (b.ndim - a.ndim) + a.shape)
+        elif b.ndim < a.ndim:
+            b = b.reshape((1,) * (a.ndim - b.ndim) + b.shape)
+    try:
+        return ext.matmul(a, b, None, trans_a=transpose_a, trans_b=transpose_b,
+                          out_dtype=out_dtype, batched=batched, native_bf16=_bf16_native,
+                          stream=stream)
+    except ValueError as error:
+        raise ValueError(f"fluxlike.native.matmul(a {a.shape} {a.dtype}, b {b.shape} "
+                         f"{b.dtype}): {error}") from None
+
+
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float | None = None,
+    mask: str | mx.array | None = None,
+) -> mx.array:
+    """``softmax(q @ k.T * scale + mask) @ v`` as ``mx.fast.scaled_dot_product_attention``
+    computes it, on the native matmul: ``q`` ``(B, H, L_q, D)``, ``k`` ``(B, H_kv, L_k, D)``,
+    ``v`` ``(B, H_kv, L_k, D_v)`` with ``H_kv`` dividing ``H`` (grouped queries); one dtype,
+    float32 or bfloat16.
+
+    The scores are accumulated and kept in float32 (bfloat16 operands give float32 scores),
+    the softmax runs in float32, and its probabilities are rounded to the operands' dtype for
+    the product with ``v``, whose result has that dtype: no MLX half-precision kernel runs.
+    ``mask``: ``None``, ``"causal"`` (aligned to the last key, as MLX's), a boolean array
+    (``True`` = attend) or an additive array, broadcastable to ``(B, H, L_q, L_k)``.
+    ``scale`` defaults to ``D ** -0.5``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     q = mx.ones((1, 2, 4, 8), mx.bfloat16)
+    ...     assert native.attention(q, q, q, mask="causal").dtype == mx.bfloat16
+    """
+    _require("attention")
+    _check_arrays("attention", q=q, k=k, v=v)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[1] % k.shape[1] or (
+            k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]):
+        raise ValueError(f"fluxlike.native.attention: expected q (B, H, L_q, D), k (B, H_kv, "
+                         f"L_k, D), v (B, H_kv, L_k, D_v) with H_kv dividing H, got q "
+                         f"{q.shape}, k {k.shape}, v {v.shape}")
+    batch, heads, lq, depth = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    scale = depth**-0.5 if scale is None else scale
+    if groups > 1:  # grouped queries: the keys broadcast over each group's heads
+        q = q.reshape(batch, kv_heads, groups, lq, depth)
+        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+    scores = matmul(q, k, transpose_b=True, out_dtype=mx.float32) * scale
+    if groups > 1:
+        scores = scores.reshape(batch, heads, lq, lk)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"fluxlike.native.attention: mask must be None, 'causal' or an "
+                             f"array, got {mask!r}")
+        rows = mx.arange(lq)[:, None] + (lk - lq)
+        scores = mx.where(mx.arange(lk)[None] <= rows, scores, -mx.inf)
+    elif mask is not None:
+        scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
+                  else scores + mask.astype(mx.float32))
+    probs = mx.softmax(scores, axis=-1).astype(q.dtype)
+    if groups > 1:
+        probs = probs.reshape(batch, kv_heads, groups, lq, lk)
+    out = matmul(probs, v)
+    return out.reshape(batch, heads, lq, v.shape[-1]) if groups > 1 else out
+
+
+def _per_axis(name: str, value: int | Sequence[Any], k: int,
+              what: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * k
+    values = list(value)
+    if len(values) != k or not all(isinstance(v, int) for v in values):
+        raise ValueError(f"fluxlike.native.{name}: {what} must be an int or {k} ints (one per "
+                         f"spatial axis), got {value!r}")
+    return values
+
+
+def conv(
+    x: mx.array,
+    w: mx.array,
+    bias: mx.array | None = None,
+    *,
+    stride: int | tuple[int, ...] = 1,
+    padding: int | tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]] = 0,
+    dilation: int | tuple[int, ...] = 1,
+    groups: int = 1,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """``mx.conv_general(x, w, stride, padding, kernel_dilation=dilation, groups=groups) +
+    bias`` as oneDNN primitives (forward, and for its gradients backward-data and
+    backward-weights primitives, themselves differentiable).
+
+    ``x``: ``(N, *spatial, C_in)`` with 1-3 spatial axes; ``w``: ``(C_out, *kernel, C_in //
+    groups)``; ``bias``: ``(C_out,)``. ``padding``: an int, one int per axis, or ``(low,
+    high)`` tuples of them as ``mx.conv_general`` takes. float32 or bfloat16 (one dtype;
+    bfloat16 accumulates in float32 and is rounded once). Empty operands run
+    ``mx.conv_general``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     y = native.conv(mx.ones((1, 5, 5, 2)), mx.ones((3, 3, 3, 2)), padding=1)
+    ...     assert y.shape == (1, 5, 5, 3) and y[0, 2, 2, 0].item() == 18
+    """
+    ext = _require("conv")
+    _check_arrays("conv", x=x, w=w, bias=bias)
+    k = x.ndim - 2
+    if k < 1 or k > 3 or w.ndim != x.ndim:
+        raise ValueError(f"fluxlike.native.conv: expected x (N, *spatial, C_in) with 1-3 "
+                         f"spatial axes and w (C_out, *kernel, C_in // groups) of as many axes, "
+                         f"got x {x.shape} and w {w.shape}")
+    strides = _per_axis("conv", stride, k, "stride")
+    dilations = _per_axis("conv", dilation, k, "dilation")
+    if (isinstance(padding, (tuple, list)) and len(padding) == 2
+            and all(isinstance(p, (tuple, list)) for p in padding)):
+        lo = _per_axis("conv", padding[0], k, "padding")
+        hi = _per_axis("conv", padding[1], k, "padding")
+    else:
+        lo = hi = _per_axis("conv", padding, k, "padding")
+    if x.size == 0 or w.size == 0:
+        y = mx.conv_general(x, w, stride=strides, padding=(lo, hi), kernel_dilation=dilations,
+                            groups=groups, stream=stream)
+        return y if bias is None else y + bias
+    try:
+        return ext.conv(x, w, bias, strides, lo, hi, dilations, groups, _bf16_native,
+                        stream=stream)
+    except ValueError as error:
+        raise ValueError(f"fluxlike.native.conv(x {x.shape} {x.dtype}, w {w.shape} "
+                         f"{w.dtype}): {error}") from None
+
+
+def conv_transpose(
+    x: mx.array,
+    w: mx.array,
+    bias: mx.array | None = None,
+    *,
+    stride: int | tuple[int, ...] = 1,
+    padding: int | tuple[int, ...] = 0,
+    dilation: int | tuple[int, ...] = 1,
+    output_padding: int | tuple[int, ...] = 0,
+    groups: int = 1,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """``mx.conv_transpose{1,2,3}d(x, w, stride, padding, dilation, output_padding, groups)
+    + bias`` as the input gradient of a convolution (oneDNN's backward-data primitive, and
+    for its own gradients the forward and backward-weights ones).
+
+    ``x``: ``(N, *spatial, C_in)``; ``w``: ``(C_out, *kernel, C_in // groups)`` (MLX's
+    layout); the result is ``(N, *out, C_out)`` with ``out = (in - 1) * stride - 2 * padding
+    + dilation * (kernel - 1) + 1 + output_padding``; ``output_padding < stride``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     y = native.conv_transpose(mx.ones((1, 4, 2)), mx.ones((3, 3, 2)), stride=2)
+    ...     assert y.shape == (1, 9, 3)
+    """
+    ext = _require("conv_transpose")
+    _check_arrays("conv_transpose", x=x, w=w, bias=bias)
+    k = x.ndim - 2
+    if k < 1 or k > 3 or w.ndim != x.ndim:
+        raise ValueError(f"fluxlike.native.conv_transpose: expected x (N, *spatial, C_in) with "
+                         f"1-3 spatial axes and w (C_out, *kernel, C_in // groups), got x "
+                         f"{x.shape} and w {w.shape}")
+    strides = _per_axis("conv_transpose", stride, k, "stride")
+    pads = _per_axis("conv_transpose", padding, k, "padding")
+    dilations = _per_axis("conv_transpose", dilation, k, "dilation")
+    extra = _per_axis("conv_transpose", output_padding, k, "output_padding")
+    if any(e < 0 or e >= s for e, s in zip(extra, strides, strict=True)):
+        raise ValueError(f"fluxlike.native.conv_transpose: output_padding must be >= 0 and "
+                         f"smaller than stride, got {extra} with stride {strides}")
+    c_out, kernel, c_in_g = w.shape[0], w.shape[1:-1], w.shape[-1]
+    if groups < 1 or c_out % groups or x.shape[-1] != c_in_g * groups:
+        raise ValueError(f"fluxlike.native.conv_transpose: channels do not match: x {x.shape} "
+                         f"has {x.shape[-1]}, w {w.shape} takes {c_in_g} x groups={groups} "
+                         f"(and C_out {c_out} must divide by groups)")
+    out = [(n - 1) * s - 2 * p + d * (q - 1) + 1 + e for n, s, p, d, q, e in
+           zip(x.shape[1:-1], strides, pads, dilations, kernel, extra, strict=True)]
+    if min(out) < 1 or x.size == 0 or w.size == 0:
+        raise ValueError(f"fluxlike.native.conv_transpose: no output for x {x.shape}, w "
+                         f"{w.shape} (output spatial size {out}); use mx.conv_transpose")
+    # The convolution whose input gradient this is maps (N, *out, C_out) to x's shape with
+    # weights (C_in, *kernel, C_out // groups): w's channel roles swapped within each group.
+    c_out_g = c_out // groups
+    w_t = w.reshape(groups, c_out_g, *kernel, c_in_g)
+    w_t = w_t.transpose(0, k + 2, *range(2, k + 2), 1).reshape(groups * c_in_g, *kernel,
+                                                                 c_out_g)
+    try:
+        y = ext.conv_backward_data(x, w_t, [*out, c_out], strides, pads, pads, dilations,
+                                   groups, _bf16_native, stream=stream)
+    except ValueError as error:
+        raise ValueError(f"fluxlike.native.conv_transpose(x {x.shape} {x.dtype}, w {w.shape} "
+                         f"{w.dtype}): {error}") from None
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+# Where the native kernel beats MLX's (float32: MLX on OpenBLAS; bfloat16: fluxlike's
+# float32 emulation, i.e. ``precision.ops``), measured by bench/native.py on two shared
+# cores (forward and gradients): bfloat16 pays at every size (0.5-0.7x at 2**12
+# multiply-adds, 0.13-0.45x from 2**19 up); float32 from about 2**17 (0.24-0.7x above;
+# near 1x, within noise, below).
+PAYS_MIN_MACS = {mx.float32: 2**17, mx.bfloat16: 0}
+
+
+def pays(rows: int, inner: int, cols: int, dtype: mx.Dtype) -> bool:
+    """Whether the native kernel is expected to beat today's path for a ``(rows, inner) @
+    (inner, cols)`` product of ``dtype`` on the CPU: the kernels are in use, the dtype is
+    float32 or bfloat16, and the product is large enough (``PAYS_MIN_MACS``). For a
+    convolution pass its implicit GEMM: ``rows = N * prod(out_spatial)``, ``inner =
+    prod(kernel) * C_in // groups``, ``cols = C_out``.
+
+    >>> import mlx.core as mx
+    >>> pays(512, 2048, 2048, mx.float16)
+    False
+    """
+    least = PAYS_MIN_MACS.get(dtype)
+    if least is None or not available():
+        return False
+    return rows * inner * cols >= least

@@ -1,0 +1,87 @@
+// fluxlike-native: the Python module fluxlike_native._ext.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "conv.h"
+#include "matmul.h"
+#include "mlx/version.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+#define FLN_STR2(x) #x
+#define FLN_STR(x) FLN_STR2(x)
+
+NB_MODULE(_ext, m) {
+  m.doc() = "oneDNN kernels as MLX primitives for fluxlike (CPU). Use fluxlike.native.";
+
+  m.attr("built_mlx_version") = FLN_STR(MLX_VERSION_MAJOR) "." FLN_STR(
+      MLX_VERSION_MINOR) "." FLN_STR(MLX_VERSION_PATCH);
+  m.def("runtime_mlx_version", []() { return std::string(mx::version()); },
+        "The version libmlx reports in this process.");
+  m.def("cpu_isa", &fluxlike_native::cpu_isa,
+        "oneDNN's effective CPU ISA (respects ONEDNN_MAX_CPU_ISA).");
+  m.def("isa_has_bf16", &fluxlike_native::isa_has_bf16,
+        "Whether oneDNN has bfloat16 dot-product kernels here (avx512_core_bf16 or better).");
+  m.def("isa_has_avx512", &fluxlike_native::isa_has_avx512,
+        "Whether oneDNN has AVX-512 kernels here.");
+  m.def("onednn_version", &fluxlike_native::onednn_version, "oneDNN's version.");
+  m.def("cache_size", &fluxlike_native::cache_size, "Cached oneDNN matmul primitives.");
+  m.def("clear_cache", []() {
+    fluxlike_native::clear_cache();
+    fluxlike_native::conv_clear_cache();
+  }, "Drop the cached oneDNN primitives (matmul and convolution).");
+  m.def("cache_impls", &fluxlike_native::cache_impls,
+        "(oneDNN implementation name, count) of the cached matmul primitives.");
+  m.def("conv_cache_size", &fluxlike_native::conv_cache_size,
+        "Cached oneDNN convolution primitives.");
+  m.def("conv_cache_impls", &fluxlike_native::conv_cache_impls,
+        "(oneDNN implementation name, count) of the cached convolution primitives.");
+
+  m.def(
+      "matmul",
+      &fluxlike_native::matmul,
+      "a"_a,
+      "b"_a,
+      "bias"_a = nb::none(),
+      "trans_a"_a = false,
+      "trans_b"_a = false,
+      "relu"_a = false,
+      "out_dtype"_a = nb::none(),
+      "batched"_a = false,
+      "native_bf16"_a = true,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h).)");
+
+  m.def(
+      "conv",
+      [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+         std::vector<int> stride, std::vector<int> pad_lo, std::vector<int> pad_hi,
+         std::vector<int> dilation, int groups, bool native_bf16, mx::StreamOrDevice s) {
+        fluxlike_native::ConvParams p{std::move(stride), std::move(pad_lo), std::move(pad_hi),
+                                      std::move(dilation), groups};
+        return fluxlike_native::conv(x, w, bias, p, native_bf16, s);
+      },
+      "x"_a, "w"_a, "bias"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "dilation"_a, "groups"_a,
+      "native_bf16"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"(mx.conv_general's convolution (channels-last) on oneDNN (see conv.h).)");
+
+  m.def(
+      "conv_backward_data",
+      [](const mx::array& dy, const mx::array& w, std::vector<int> x_tail,
+         std::vector<int> stride, std::vector<int> pad_lo, std::vector<int> pad_hi,
+         std::vector<int> dilation, int groups, bool native_bf16, mx::StreamOrDevice s) {
+        fluxlike_native::ConvParams p{std::move(stride), std::move(pad_lo), std::move(pad_hi),
+                                      std::move(dilation), groups};
+        return fluxlike_native::conv_backward_data(
+            dy, w, mx::Shape(x_tail.begin(), x_tail.end()), p, native_bf16, s);
+      },
+      "dy"_a, "w"_a, "x_tail"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "dilation"_a,
+      "groups"_a, "native_bf16"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"(The input gradient of conv (a transposed convolution) on oneDNN (see conv.h).)");
+}

@@ -1,0 +1,584 @@
+// fluxlike-native: oneDNN convolution as MLX primitives (forward, backward data, backward
+// weights), channels-last activations and MLX's (C_out, *kernel, C_in / groups) weights.
+//
+// As in matmul.cpp: eval_cpu looks up (or creates) a cached oneDNN primitive for the exact
+// shapes, dtypes and parameters, on the evaluating thread, and dispatches its execution to
+// MLX's CPU stream. oneDNN picks its own weights layout ("any"); MLX's layout is reordered
+// into it (or, for the weights gradient, out of it) inside the same task.
+
+#include "conv.h"
+
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "matmul.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace fluxlike_native {
+
+namespace {
+
+const char* FN = "fluxlike_native.conv";
+using dims = dnnl::memory::dims;
+
+dnnl::engine& engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    os << s[i] << (s.size() == 1 ? "," : (i + 1 < s.size() ? ", " : ""));
+  }
+  os << ")";
+  return os.str();
+}
+
+std::string vec_str(const std::vector<int>& v) {
+  return shape_str(mx::Shape(v.begin(), v.end()));
+}
+
+dnnl::memory::data_type dnnl_type(mx::Dtype d) {
+  return d == mx::bfloat16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
+}
+
+// (N, *spatial, C) channels-last, as oneDNN's (N, C, *spatial) with strides.
+dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
+  int k = static_cast<int>(s.size()) - 2;
+  int64_t c = s.back();
+  dims d{s[0], c}, st{0, 1};
+  int64_t acc = c;
+  std::vector<int64_t> sp(k);
+  for (int i = k - 1; i >= 0; --i) {
+    sp[i] = acc;
+    acc *= s[i + 1];
+  }
+  st[0] = acc;
+  for (int i = 0; i < k; ++i) {
+    d.push_back(s[i + 1]);
+    st.push_back(sp[i]);
+  }
+  return dnnl::memory::desc(d, dnnl_type(dt), st);
+}
+
+// MLX's (O, *kernel, I / groups) weights as oneDNN's (O, I, *k) or (G, O/G, I/G, *k).
+dnnl::memory::desc weights_md(const mx::Shape& s, int groups, mx::Dtype dt) {
+  int k = static_cast<int>(s.size()) - 2;
+  int64_t o = s[0], ig = s.back();
+  std::vector<int64_t> ksz(s.begin() + 1, s.end() - 1), kst(k);
+  int64_t acc = ig;
+  for (int i = k - 1; i >= 0; --i) {
+    kst[i] = acc;
+    acc *= ksz[i];
+  }
+  dims d, st;
+  if (groups > 1) {
+    d = {groups, o / groups, ig};
+    st = {(o / groups) * acc, acc, 1};
+  } else {
+    d = {o, ig};
+    st = {acc, 1};
+  }
+  d.insert(d.end(), ksz.begin(), ksz.end());
+  st.insert(st.end(), kst.begin(), kst.end());
+  return dnnl::memory::desc(d, dnnl_type(dt), st);
+}
+
+dnnl::memory::desc any_like(const dnnl::memory::desc& md) {
+  return dnnl::memory::desc(md.get_dims(), md.get_data_type(), dnnl::memory::format_tag::any);
+}
+
+struct Entry {
+  dnnl::primitive prim;
+  dnnl::memory::desc x_md, y_md, w_user_md, w_prim_md, bias_md, scratch_md;
+  bool reorder_w = false;
+  dnnl::reorder w_reorder;
+  size_t scratch_bytes = 0;
+  std::string impl;
+};
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const {
+    size_t h = 1469598103934665603ull;
+    for (auto v : k) {
+      h ^= static_cast<size_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    }
+    return h;
+  }
+};
+
+std::mutex cache_mutex;
+std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash> cache;
+constexpr size_t MAX_CACHE = 1024;
+
+dims to_dims(const std::vector<int>& v, int minus = 0) {
+  dims d;
+  for (int x : v) d.push_back(x - minus);
+  return d;
+}
+
+// x: (N, *S, C_in) shape; w: weights shape; y: output shape.
+std::shared_ptr<Entry> lookup(
+    ConvKind kind,
+    const ConvParams& p,
+    const mx::Shape& xs,
+    const mx::Shape& ws,
+    const mx::Shape& ys,
+    mx::Dtype dt,
+    std::optional<mx::Dtype> bias_dt) {
+  std::vector<int64_t> key{static_cast<int64_t>(kind), static_cast<int64_t>(dt.val()),
+                           bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1, p.groups};
+  for (auto* s : {&xs, &ws, &ys}) {
+    key.push_back(static_cast<int64_t>(s->size()));
+    key.insert(key.end(), s->begin(), s->end());
+  }
+  for (auto* v : {&p.stride, &p.pad_lo, &p.pad_hi, &p.dilation}) {
+    key.insert(key.end(), v->begin(), v->end());
+  }
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto e = std::make_shared<Entry>();
+  e->x_md = act_md(xs, dt);
+  e->y_md = act_md(ys, dt);
+  e->w_user_md = weights_md(ws, p.groups, dt);
+  auto w_any = any_like(e->w_user_md);
+  auto strides = to_dims(p.stride), dil = to_dims(p.dilation, 1);
+  auto pl = to_dims(p.pad_lo), pr = to_dims(p.pad_hi);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto& eng = engine();
+  double macs = static_cast<double>(ws.back());
+  for (auto d : ys) macs *= d;
+  for (size_t i = 1; i + 1 < ws.size(); ++i) macs *= ws[i];
+  OneThread one(macs < SINGLE_THREAD_MACS);
+  try {
+    auto fwd_hint = dnnl::convolution_forward::primitive_desc(
+        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, e->x_md,
+        w_any, e->y_md, strides, dil, pl, pr);
+    if (kind == ConvKind::Forward) {
+      dnnl::convolution_forward::primitive_desc pd;
+      if (bias_dt) {
+        e->bias_md = dnnl::memory::desc({ys.back()}, dnnl_type(*bias_dt),
+                                        dnnl::memory::format_tag::a);
+        pd = dnnl::convolution_forward::primitive_desc(
+            eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
+            e->x_md, w_any, e->bias_md, e->y_md, strides, dil, pl, pr, attr);
+      } else {
+        pd = dnnl::convolution_forward::primitive_desc(
+            eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
+            e->x_md, w_any, e->y_md, strides, dil, pl, pr, attr);
+      }
+      e->w_prim_md = pd.weights_desc();
+      e->scratch_md = pd.scratchpad_desc();
+      e->impl = pd.impl_info_str();
+      e->prim = dnnl::convolution_forward(pd);
+    } else if (kind == ConvKind::BackwardData) {
+      auto pd = dnnl::convolution_backward_data::primitive_desc(
+          eng, dnnl::algorithm::convolution_direct, e->x_md, w_any, e->y_md, strides, dil, pl,
+          pr, fwd_hint, attr);
+      e->w_prim_md = pd.weights_desc();
+      e->scratch_md = pd.scratchpad_desc();
+      e->impl = pd.impl_info_str();
+      e->prim = dnnl::convolution_backward_data(pd);
+    } else {
+      auto pd = dnnl::convolution_backward_weights::primitive_desc(
+          eng, dnnl::algorithm::convolution_direct, e->x_md, w_any, e->y_md, strides, dil, pl,
+          pr, fwd_hint, attr);
+      e->w_prim_md = pd.diff_weights_desc();
+      e->scratch_md = pd.scratchpad_desc();
+      e->impl = pd.impl_info_str();
+      e->prim = dnnl::convolution_backward_weights(pd);
+    }
+    e->reorder_w = e->w_prim_md != e->w_user_md;
+    if (e->reorder_w) {
+      e->w_reorder = kind == ConvKind::BackwardWeights
+          ? dnnl::reorder(dnnl::reorder::primitive_desc(eng, e->w_prim_md, eng, e->w_user_md))
+          : dnnl::reorder(dnnl::reorder::primitive_desc(eng, e->w_user_md, eng, e->w_prim_md));
+    }
+  } catch (const dnnl::error& err) {
+    throw std::runtime_error(
+        std::string(FN) + ": oneDNN has no convolution for these operands (" + err.what() +
+        ")");
+  }
+  e->scratch_bytes = e->scratch_md.get_size();
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  if (cache.size() >= MAX_CACHE) cache.clear();
+  auto [it, inserted] = cache.emplace(std::move(key), e);
+  return it->second;
+}
+
+struct Buffer {  // an aligned temporary, freed on scope exit
+  void* p = nullptr;
+  explicit Buffer(size_t bytes) {
+    if (bytes > 0) {
+      p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+      if (p == nullptr) throw std::runtime_error(std::string(FN) + ": out of memory");
+    }
+  }
+  ~Buffer() { std::free(p); }
+};
+
+// in0/in1/out as the primitive's inputs and output; see Conv's comment.
+void run(const Entry& e, ConvKind kind, void* in0, void* in1, void* bias, void* out) {
+  auto& eng = engine();
+  dnnl::stream strm(eng);
+  Buffer scratch(e.scratch_bytes);
+  Buffer wtmp(e.reorder_w ? e.w_prim_md.get_size() : 0);
+  std::unordered_map<int, dnnl::memory> args;
+  if (scratch.p) args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch.p));
+  if (kind == ConvKind::BackwardWeights) {
+    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.x_md, eng, in0));
+    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.y_md, eng, in1));
+    dnnl::memory user(e.w_user_md, eng, out);
+    if (e.reorder_w) {
+      dnnl::memory prim(e.w_prim_md, eng, wtmp.p);
+      args.emplace(DNNL_ARG_DIFF_WEIGHTS, prim);
+      e.prim.execute(strm, args);
+      e.w_reorder.execute(strm, prim, user);
+    } else {
+      args.emplace(DNNL_ARG_DIFF_WEIGHTS, user);
+      e.prim.execute(strm, args);
+    }
+    strm.wait();
+    return;
+  }
+  dnnl::memory wuser(e.w_user_md, eng, in1);
+  dnnl::memory w = wuser;
+  if (e.reorder_w) {
+    w = dnnl::memory(e.w_prim_md, eng, wtmp.p);
+    e.w_reorder.execute(strm, wuser, w);
+  }
+  args.emplace(DNNL_ARG_WEIGHTS, w);
+  if (kind == ConvKind::Forward) {
+    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.x_md, eng, in0));
+    args.emplace(DNNL_ARG_DST, dnnl::memory(e.y_md, eng, out));
+    if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(e.bias_md, eng, bias));
+  } else {
+    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.y_md, eng, in0));
+    args.emplace(DNNL_ARG_DIFF_SRC, dnnl::memory(e.x_md, eng, out));
+  }
+  e.prim.execute(strm, args);
+  strm.wait();
+}
+
+mx::Shape conv_out_shape(const mx::Shape& xs, const mx::Shape& ws, const ConvParams& p) {
+  std::ostringstream err;
+  err << FN << ": ";
+  int k = static_cast<int>(xs.size()) - 2;
+  if (k < 1 || k > 3 || ws.size() != xs.size()) {
+    err << "expected x (N, *spatial, C_in) with 1-3 spatial axes and w (C_out, *kernel, "
+           "C_in / groups) of as many axes, got x "
+        << shape_str(xs) << " and w " << shape_str(ws);
+    throw std::invalid_argument(err.str());
+  }
+  for (auto* v : {&p.stride, &p.pad_lo, &p.pad_hi, &p.dilation}) {
+    if (static_cast<int>(v->size()) != k) {
+      err << "stride, padding and dilation need " << k << " values each, got "
+          << vec_str(*v);
+      throw std::invalid_argument(err.str());
+    }
+  }
+  if (p.groups < 1 || ws[0] % p.groups != 0 || xs.back() != ws.back() * p.groups) {
+    err << "channels do not match: x " << shape_str(xs) << " has " << xs.back()
+        << ", w " << shape_str(ws) << " takes " << ws.back() << " x groups=" << p.groups
+        << " (and C_out " << ws[0] << " must divide by groups)";
+    throw std::invalid_argument(err.str());
+  }
+  mx::Shape out{xs[0]};
+  for (int i = 0; i < k; ++i) {
+    if (p.stride[i] < 1 || p.dilation[i] < 1 || p.pad_lo[i] < 0 || p.pad_hi[i] < 0) {
+      err << "stride and dilation must be >= 1 and padding >= 0, got stride "
+          << vec_str(p.stride) << ", dilation " << vec_str(p.dilation) << ", padding "
+          << vec_str(p.pad_lo) << " / " << vec_str(p.pad_hi);
+      throw std::invalid_argument(err.str());
+    }
+    int span = xs[i + 1] + p.pad_lo[i] + p.pad_hi[i] - p.dilation[i] * (ws[i + 1] - 1) - 1;
+    if (span < 0) {
+      err << "the (dilated) kernel " << shape_str(ws) << " is larger than the padded input "
+          << shape_str(xs) << " on spatial axis " << i;
+      throw std::invalid_argument(err.str());
+    }
+    out.push_back(span / p.stride[i] + 1);
+  }
+  out.push_back(ws[0]);
+  return out;
+}
+
+mx::array make(
+    ConvKind kind,
+    const ConvParams& p,
+    const mx::array& in0,
+    const mx::array& in1,
+    const std::optional<mx::array>& bias,
+    mx::Shape shape,
+    mx::Shape fixed,
+    mx::Stream s) {
+  std::vector<mx::array> inputs{mx::contiguous(in0, false, s), mx::contiguous(in1, false, s)};
+  if (bias) inputs.push_back(mx::contiguous(*bias, false, s));
+  auto dt = in0.dtype();
+  return mx::array(
+      std::move(shape), dt,
+      std::make_shared<Conv>(s, kind, p, bias.has_value(), std::move(fixed)),
+      std::move(inputs));
+}
+
+mx::Shape tail(const mx::Shape& s) {
+  return mx::Shape(s.begin() + 1, s.end());
+}
+
+// dx of shape (dy.N, *x_tail) from dy and w.
+mx::array backward_data(const mx::array& dy, const mx::array& w, const mx::Shape& x_tail,
+                        const ConvParams& p, mx::Stream s) {
+  mx::Shape shape{dy.shape(0)};
+  shape.insert(shape.end(), x_tail.begin(), x_tail.end());
+  return make(ConvKind::BackwardData, p, dy, w, std::nullopt, shape, x_tail, s);
+}
+
+mx::array backward_weights(const mx::array& x, const mx::array& dy, const mx::Shape& wshape,
+                           const ConvParams& p, mx::Stream s) {
+  return make(ConvKind::BackwardWeights, p, x, dy, std::nullopt, wshape, wshape, s);
+}
+
+mx::array forward(const mx::array& x, const mx::array& w, const std::optional<mx::array>& b,
+                  const ConvParams& p, mx::Stream s) {
+  return make(ConvKind::Forward, p, x, w, b, conv_out_shape(x.shape(), w.shape(), p), {}, s);
+}
+
+} // namespace
+
+size_t conv_cache_size() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  return cache.size();
+}
+
+void conv_clear_cache() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  cache.clear();
+}
+
+std::vector<std::pair<std::string, int>> conv_cache_impls() {
+  std::map<std::string, int> counts;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    for (auto& [k, e] : cache) counts[e->impl] += 1;
+  }
+  return {counts.begin(), counts.end()};
+}
+
+mx::array conv(
+    const mx::array& x,
+    const mx::array& w,
+    const std::optional<mx::array>& bias,
+    const ConvParams& p,
+    bool native_bf16,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(FN) +
+                                ": oneDNN kernels run on the CPU, the stream is on the GPU; "
+                                "use mx.conv_general there");
+  }
+  auto dt = x.dtype();
+  if (w.dtype() != dt || (dt != mx::float32 && dt != mx::bfloat16)) {
+    std::ostringstream os;
+    os << FN << ": x and w must both be float32 or both bfloat16, got " << x.dtype()
+       << " and " << w.dtype();
+    throw std::invalid_argument(os.str());
+  }
+  auto shape = conv_out_shape(x.shape(), w.shape(), p);
+  if (bias) {
+    if (bias->ndim() != 1 || bias->shape(0) != w.shape(0)) {
+      throw std::invalid_argument(std::string(FN) + ": bias must have shape (" +
+                                  std::to_string(w.shape(0)) + ",), got " +
+                                  shape_str(bias->shape()));
+    }
+    if (bias->dtype() != dt && bias->dtype() != mx::float32) {
+      throw std::invalid_argument(std::string(FN) + ": bias must be of x's dtype or float32");
+    }
+  }
+  if (dt == mx::bfloat16 && !native_bf16) {
+    std::optional<mx::array> b32;
+    if (bias) b32 = mx::astype(*bias, mx::float32, stream);
+    auto y = conv(mx::astype(x, mx::float32, stream), mx::astype(w, mx::float32, stream), b32,
+                  p, false, stream);
+    return mx::astype(y, dt, stream);
+  }
+  if (dt == mx::bfloat16 && !isa_has_bf16()) {
+    throw std::invalid_argument(std::string(FN) + ": native bfloat16 kernels were asked for, "
+                                "but oneDNN's CPU ISA is " + cpu_isa() +
+                                "; pass native_bf16=False");
+  }
+  if (x.size() == 0 || w.size() == 0) {
+    throw std::invalid_argument(std::string(FN) + ": empty operands (x " +
+                                shape_str(x.shape()) + ", w " + shape_str(w.shape()) +
+                                "); use mx.conv_general");
+  }
+  return forward(x, w, bias, p, stream);
+}
+
+mx::array conv_backward_data(
+    const mx::array& dy,
+    const mx::array& w,
+    const mx::Shape& x_tail,
+    const ConvParams& p,
+    bool native_bf16,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(FN) + ": oneDNN kernels run on the CPU");
+  }
+  auto dt = dy.dtype();
+  if (w.dtype() != dt || (dt != mx::float32 && dt != mx::bfloat16)) {
+    std::ostringstream os;
+    os << FN << ": dy and w must both be float32 or both bfloat16, got " << dy.dtype()
+       << " and " << w.dtype();
+    throw std::invalid_argument(os.str());
+  }
+  mx::Shape xs{dy.ndim() > 0 ? dy.shape(0) : 0};
+  xs.insert(xs.end(), x_tail.begin(), x_tail.end());
+  auto expect = conv_out_shape(xs, w.shape(), p);
+  if (expect != dy.shape()) {
+    throw std::invalid_argument(std::string(FN) + ": a convolution of an input " +
+                                shape_str(xs) + " with w " + shape_str(w.shape()) +
+                                " gives " + shape_str(expect) + ", not dy's " +
+                                shape_str(dy.shape()));
+  }
+  if (dt == mx::bfloat16 && !native_bf16) {
+    auto y = conv_backward_data(mx::astype(dy, mx::float32, stream),
+                                mx::astype(w, mx::float32, stream), x_tail, p, false, stream);
+    return mx::astype(y, dt, stream);
+  }
+  if (dt == mx::bfloat16 && !isa_has_bf16()) {
+    throw std::invalid_argument(std::string(FN) + ": native bfloat16 kernels were asked for, "
+                                "but oneDNN's CPU ISA is " + cpu_isa());
+  }
+  return backward_data(dy, w, x_tail, p, stream);
+}
+
+void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& in0 = inputs[0];
+  auto& in1 = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  for (auto& in : inputs) {
+    if (!in.flags().row_contiguous) {
+      throw std::runtime_error(std::string(FN) + ": internal error: operand not contiguous");
+    }
+  }
+  const mx::Shape* xs;
+  const mx::Shape* ws;
+  const mx::Shape* ys;
+  if (kind_ == ConvKind::Forward) {
+    xs = &in0.shape(), ws = &in1.shape(), ys = &out.shape();
+  } else if (kind_ == ConvKind::BackwardData) {
+    xs = &out.shape(), ws = &in1.shape(), ys = &in0.shape();
+  } else {
+    xs = &in0.shape(), ws = &out.shape(), ys = &in1.shape();
+  }
+  std::optional<mx::Dtype> bias_dt;
+  if (has_bias_) bias_dt = inputs[2].dtype();
+  auto entry = lookup(kind_, p_, *xs, *ws, *ys, in0.dtype(), bias_dt);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
+  encoder.dispatch([entry, kind = kind_, p0 = const_cast<void*>(in0.data<void>()),
+                    p1 = const_cast<void*>(in1.data<void>()), pbias,
+                    po = out.data<void>()]() { run(*entry, kind, p0, p1, pbias, po); });
+}
+
+void Conv::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("fluxlike_native.conv has no GPU kernel: build it on a CPU stream");
+}
+
+std::vector<mx::Shape> Conv::output_shapes(const std::vector<mx::array>& inputs) {
+  if (kind_ == ConvKind::Forward) {
+    return {conv_out_shape(inputs[0].shape(), inputs[1].shape(), p_)};
+  }
+  if (kind_ == ConvKind::BackwardData) {
+    mx::Shape s{inputs[0].shape(0)};
+    s.insert(s.end(), fixed_.begin(), fixed_.end());
+    return {s};
+  }
+  return {fixed_};
+}
+
+bool Conv::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Conv&>(other);
+  return kind_ == o.kind_ && p_ == o.p_ && has_bias_ == o.has_bias_ && fixed_ == o.fixed_;
+}
+
+std::vector<mx::array> Conv::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  auto s = stream();
+  auto& a = primals[0];
+  auto& b = primals[1];
+  auto dt = a.dtype();
+  auto c = cotangents[0].dtype() == dt ? cotangents[0] : mx::astype(cotangents[0], dt, s);
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (kind_ == ConvKind::Forward) {  // y = conv(x, w) + bias
+      if (arg == 0) {
+        grads.push_back(backward_data(c, b, tail(a.shape()), p_, s));
+      } else if (arg == 1) {
+        grads.push_back(backward_weights(a, c, b.shape(), p_, s));
+      } else {
+        std::vector<int> axes;
+        for (int i = 0; i + 1 < c.ndim(); ++i) axes.push_back(i);
+        auto gb = mx::sum(mx::astype(cotangents[0], mx::float32, s), axes, false, s);
+        grads.push_back(mx::astype(gb, primals[2].dtype(), s));
+      }
+    } else if (kind_ == ConvKind::BackwardData) {  // dx = conv^T(dy, w)
+      grads.push_back(arg == 0 ? forward(c, b, std::nullopt, p_, s)
+                               : backward_weights(c, a, b.shape(), p_, s));
+    } else {  // dw = bw(x, dy)
+      grads.push_back(arg == 0 ? backward_data(b, c, tail(a.shape()), p_, s)
+                               : forward(a, c, std::nullopt, p_, s));
+    }
+  }
+  return grads;
+}
+
+std::vector<mx::array> Conv::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  auto s = stream();
+  auto& a = primals[0];
+  auto& b = primals[1];
+  auto dt = a.dtype();
+  std::optional<mx::array> t;
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    auto tan = tangents[i].dtype() == dt ? tangents[i] : mx::astype(tangents[i], dt, s);
+    int arg = argnums[i];
+    mx::array ti = tan;
+    if (kind_ == ConvKind::Forward) {
+      ti = arg == 0 ? forward(tan, b, std::nullopt, p_, s)
+          : arg == 1 ? forward(a, tan, std::nullopt, p_, s)
+                     : mx::astype(tan, dt, s);
+    } else if (kind_ == ConvKind::BackwardData) {
+      ti = backward_data(arg == 0 ? tan : a, arg == 0 ? b : tan, fixed_, p_, s);
+    } else {
+      ti = backward_weights(arg == 0 ? tan : a, arg == 0 ? b : tan, fixed_, p_, s);
+    }
+    t = t ? mx::add(*t, ti, s) : ti;
+  }
+  return {mx::astype(*t, dt, s)};
+}
+
+} // namespace fluxlike_native

@@ -1,0 +1,95 @@
+// fluxlike-native: oneDNN convolution (channels-last, 1-3 spatial axes) as MLX primitives.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace fluxlike_native {
+
+struct ConvParams {
+  std::vector<int> stride, pad_lo, pad_hi, dilation;  // one per spatial axis; dilation >= 1
+  int groups = 1;
+  bool operator==(const ConvParams& o) const {
+    return stride == o.stride && pad_lo == o.pad_lo && pad_hi == o.pad_hi &&
+        dilation == o.dilation && groups == o.groups;
+  }
+};
+
+// The convolution mx.conv_general computes (no input dilation, no flip): x (N, *spatial,
+// C_in), w (C_out, *kernel, C_in / groups), bias (C_out,) -> (N, *out_spatial, C_out).
+// float32 or bfloat16 (native_bf16 == false: bfloat16 in float32 kernels).
+mx::array conv(
+    const mx::array& x,
+    const mx::array& w,
+    const std::optional<mx::array>& bias,
+    const ConvParams& p,
+    bool native_bf16,
+    mx::StreamOrDevice s = {});
+
+// The input gradient of that convolution (a transposed convolution): dy (N, *out_spatial,
+// C_out), w as above, x_tail = (*spatial, C_in) of the convolution's input; -> (N, *x_tail).
+mx::array conv_backward_data(
+    const mx::array& dy,
+    const mx::array& w,
+    const mx::Shape& x_tail,
+    const ConvParams& p,
+    bool native_bf16,
+    mx::StreamOrDevice s = {});
+
+// The convolution primitive cache (as matmul's).
+size_t conv_cache_size();
+void conv_clear_cache();
+std::vector<std::pair<std::string, int>> conv_cache_impls();
+
+enum class ConvKind { Forward, BackwardData, BackwardWeights };
+
+// Forward: inputs (x, w[, bias]) -> y. BackwardData: (dy, w) -> dx, whose spatial shape
+// (and channels) is fixed at construction. BackwardWeights: (x, dy) -> dw of fixed shape.
+class Conv : public mx::UnaryPrimitive {
+ public:
+  Conv(mx::Stream stream, ConvKind kind, ConvParams p, bool has_bias, mx::Shape fixed)
+      : mx::UnaryPrimitive(stream),
+        kind_(kind),
+        p_(std::move(p)),
+        has_bias_(has_bias),
+        fixed_(std::move(fixed)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  std::vector<mx::array> jvp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& tangents,
+      const std::vector<int>& argnums) override;
+
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mx::array>& outputs) override;
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+  const char* name() const override {
+    return kind_ == ConvKind::Forward ? "FluxlikeNativeConv"
+        : kind_ == ConvKind::BackwardData ? "FluxlikeNativeConvBackwardData"
+                                          : "FluxlikeNativeConvBackwardWeights";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  ConvKind kind_;
+  ConvParams p_;
+  bool has_bias_;
+  mx::Shape fixed_;  // BackwardData: dx's shape without the batch; BackwardWeights: dw's
+};
+
+} // namespace fluxlike_native

@@ -1,0 +1,657 @@
+// fluxlike-native: oneDNN matrix multiplication as an MLX primitive (CPU).
+//
+// The primitive's eval_cpu runs on the thread that evaluates the graph: it describes the
+// operands to oneDNN (shapes, strides, dtypes), finds or creates the oneDNN matmul for that
+// description in a process-wide cache (guarded by a mutex) and hands its execution to MLX's
+// CPU stream through the command encoder, like MLX's own CPU kernels. Each execution gets
+// its own scratchpad (oneDNN's "user" scratchpad mode) and stream, so one cached primitive
+// may run from several threads at once.
+
+#include "matmul.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/allocator.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace fluxlike_native {
+
+namespace {
+
+const char* FN = "fluxlike_native.matmul";
+
+dnnl::engine& engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    os << s[i] << (s.size() == 1 ? "," : (i + 1 < s.size() ? ", " : ""));
+  }
+  os << ")";
+  return os.str();
+}
+
+std::string dtype_str(mx::Dtype d) {
+  if (d == mx::float32) return "float32";
+  if (d == mx::bfloat16) return "bfloat16";
+  if (d == mx::float16) return "float16";
+  if (d == mx::float64) return "float64";
+  std::ostringstream os;
+  os << d;
+  return os.str();
+}
+
+dnnl::memory::data_type dnnl_type(mx::Dtype d) {
+  if (d == mx::float32) return dnnl::memory::data_type::f32;
+  if (d == mx::bfloat16) return dnnl::memory::data_type::bf16;
+  throw std::invalid_argument(
+      std::string(FN) + ": no oneDNN type for " + dtype_str(d));
+}
+
+// The result's shape, or a clear error.
+mx::Shape out_shape(
+    const mx::Shape& as,
+    const mx::Shape& bs,
+    bool ta,
+    bool tb,
+    bool batched) {
+  std::ostringstream err;
+  err << FN << ": ";
+  if (!batched) {
+    if (bs.size() != 2 || as.empty()) {
+      err << "expected a of 1 or more axes and a 2-D b, got a " << shape_str(as)
+          << " and b " << shape_str(bs)
+          << "; use batched=True for batch axes on both operands";
+      throw std::invalid_argument(err.str());
+    }
+    if (ta && as.size() != 2) {
+      err << "trans_a needs a 2-D a, got " << shape_str(as);
+      throw std::invalid_argument(err.str());
+    }
+    int ka = ta ? as[0] : as.back();
+    int kb = tb ? bs[1] : bs[0];
+    int n = tb ? bs[0] : bs[1];
+    if (ka != kb) {
+      err << "inner dimensions differ: a " << shape_str(as) << (ta ? " (transposed)" : "")
+          << " has " << ka << ", b " << shape_str(bs) << (tb ? " (transposed)" : "")
+          << " has " << kb;
+      throw std::invalid_argument(err.str());
+    }
+    mx::Shape out;
+    if (ta) {
+      out = {as[1], n};
+    } else {
+      out = mx::Shape(as.begin(), as.end() - 1);
+      out.push_back(n);
+    }
+    return out;
+  }
+  if (as.size() < 3 || as.size() != bs.size()) {
+    err << "batched=True expects a and b of the same number (>= 3) of axes, got a "
+        << shape_str(as) << " and b " << shape_str(bs);
+    throw std::invalid_argument(err.str());
+  }
+  if (as.size() > 12) {
+    err << "at most 12 axes (oneDNN's limit), got " << as.size();
+    throw std::invalid_argument(err.str());
+  }
+  size_t nd = as.size();
+  int m = ta ? as[nd - 1] : as[nd - 2];
+  int ka = ta ? as[nd - 2] : as[nd - 1];
+  int kb = tb ? bs[nd - 1] : bs[nd - 2];
+  int n = tb ? bs[nd - 2] : bs[nd - 1];
+  if (ka != kb) {
+    err << "inner dimensions differ: a " << shape_str(as) << " has " << ka << ", b "
+        << shape_str(bs) << " has " << kb;
+    throw std::invalid_argument(err.str());
+  }
+  mx::Shape out;
+  for (size_t i = 0; i + 2 < nd; ++i) {
+    if (as[i] != bs[i] && as[i] != 1 && bs[i] != 1) {
+      err << "batch axes of a " << shape_str(as) << " and b " << shape_str(bs)
+          << " do not broadcast (axis " << i << ")";
+      throw std::invalid_argument(err.str());
+    }
+    out.push_back(std::max(as[i], bs[i]));
+  }
+  out.push_back(m);
+  out.push_back(n);
+  return out;
+}
+
+// ---- OpenMP's thread count, through the libgomp that oneDNN loaded -------------------------
+
+struct Omp {
+  int (*get_max_threads)() = nullptr;
+  void (*set_num_threads)(int) = nullptr;
+  Omp() {
+    void* lib = dlopen("libgomp.so.1", RTLD_NOLOAD | RTLD_LAZY);
+    if (lib != nullptr) {
+      get_max_threads = reinterpret_cast<int (*)()>(dlsym(lib, "omp_get_max_threads"));
+      set_num_threads = reinterpret_cast<void (*)(int)>(dlsym(lib, "omp_set_num_threads"));
+      if (get_max_threads == nullptr || set_num_threads == nullptr) {
+        get_max_threads = nullptr;
+        set_num_threads = nullptr;
+      }
+    }
+  }
+};
+
+const Omp& omp() {
+  static Omp o;
+  return o;
+}
+
+// ---- the primitive cache ------------------------------------------------------------------
+
+struct Entry {
+  dnnl::matmul prim;
+  dnnl::memory::desc a_md, b_md, bias_md, dst_md, scratch_md;
+  size_t scratch_bytes;
+  std::string impl;
+};
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const {
+    size_t h = 1469598103934665603ull;
+    for (auto v : k) {
+      h ^= static_cast<size_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    }
+    return h;
+  }
+};
+
+constexpr size_t MAX_CACHE = 4096;
+
+std::mutex cache_mutex;
+std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash> cache;
+
+struct View {
+  dnnl::memory::dims dims, strides;
+};
+
+// How oneDNN sees an operand: its (possibly flattened) dims and strides, the last two axes
+// swapped for a transposed operand.
+View view(const mx::array& x, bool trans, bool flatten) {
+  View v;
+  if (flatten && x.ndim() != 2) {
+    if (!x.flags().row_contiguous) {
+      throw std::runtime_error(
+          std::string(FN) + ": internal error: an operand to flatten is not row-contiguous");
+    }
+    int64_t last = x.shape().back();
+    int64_t rows = last == 0 ? 0 : static_cast<int64_t>(x.size()) / last;
+    v.dims = {rows, last};
+    v.strides = {last, 1};
+  } else {
+    if (!x.flags().row_contiguous && !x.flags().col_contiguous) {
+      throw std::runtime_error(
+          std::string(FN) + ": internal error: operand is not contiguous");
+    }
+    v.dims.assign(x.shape().begin(), x.shape().end());
+    v.strides.assign(x.strides().begin(), x.strides().end());
+  }
+  if (trans) {
+    auto n = v.dims.size();
+    std::swap(v.dims[n - 1], v.dims[n - 2]);
+    std::swap(v.strides[n - 1], v.strides[n - 2]);
+  }
+  return v;
+}
+
+dnnl::memory::dims row_major(const dnnl::memory::dims& dims) {
+  dnnl::memory::dims s(dims.size());
+  int64_t acc = 1;
+  for (int i = static_cast<int>(dims.size()) - 1; i >= 0; --i) {
+    s[i] = acc;
+    acc *= std::max<int64_t>(dims[i], 1);
+  }
+  return s;
+}
+
+std::shared_ptr<Entry> lookup(
+    const View& a,
+    const View& b,
+    const dnnl::memory::dims& dst_dims,
+    mx::Dtype in_dt,
+    mx::Dtype out_dt,
+    std::optional<mx::Dtype> bias_dt,
+    bool relu) {
+  std::vector<int64_t> key;
+  key.reserve(8 + 5 * a.dims.size());
+  key.push_back(static_cast<int64_t>(in_dt.val()));
+  key.push_back(static_cast<int64_t>(out_dt.val()));
+  key.push_back(bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1);
+  key.push_back(relu);
+  key.push_back(static_cast<int64_t>(a.dims.size()));
+  for (auto* part : {&a.dims, &a.strides, &b.dims, &b.strides, &dst_dims}) {
+    key.insert(key.end(), part->begin(), part->end());
+  }
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) {
+      return it->second;
+    }
+  }
+  // Created outside the lock: two threads may both create one; the first stored wins.
+  auto e = std::make_shared<Entry>();
+  auto dt = dnnl_type(in_dt);
+  e->a_md = dnnl::memory::desc(a.dims, dt, a.strides);
+  e->b_md = dnnl::memory::desc(b.dims, dt, b.strides);
+  e->dst_md = dnnl::memory::desc(dst_dims, dnnl_type(out_dt), row_major(dst_dims));
+  if (bias_dt) {
+    dnnl::memory::dims bdims(dst_dims.size(), 1);
+    bdims.back() = dst_dims.back();
+    e->bias_md = dnnl::memory::desc(bdims, dnnl_type(*bias_dt), row_major(bdims));
+  }
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (relu) {
+    dnnl::post_ops ops;
+    ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+    attr.set_post_ops(ops);
+  }
+  double macs = static_cast<double>(a.dims.back());
+  for (auto d : dst_dims) macs *= static_cast<double>(d);
+  OneThread one(macs < SINGLE_THREAD_MACS);
+  dnnl::matmul::primitive_desc pd;
+  try {
+    pd = bias_dt ? dnnl::matmul::primitive_desc(
+                       engine(), e->a_md, e->b_md, e->bias_md, e->dst_md, attr)
+                 : dnnl::matmul::primitive_desc(engine(), e->a_md, e->b_md, e->dst_md, attr);
+  } catch (const dnnl::error& err) {
+    throw std::runtime_error(
+        std::string(FN) + ": oneDNN has no matmul for these operands (" + err.what() + ")");
+  }
+  e->scratch_md = pd.scratchpad_desc();
+  e->scratch_bytes = e->scratch_md.get_size();
+  e->impl = pd.impl_info_str();
+  e->prim = dnnl::matmul(pd);
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  if (cache.size() >= MAX_CACHE) {
+    cache.clear();
+  }
+  auto [it, inserted] = cache.emplace(std::move(key), e);
+  return it->second;
+}
+
+void run(const Entry& e, void* a, void* b, void* bias, void* dst) {
+  auto& eng = engine();
+  dnnl::stream strm(eng);
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, dnnl::memory(e.a_md, eng, a)},
+      {DNNL_ARG_WEIGHTS, dnnl::memory(e.b_md, eng, b)},
+      {DNNL_ARG_DST, dnnl::memory(e.dst_md, eng, dst)}};
+  if (bias != nullptr) {
+    args.emplace(DNNL_ARG_BIAS, dnnl::memory(e.bias_md, eng, bias));
+  }
+  void* scratch = nullptr;
+  if (e.scratch_bytes > 0) {
+    size_t bytes = (e.scratch_bytes + 63) / 64 * 64;
+    scratch = std::aligned_alloc(64, bytes);
+    if (scratch == nullptr) {
+      throw std::runtime_error(std::string(FN) + ": out of memory for oneDNN's scratchpad");
+    }
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch));
+  }
+  try {
+    e.prim.execute(strm, args);
+    strm.wait();
+  } catch (...) {
+    std::free(scratch);
+    throw;
+  }
+  std::free(scratch);
+}
+
+mx::array reduce_to(const mx::array& x, const mx::Shape& shape, mx::StreamOrDevice s) {
+  if (x.shape() == shape) {
+    return x;
+  }
+  std::vector<int> axes;
+  for (int i = 0; i < static_cast<int>(shape.size()); ++i) {
+    if (shape[i] == 1 && x.shape(i) != 1) {
+      axes.push_back(i);
+    }
+  }
+  auto r = mx::sum(mx::astype(x, mx::float32, s), axes, /*keepdims=*/true, s);
+  return mx::astype(r, x.dtype(), s);
+}
+
+// op(x) as plain MLX ops (for empty operands, which oneDNN does not take).
+mx::array swap_last(const mx::array& x, bool t, mx::StreamOrDevice s) {
+  return t ? mx::swapaxes(x, -1, -2, s) : x;
+}
+
+} // namespace
+
+OneThread::OneThread(bool on) {
+  if (on && omp().set_num_threads != nullptr) {
+    saved_ = omp().get_max_threads();
+    omp().set_num_threads(1);
+  }
+}
+
+OneThread::~OneThread() {
+  if (saved_ > 0) {
+    omp().set_num_threads(saved_);
+  }
+}
+
+// ---- the CPU ------------------------------------------------------------------------------
+
+std::string cpu_isa() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::sse41: return "sse41";
+    case dnnl::cpu_isa::avx: return "avx";
+    case dnnl::cpu_isa::avx2: return "avx2";
+    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
+    case dnnl::cpu_isa::avx2_vnni_2: return "avx2_vnni_2";
+    case dnnl::cpu_isa::avx512_core: return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_fp16: return "avx512_core_fp16";
+    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
+    case dnnl::cpu_isa::avx512_core_amx_fp16: return "avx512_core_amx_fp16";
+    default: return "default";
+  }
+}
+
+bool isa_has_bf16() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::avx512_core_bf16:
+    case dnnl::cpu_isa::avx512_core_fp16:
+    case dnnl::cpu_isa::avx512_core_amx:
+    case dnnl::cpu_isa::avx512_core_amx_fp16:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool isa_has_avx512() {
+  return isa_has_bf16() || dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core ||
+      dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_vnni;
+}
+
+std::string onednn_version() {
+  auto v = dnnl::version();
+  std::ostringstream os;
+  os << v->major << "." << v->minor << "." << v->patch;
+  return os.str();
+}
+
+size_t cache_size() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  return cache.size();
+}
+
+void clear_cache() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  cache.clear();
+}
+
+std::vector<std::pair<std::string, int>> cache_impls() {
+  std::map<std::string, int> counts;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    for (auto& [k, e] : cache) {
+      counts[e->impl] += 1;
+    }
+  }
+  return {counts.begin(), counts.end()};
+}
+
+// ---- the op -------------------------------------------------------------------------------
+
+mx::array matmul(
+    const mx::array& a,
+    const mx::array& b,
+    const std::optional<mx::array>& bias,
+    bool trans_a,
+    bool trans_b,
+    bool relu,
+    std::optional<mx::Dtype> out_dtype,
+    bool batched,
+    bool native_bf16,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(
+        std::string(FN) + ": oneDNN kernels run on the CPU, the stream is on the GPU; "
+        "use MLX's own kernels there (mx.matmul)");
+  }
+  auto dt = a.dtype();
+  if (b.dtype() != dt) {
+    throw std::invalid_argument(
+        std::string(FN) + ": a and b must have one dtype, got " + dtype_str(dt) + " and " +
+        dtype_str(b.dtype()) + "; cast one with astype");
+  }
+  if (dt != mx::float32 && dt != mx::bfloat16) {
+    throw std::invalid_argument(
+        std::string(FN) + ": operands must be float32 or bfloat16, got " + dtype_str(dt) +
+        " (no fast oneDNN kernel for it on this CPU; use mx.matmul)");
+  }
+  auto odt = out_dtype.value_or(dt);
+  if (odt != dt && odt != mx::float32) {
+    throw std::invalid_argument(
+        std::string(FN) + ": out_dtype must be float32 or the operands' " + dtype_str(dt) +
+        ", got " + dtype_str(odt));
+  }
+  auto shape = out_shape(a.shape(), b.shape(), trans_a, trans_b, batched);
+  if (bias) {
+    if (bias->ndim() != 1 || bias->shape(0) != shape.back()) {
+      throw std::invalid_argument(
+          std::string(FN) + ": bias must have shape (" + std::to_string(shape.back()) +
+          ",), got " + shape_str(bias->shape()));
+    }
+    if (bias->dtype() != dt && bias->dtype() != mx::float32) {
+      throw std::invalid_argument(
+          std::string(FN) + ": bias must be " + dtype_str(dt) + " or float32, got " +
+          dtype_str(bias->dtype()));
+    }
+  }
+  if (dt == mx::bfloat16 && !native_bf16) {  // bfloat16 numerics on float32 kernels
+    std::optional<mx::array> bias32;
+    if (bias) {
+      bias32 = mx::astype(*bias, mx::float32, stream);
+    }
+    auto y = matmul(
+        mx::astype(a, mx::float32, stream), mx::astype(b, mx::float32, stream), bias32,
+        trans_a, trans_b, relu, mx::float32, batched, false, stream);
+    return odt == mx::float32 ? y : mx::astype(y, odt, stream);
+  }
+  if (dt == mx::bfloat16 && !isa_has_bf16()) {
+    throw std::invalid_argument(
+        std::string(FN) + ": native bfloat16 kernels were asked for, but oneDNN's CPU ISA is " +
+        cpu_isa() + " (no avx512_core_bf16); pass native_bf16=False to run bfloat16 in float32 "
+        "kernels");
+  }
+  if (a.size() == 0 || b.size() == 0) {  // oneDNN takes no empty operands
+    auto y = mx::matmul(
+        mx::astype(swap_last(a, trans_a, stream), mx::float32, stream),
+        mx::astype(swap_last(b, trans_b, stream), mx::float32, stream), stream);
+    if (bias) {
+      y = mx::add(y, mx::astype(*bias, mx::float32, stream), stream);
+    }
+    if (relu) {
+      y = mx::maximum(y, mx::array(0.0f), stream);
+    }
+    return mx::astype(mx::reshape(y, shape, stream), odt, stream);
+  }
+  // Contiguous is free for an operand already laid out so (it shares the buffer); a 2-D
+  // column-major operand (a transposed view) passes as it is, with its strides.
+  std::vector<mx::array> inputs{
+      mx::contiguous(a, !batched && a.ndim() == 2, stream),
+      mx::contiguous(b, !batched, stream)};
+  if (bias) {
+    inputs.push_back(mx::contiguous(*bias, false, stream));
+  }
+  return mx::array(
+      shape, odt,
+      std::make_shared<Matmul>(
+          stream, trans_a, trans_b, bias.has_value(), relu, batched, odt),
+      std::move(inputs));
+}
+
+// ---- the primitive ------------------------------------------------------------------------
+
+void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& a = inputs[0];
+  auto& b = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) {
+    return;
+  }
+  View va = view(a, trans_a_, !batched_);
+  View vb = view(b, trans_b_, false);
+  dnnl::memory::dims dst_dims;
+  if (batched_) {
+    dst_dims.assign(out.shape().begin(), out.shape().end());
+  } else {
+    dst_dims = {va.dims[0], vb.dims[1]};
+  }
+  std::optional<mx::Dtype> bias_dt;
+  if (has_bias_) {
+    bias_dt = inputs[2].dtype();
+  }
+  auto entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt, relu_);
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
+  encoder.dispatch([entry,
+                    pa = const_cast<void*>(a.data<void>()),
+                    pb = const_cast<void*>(b.data<void>()),
+                    pbias,
+                    pdst = out.data<void>()]() { run(*entry, pa, pb, pbias, pdst); });
+}
+
+void Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "fluxlike_native.matmul has no GPU kernel: build it on a CPU stream");
+}
+
+std::vector<mx::Shape> Matmul::output_shapes(const std::vector<mx::array>& inputs) {
+  return {out_shape(inputs[0].shape(), inputs[1].shape(), trans_a_, trans_b_, batched_)};
+}
+
+bool Matmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Matmul&>(other);
+  return trans_a_ == o.trans_a_ && trans_b_ == o.trans_b_ && has_bias_ == o.has_bias_ &&
+      relu_ == o.relu_ && batched_ == o.batched_ && out_dtype_ == o.out_dtype_;
+}
+
+std::vector<mx::array> Matmul::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>& outputs) {
+  auto s = stream();
+  auto& a = primals[0];
+  auto& b = primals[1];
+  auto cdt = a.dtype();
+  bool native = cdt == mx::bfloat16;  // a bfloat16 primitive exists only when native
+  auto g = cotangents[0];
+  if (relu_) {
+    auto& y = outputs[0];
+    g = mx::where(
+        mx::greater(y, mx::array(0.0f, y.dtype()), s), g, mx::array(0.0f, g.dtype()), s);
+  }
+  auto gc = g.dtype() == cdt ? g : mx::astype(g, cdt, s);
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      mx::array da = trans_a_
+          ? matmul(b, gc, std::nullopt, trans_b_, true, false, cdt, batched_, native, s)
+          : matmul(gc, b, std::nullopt, false, !trans_b_, false, cdt, batched_, native, s);
+      grads.push_back(batched_ ? reduce_to(da, a.shape(), s) : da);
+    } else if (arg == 1) {
+      mx::array db = a;  // placeholder, assigned below
+      if (batched_) {
+        db = trans_b_
+            ? matmul(gc, a, std::nullopt, true, trans_a_, false, cdt, true, native, s)
+            : matmul(a, gc, std::nullopt, !trans_a_, false, false, cdt, true, native, s);
+        db = reduce_to(db, b.shape(), s);
+      } else {
+        // Rows of a and of the cotangent, as 2-D matrices (Flatten keeps shapeless traces).
+        auto a2 = a.ndim() == 1 ? mx::expand_dims(a, 0, s)
+            : a.ndim() > 2      ? mx::flatten(a, 0, a.ndim() - 2, s)
+                                : a;
+        auto g2 = gc.ndim() == 1 ? mx::expand_dims(gc, 0, s)
+            : gc.ndim() > 2      ? mx::flatten(gc, 0, gc.ndim() - 2, s)
+                                 : gc;
+        db = trans_b_
+            ? matmul(g2, a2, std::nullopt, true, trans_a_, false, cdt, false, native, s)
+            : matmul(a2, g2, std::nullopt, !trans_a_, false, false, cdt, false, native, s);
+      }
+      grads.push_back(db);
+    } else {
+      auto& bias = primals[2];
+      std::vector<int> axes;
+      for (int i = 0; i + 1 < g.ndim(); ++i) {
+        axes.push_back(i);
+      }
+      auto gb = mx::sum(mx::astype(g, mx::float32, s), axes, false, s);
+      grads.push_back(mx::astype(gb, bias.dtype(), s));
+    }
+  }
+  return grads;
+}
+
+std::vector<mx::array> Matmul::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  auto s = stream();
+  auto& a = primals[0];
+  auto& b = primals[1];
+  auto cdt = a.dtype();
+  bool native = cdt == mx::bfloat16;
+  auto shape = out_shape(a.shape(), b.shape(), trans_a_, trans_b_, batched_);
+  // Tangents are summed in float32 and given the output's dtype.
+  std::optional<mx::array> t;
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    auto tan = tangents[i];
+    mx::array ti = tan;
+    if (argnums[i] == 0) {
+      ti = matmul(mx::astype(tan, cdt, s), b, std::nullopt, trans_a_, trans_b_, false,
+                  mx::float32, batched_, native, s);
+    } else if (argnums[i] == 1) {
+      ti = matmul(a, mx::astype(tan, cdt, s), std::nullopt, trans_a_, trans_b_, false,
+                  mx::float32, batched_, native, s);
+    } else {
+      ti = mx::broadcast_to(mx::astype(tan, mx::float32, s), shape, s);
+    }
+    t = t ? mx::add(*t, ti, s) : ti;
+  }
+  std::optional<mx::array> bias;
+  if (has_bias_) {
+    bias = primals[2];
+  }
+  if (relu_) {
+    auto y = matmul(a, b, bias, trans_a_, trans_b_, false, mx::float32, batched_, native, s);
+    t = mx::where(mx::greater(y, mx::array(0.0f), s), *t, mx::array(0.0f), s);
+  }
+  return {mx::astype(*t, out_dtype_, s)};
+}
+
+} // namespace fluxlike_native
