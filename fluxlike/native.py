@@ -225,9 +225,12 @@ def linear(
     ...     y = native.linear(mx.ones((2, 3), mx.bfloat16), mx.ones((4, 3), mx.bfloat16))
     ...     assert y.shape == (2, 4) and y.dtype == mx.bfloat16
     """
-    ext = _require("linear")
-    _check_arrays("linear", x=x, w=w, bias=bias)
-    fused, after = _split_act(act)
+    ext = _ext if _ext is not None else _require("linear")
+    if type(x) is not mx.array or type(w) is not mx.array or (
+        bias is not None and type(bias) is not mx.array
+    ):
+        _check_arrays("linear", x=x, w=w, bias=bias)
+    fused, after = (False, None) if act is None else _split_act(act)
     try:
         y = ext.matmul(x, w, bias, trans_b=True, relu=fused, out_dtype=out_dtype,
                        native_bf16=_bf16_native, stream=stream)

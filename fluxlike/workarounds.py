@@ -150,13 +150,17 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
     return e / mx.sum(e, axis=axis, keepdims=True)
 
 
-def fast_kernels_exact(dtype: mx.Dtype) -> bool:
-    """Whether MLX's fused ``mx.fast`` kernels (``scaled_dot_product_attention``,
-    ``layer_norm``, ``rms_norm``) compute in ``dtype`` to its own precision.
+# MLX 0.32.4, CPU: given float64, MLX's fused ``mx.fast`` kernels (``scaled_dot_product_attention``,
+# ``layer_norm``, ``rms_norm``) return float64 computed at float32 precision (errors ~1e-8).
+# Callers compute these dtypes with plain ops instead (a set, not a function: the norms read it
+# on every call).
+FAST_KERNELS_INEXACT = frozenset({mx.float64})
 
-    MLX 0.32.4, CPU: given float64 they return float64 computed at float32 precision
-    (errors ~1e-8). Callers compute float64 with plain ops instead."""
-    return dtype != mx.float64
+
+def fast_kernels_exact(dtype: mx.Dtype) -> bool:
+    """Whether MLX's fused ``mx.fast`` kernels compute in ``dtype`` to its own precision
+    (not in :data:`FAST_KERNELS_INEXACT`)."""
+    return dtype not in FAST_KERNELS_INEXACT
 
 
 # --- Half precision ----------------------------------------------------------------------

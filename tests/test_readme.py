@@ -119,6 +119,13 @@ def test_shell_command_exists(line, argv):
                              text=True, timeout=60, cwd=ROOT)
         assert out.returncode == 0 and "usage:" in out.stdout, f"{where}: {out.stderr}"
         _check_script_arguments(script, argv[2:], where)
+    elif Path(argv[0]).name == "mlx.launch":  # MLX's launcher, beside this interpreter
+        assert (Path(sys.executable).parent / "mlx.launch").is_file(), where
+        script = argv[-1]
+        assert (ROOT / script).is_file(), where
+        out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True,
+                             text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 0 and "usage:" in out.stdout, f"{where}: {out.stderr}"
     else:
         pytest.fail(f"{where}: a command this test does not know how to check; teach it")
 

@@ -384,7 +384,7 @@ class _LastAxesNorm(_Norm):
         if len(dims) > 1:  # flatten the normalised axes into one
             y = y.reshape(*x.shape[: x.ndim - len(dims)], -1)
             weight, bias = (None if p is None else p.reshape(-1) for p in (weight, bias))
-        if not workarounds.fast_kernels_exact(dtype):  # float64: computed in float32
+        if dtype in workarounds.FAST_KERNELS_INEXACT:  # float64: the kernels compute in float32
             return self._finish(self._exact(y).reshape(x.shape), dtype, x.dtype)
         y = self._fast(y, _as(weight, dtype), _as(bias, dtype))
         return _as(y.reshape(x.shape), x.dtype)

@@ -93,6 +93,31 @@ def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     return result
 
 
+def kept(source: mx.array, dtype: mx.Dtype) -> mx.array | None:
+    """``source.astype(dtype)`` if an earlier call made it; otherwise ``None``, having made
+    it for the next call (as :func:`reused`: a hit means ``source`` is no tracer of a running
+    transformation).
+
+    >>> import mlx.core as mx
+    >>> w = mx.ones(2)
+    >>> kept(w, mx.bfloat16) is None, kept(w, mx.bfloat16).dtype
+    (True, mlx.core.bfloat16)
+    """
+    if source.dtype == dtype:
+        return None if context.get().differentiating else source
+    try:
+        table = _thread.casts
+    except AttributeError:
+        table = _table()
+    entry = table.get(id(source))
+    if entry is not None and entry[0]() is source:
+        result = entry[1].get(dtype)
+        if result is not None:
+            return result
+    cast(source, dtype)
+    return None
+
+
 def rounded_upcast(source: mx.array, dtype: mx.Dtype) -> mx.array | None:
     """``source.astype(dtype).astype(mx.float32)`` (``source``'s values rounded to the half
     ``dtype``, held in float32, for a float32 kernel that computes half precision's numerics)

@@ -227,9 +227,15 @@ NATIVE_FLOAT32_WEIGHTS = 2**17
 
 
 def _native_cpu() -> bool:
-    """Whether fluxlike's native kernels run here: the companion is in use (see
-    :func:`fluxlike.native.native_info`) and the default device is the CPU."""
-    return native.available() and mx.default_device().type is mx.cpu
+    """Whether fluxlike's native kernels run here: the companion is in use (decided once in a
+    process: :func:`fluxlike.native.native_info`) and the default device is the CPU."""
+    ready = _native_ready[0]
+    if ready is None:
+        ready = _native_ready[0] = native.available()
+    return ready and mx.default_device().type is mx.cpu
+
+
+_native_ready: list[bool | None] = [None]
 
 
 def _native_takes(x: mx.array, weight: mx.array, bias: mx.array | None) -> bool:
@@ -263,15 +269,19 @@ def _kept_cpu_half(state: Context, x: mx.array, weight: mx.array, bias: mx.array
     given = x.dtype
     if given != _F32 and given != dtype:
         return None
+    if dtype == _BF16 and _native_cpu():  # oneDNN's bfloat16 kernel on the kept half casts
+        wh = castcache.kept(weight, dtype)
+        bh = None if bias is None else castcache.kept(bias, dtype)
+        if wh is None or (bias is not None and bh is None):
+            return None
+        return native.linear(x.astype(dtype) if given == _F32 else x, wh, bh, act)
     w32 = castcache.rounded_upcast(weight, dtype)
     b32 = None if bias is None else castcache.rounded_upcast(bias, dtype)
     if w32 is None or (bias is not None and b32 is None):
+        # First sight, or a tracer of mx.grad/mx.compile: the custom gradient's path, which
+        # keeps no float32 copies for a backward pass.
         return None
-    xh = x.astype(dtype) if given == _F32 else x
-    if dtype == _BF16 and _native_cpu():  # oneDNN's bfloat16 kernel on the kept half casts
-        return native.linear(xh, castcache.cast(weight, dtype),
-                             None if bias is None else castcache.cast(bias, dtype), act)
-    x32 = xh.astype(_F32)
+    x32 = (x.astype(dtype) if given == _F32 else x).astype(_F32)
     y32 = x32 @ w32.T if b32 is None else mx.addmm(b32, x32, w32.T)
     return rounded(y32, dtype, act)
 
@@ -479,12 +489,40 @@ def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | N
     """What :func:`conv` and :func:`conv_transpose` share: the kernel ``options``, then the
     bias and activation (in float32 before the rounding on CPU half precision)."""
     x, weight, bias = operands(x, weight, bias, layer=options[0])
+    if options[0] == "conv" and _native_convolves(x, weight, bias, *options[1:]):
+        stride, padding, dilation, groups = options[1:]
+        y = native.conv(x, weight, bias, stride=stride, padding=padding, dilation=dilation,
+                        groups=groups)
+        return y if act is None else act(y)
     if emulates(x, weight, bias):
         return _emulated(options, act, x, weight, *(() if bias is None else (bias,)))
     y = _kernel(*options)(x, weight)
     if bias is not None:
         y = y + bias
     return y if act is None else act(y)
+
+
+def _native_convolves(x: mx.array, weight: mx.array, bias: mx.array | None,
+                      stride: tuple[int, ...], padding: Padding, dilation: tuple[int, ...],
+                      groups: int) -> bool:
+    """Whether the native kernel computes this convolution: on the CPU, operands of one
+    dtype, float32 forward and backward, or bfloat16 outside fluxlike's differentiation
+    (half training stays on the emulation, as for :func:`linear`), where
+    :func:`fluxlike.native.pays` says its implicit GEMM beats MLX's."""
+    dtype = x.dtype
+    if dtype != weight.dtype or (bias is not None and bias.dtype != dtype):
+        return False
+    if not (dtype == _F32 or (dtype == _BF16 and not _state().differentiating)):
+        return False
+    if not _native_cpu() or x.ndim < 3 or x.ndim > 5:
+        return False
+    lo, hi = padding if isinstance(padding[0], tuple) else (padding, padding)
+    rows = x.shape[0]
+    for n, k, s, d, a, b in zip(x.shape[1:-1], weight.shape[1:-1], stride, dilation, lo, hi,
+                                strict=True):
+        rows *= max(0, (n + a + b - d * (k - 1) - 1) // s + 1)
+    inner = weight.size // weight.shape[0]
+    return native.pays(rows, inner, weight.shape[0], dtype)
 
 
 def _emulated(options: tuple, act: Callable | None, x: mx.array, weight: mx.array,
