@@ -197,24 +197,20 @@ def train(
             _restore(model, opt_state, scale_state, before)
             raise
         loss_value = cast(float, value.item())
+        problem = advice = ""
         if not math.isfinite(loss_value):
+            problem = f"the loss is {loss_value} at batch {i} (counting from 0)"
+        elif not finite.item():
+            problem = (f"the gradients hold inf or nan at batch {i} (counting from 0), "
+                       f"although the loss is finite ({loss_value:.6g})")
+            advice = (" (a loss scale, train(..., loss_scale=DynamicLossScale()), would skip "
+                      "such steps instead)")
+        if problem:
             _restore(model, opt_state, scale_state, before)
             if bar is not None:
                 bar.stream.write("\n")
-            raise FloatingPointError(
-                f"{where}: the loss is {loss_value} at batch {i} (counting from 0); the model and "
-                f"optimiser state are left as they were before that batch"
-            )
-        if not finite.item():
-            _restore(model, opt_state, scale_state, before)
-            if bar is not None:
-                bar.stream.write("\n")
-            raise FloatingPointError(
-                f"{where}: the gradients hold inf or nan at batch {i} (counting from 0), "
-                f"although the loss is finite ({loss_value:.6g}); the model and optimiser state "
-                f"are left as they were before that batch (a loss scale, "
-                f"train(..., loss_scale=DynamicLossScale()), would skip such steps instead)"
-            )
+            raise FloatingPointError(f"{where}: {problem}; the model and optimiser state are "
+                                     f"left as they were before that batch{advice}")
         total, count = total + loss_value, count + 1
         if bar is not None:
             bar.show(count, total / count)

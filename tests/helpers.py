@@ -144,3 +144,23 @@ def half_copy(layer, dtype):
     for key, value in layer.items():
         dict.__setitem__(copy, key, tree_map(cast, value, is_leaf=nn.Module.is_module))
     return copy
+
+
+
+def mse_of(model, x, y):
+    """The mean squared error of ``model(x)`` against ``y``: the loss the training tests use."""
+    return ((model(x) - y) ** 2).mean()
+
+
+def dense_of(w, b):
+    """A ``fluxlike.Dense`` with the weight ``w`` (nested lists, ``(out, in)``) and bias ``b``."""
+    from fluxlike import Dense
+
+    layer = Dense(len(w[0]), len(w))
+    layer.weight, layer.bias = mx.array(w), mx.array(b)
+    return layer
+
+
+def leaves(tree):
+    """A parameter tree's arrays by dotted path."""
+    return dict(tree_flatten(tree))

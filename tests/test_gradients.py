@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from helpers import dense_of, leaves, mse_of
 
 from fluxlike import (
     BatchNorm,
@@ -22,22 +22,6 @@ from fluxlike import (
 )
 from fluxlike.modes import is_active
 
-
-def _mse(m, x, y):
-    return ((m(x) - y) ** 2).mean()
-
-
-def _dense(w, b):
-    layer = Dense(len(w[0]), len(w))
-    layer.weight, layer.bias = mx.array(w), mx.array(b)
-    return layer
-
-
-def _leaves(tree):
-    return dict(tree_flatten(tree))
-
-
-
 # ---------------------------------------------------------------- gradient / withgradient
 
 
@@ -46,8 +30,8 @@ def test_gradient_of_a_module_matches_numpy():
     b = np.array([0.1, -0.2], dtype=np.float32)
     x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
     y = np.random.default_rng(1).normal(size=(4, 2)).astype(np.float32)
-    model = _dense(w, b)
-    (g,) = gradient(lambda m: _mse(m, mx.array(x), mx.array(y)), model)
+    model = dense_of(w, b)
+    (g,) = gradient(lambda m: mse_of(m, mx.array(x), mx.array(y)), model)
     err = x @ w.T + b - y
     np.testing.assert_allclose(np.array(g["weight"]), 2 * err.T @ x / err.size, rtol=1e-5)
     np.testing.assert_allclose(np.array(g["bias"]), 2 * err.sum(0) / err.size, rtol=1e-5)
@@ -147,7 +131,7 @@ def test_batchnorm_running_stats_persist_as_concrete_arrays():
     assert model[0].weight is weight and bn.weight is bn_weight
     np.testing.assert_allclose(np.array(bn.running_mean), 0.5 * h.mean(0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.array(bn.running_var), 0.5 + 0.5 * h.var(0, ddof=1), rtol=1e-5)
-    assert "running_mean" not in _leaves(model.trainable_parameters()).get("layers.1", {})
+    assert "running_mean" not in leaves(model.trainable_parameters()).get("layers.1", {})
     # A second call starts from the stored statistics (they are ordinary arrays now).
     gradient(lambda m: m(x).sum(), model)
     np.testing.assert_allclose(np.array(bn.running_mean), 0.75 * h.mean(0), rtol=1e-5, atol=1e-6)
@@ -167,7 +151,7 @@ def test_batchnorm_stats_inside_compile():
 
 def test_gradient_errors_leave_model_unchanged():
     model = Chain(Dense(2, 3), BatchNorm(3))
-    before = _leaves(model.parameters())
+    before = leaves(model.parameters())
     with pytest.raises(ValueError, match="floating scalar"):
         gradient(lambda m: m(mx.ones((4, 2))), model)
     with pytest.raises(TypeError, match="scalar mx.array"):
@@ -179,7 +163,7 @@ def test_gradient_errors_leave_model_unchanged():
 
     with pytest.raises(RuntimeError, match="boom"):
         gradient(fails, model)
-    after = _leaves(model.parameters())
+    after = leaves(model.parameters())
     assert all(after[k] is v for k, v in before.items())
 
 
@@ -188,7 +172,7 @@ def test_bad_autocast(bad):
     with pytest.raises(ValueError, match="autocast must be None, mx.float16 or mx.bfloat16"):
         gradient(lambda x: x.sum(), mx.ones(2), autocast=bad)
     with pytest.raises(ValueError, match="autocast must be"):
-        train(_mse, Dense(1, 1), [], setup(Descent(), Dense(1, 1)), autocast=bad)
+        train(mse_of, Dense(1, 1), [], setup(Descent(), Dense(1, 1)), autocast=bad)
 
 
 def test_nothing_to_differentiate():

@@ -7,6 +7,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from helpers import leaves, mse_of
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from fluxlike import (
@@ -26,22 +27,6 @@ from fluxlike import (
 )
 from fluxlike.gradients import _trainable_parameters
 
-
-def _mse(m, x, y):
-    return ((m(x) - y) ** 2).mean()
-
-
-def _dense(w, b):
-    layer = Dense(len(w[0]), len(w))
-    layer.weight, layer.bias = mx.array(w), mx.array(b)
-    return layer
-
-
-def _leaves(tree):
-    return dict(tree_flatten(tree))
-
-
-
 # ---------------------------------------------------------------- setup / OptState
 
 
@@ -52,7 +37,7 @@ def test_setup_state_and_repr():
     assert repr(opt_state) == (
         "OptState(Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08), loss_scale=None)"
     )
-    keys = sorted(_leaves(opt_state.state))
+    keys = sorted(leaves(opt_state.state))
     assert "optimizer.layers.1.weight.m" in keys and "optimizer.step" in keys
     assert not any("running" in k for k in keys)
 
@@ -86,25 +71,25 @@ def test_load_state_round_trip_nested_and_flat():
     opt_state = setup(Adam(0.1), model, loss_scale=DynamicLossScale(scale=8.0))
     x, y = mx.ones((4, 2)) * mx.arange(4).reshape(4, 1), mx.zeros((4, 1))
     for _ in range(3):
-        update(opt_state, model, gradient(lambda m: _mse(m, x, y), model)[0])
-    saved = {k: mx.array(v) for k, v in _leaves(opt_state.state).items()}
+        update(opt_state, model, gradient(lambda m: mse_of(m, x, y), model)[0])
+    saved = {k: mx.array(v) for k, v in leaves(opt_state.state).items()}
 
     fresh = setup(Adam(0.1), make())
     fresh.load_state(saved)  # flat form, and it creates the dynamic loss scale
     assert isinstance(fresh.loss_scale, DynamicLossScale)
-    for k, v in _leaves(fresh.state).items():
+    for k, v in leaves(fresh.state).items():
         assert mx.array_equal(v, saved[k]).item() and v.dtype == saved[k].dtype, k
 
     again = setup(Adam(0.1), make(), loss_scale=DynamicLossScale())
     again.load_state(tree_unflatten(list(saved.items())))  # nested form
     assert again.loss_scale.loss_scale.item() == opt_state.loss_scale.loss_scale.item()
     assert again.optimizer.step.item() == 3
-    assert set(_leaves(again.state)) == set(saved)
+    assert set(leaves(again.state)) == set(saved)
 
 
 def test_load_state_mismatch_changes_nothing():
     opt_state = setup(Momentum(), Chain(Dense(2, 3), Dense(3, 1)), loss_scale=4.0)
-    before = _leaves(opt_state.state)
+    before = leaves(opt_state.state)
     good = dict(before)
     cases = [
         ({k: v for k, v in good.items() if k != "optimizer.layers.1.bias.v"},
@@ -118,7 +103,7 @@ def test_load_state_mismatch_changes_nothing():
     for tree, message in cases:
         with pytest.raises(ValueError, match=message):
             opt_state.load_state(tree)
-        after = _leaves(opt_state.state)
+        after = leaves(opt_state.state)
         assert all(after[k] is v for k, v in before.items())
 
 

@@ -10,6 +10,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from helpers import leaves, mse_of
 from mlx.utils import tree_flatten
 
 from fluxlike import (
@@ -32,22 +33,6 @@ from fluxlike import (
 )
 from fluxlike.gradients import _trainable_parameters
 
-
-def _mse(m, x, y):
-    return ((m(x) - y) ** 2).mean()
-
-
-def _dense(w, b):
-    layer = Dense(len(w[0]), len(w))
-    layer.weight, layer.bias = mx.array(w), mx.array(b)
-    return layer
-
-
-def _leaves(tree):
-    return dict(tree_flatten(tree))
-
-
-
 # ---------------------------------------------------------------- train
 
 
@@ -65,13 +50,13 @@ def test_train_converges_and_returns_mean_loss():
     data = _regression()
     model = Chain(Dense(3, 8, relu), Dense(8, 1))
     opt_state = setup(Adam(0.02), model)
-    first = train(_mse, model, data, opt_state, progress=False)
+    first = train(mse_of, model, data, opt_state, progress=False)
     for _ in range(30):
-        last = train(_mse, model, data, opt_state, progress=False)
+        last = train(mse_of, model, data, opt_state, progress=False)
     assert isinstance(last, float) and last < 0.02 * first
     assert opt_state.optimizer.step.item() == 31 * len(data)
-    expected = np.mean([_mse(model, x, y).item() for x, y in data])
-    assert train(_mse, model, data, opt_state, progress=False) == pytest.approx(expected, rel=0.2)
+    expected = np.mean([mse_of(model, x, y).item() for x, y in data])
+    assert train(mse_of, model, data, opt_state, progress=False) == pytest.approx(expected, rel=0.2)
 
 
 def test_train_splats_tuples_and_passes_other_batches_whole():
@@ -105,7 +90,7 @@ def test_non_finite_loss_names_the_batch_and_leaves_state(compile):
             assert "loss is nan at batch 2" in str(e)
         else:
             assert len(data) == 2
-        runs.append((_leaves(model.parameters()), _leaves(opt_state.state)))
+        runs.append((leaves(model.parameters()), leaves(opt_state.state)))
     (p_ok, s_ok), (p_err, s_err) = runs
     for ok, err in ((p_ok, p_err), (s_ok, s_err)):
         assert set(ok) == set(err)
@@ -128,7 +113,7 @@ def test_a_raising_loss_leaves_model_optimiser_and_random_state_usable(compile):
     with pytest.raises(RuntimeError, match="batch of 4"):
         train(loss, model, data[:2], opt_state, progress=False, compile=compile)  # fine
         train(loss, model, data, opt_state, progress=False, compile=compile)
-    saved = _leaves(model.parameters()), _leaves(opt_state.state), mx.random.state[0]
+    saved = leaves(model.parameters()), leaves(opt_state.state), mx.random.state[0]
     mx.eval(saved)  # raises if a placeholder was left anywhere
     mx.random.normal((2,))
     assert train(loss, model, data[:2], opt_state, progress=False, compile=compile) > 0
@@ -138,19 +123,19 @@ def test_train_loss_scale_argument():
     model = Dense(2, 1)
     data = [(mx.ones((2, 2)), mx.zeros((2, 1)))]
     opt_state = setup(Descent(0.1), model)
-    train(_mse, model, data, opt_state, autocast=mx.bfloat16, progress=False)
+    train(mse_of, model, data, opt_state, autocast=mx.bfloat16, progress=False)
     assert opt_state.loss_scale is None
-    train(_mse, model, data, opt_state, autocast=mx.float16, progress=False)
+    train(mse_of, model, data, opt_state, autocast=mx.float16, progress=False)
     ls = opt_state.loss_scale
     assert isinstance(ls, DynamicLossScale)
-    train(_mse, model, data, opt_state, progress=False)  # "auto" keeps the existing scale
+    train(mse_of, model, data, opt_state, progress=False)  # "auto" keeps the existing scale
     assert opt_state.loss_scale is ls
-    train(_mse, model, data, opt_state, loss_scale=128, progress=False)
+    train(mse_of, model, data, opt_state, loss_scale=128, progress=False)
     assert isinstance(opt_state.loss_scale, StaticLossScale)
-    train(_mse, model, data, opt_state, autocast=mx.float16, loss_scale=None, progress=False)
+    train(mse_of, model, data, opt_state, autocast=mx.float16, loss_scale=None, progress=False)
     assert opt_state.loss_scale is None
     with pytest.raises(ValueError, match="loss_scale must be None, 'auto'"):
-        train(_mse, model, data, opt_state, loss_scale="dynamic")
+        train(mse_of, model, data, opt_state, loss_scale="dynamic")
 
 
 def test_compiled_training_matches_eager():
@@ -164,9 +149,9 @@ def test_compiled_training_matches_eager():
     for compile in (False, True):
         model = fresh()
         opt_state = setup(Adam(0.01), model)
-        losses = [train(_mse, model, data, opt_state, progress=False, compile=compile)
+        losses = [train(mse_of, model, data, opt_state, progress=False, compile=compile)
                   for _ in range(2)]
-        results.append((losses, _leaves(model.parameters()), _leaves(opt_state.state)))
+        results.append((losses, leaves(model.parameters()), leaves(opt_state.state)))
     (l0, p0, s0), (l1, p1, s1) = results
     np.testing.assert_allclose(l0, l1, rtol=1e-5)
     for eager, compiled in ((p0, p1), (s0, s1)):
@@ -184,7 +169,7 @@ def test_compiled_training_with_dropout_matches_eager():
         model = Chain(Dense(3, 16, relu), Dropout(0.5), Dense(16, 1))
         opt_state = setup(Adam(0.01), model)
         data = [(mx.ones((4, 3)), mx.zeros((4, 1)))] * 4
-        losses = [train(_mse, model, data, opt_state, progress=False, compile=compile)
+        losses = [train(mse_of, model, data, opt_state, progress=False, compile=compile)
                   for _ in range(2)]
         results.append((losses, model[0].weight))
     (l0, w0), (l1, w1) = results
@@ -201,7 +186,7 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     stream = _Terminal()
     monkeypatch.setattr("sys.stderr", stream)
     data = _regression(n_batches=5)
-    train(_mse, Dense(3, 1), data, setup(Descent(0.01), Dense(3, 1)), progress=True)
+    train(mse_of, Dense(3, 1), data, setup(Descent(0.01), Dense(3, 1)), progress=True)
     text = stream.getvalue()
     assert text.startswith("\r[") and text.endswith("\n")
     last = text.rstrip("\n").split("\r")[-1]
@@ -213,7 +198,7 @@ def test_progress_bar_for_unsized_data(monkeypatch):
     stream = _Terminal()
     monkeypatch.setattr("sys.stderr", stream)
     model = Dense(3, 1)
-    train(_mse, model, iter(_regression(n_batches=3)), setup(Descent(0.01), model))
+    train(mse_of, model, iter(_regression(n_batches=3)), setup(Descent(0.01), model))
     assert stream.getvalue().rstrip("\n").split("\r")[-1].startswith("3 loss ")
 
 
@@ -222,11 +207,11 @@ def test_no_progress_bar_off_terminal_or_when_disabled(monkeypatch):
     plain = io.StringIO()
     monkeypatch.setattr("sys.stderr", plain)
     model = Dense(3, 1)
-    train(_mse, model, data, setup(Descent(0.01), model))
+    train(mse_of, model, data, setup(Descent(0.01), model))
     assert plain.getvalue() == ""
     terminal = _Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    train(_mse, model, data, setup(Descent(0.01), model), progress=False)
+    train(mse_of, model, data, setup(Descent(0.01), model), progress=False)
     assert terminal.getvalue() == ""
 
 
@@ -242,15 +227,15 @@ def test_a_part_thawed_after_setup_gets_optimiser_state(rule, compile):
     model.unfreeze()
     for _ in range(2):  # the second step reuses the compiled step of the first
         if compile:
-            train(_mse, model, [(x, x[:, :1])], opt_state, progress=False, compile=True)
-            train(_mse, twin, [(x, x[:, :1])], twin_state, progress=False, compile=True)
+            train(mse_of, model, [(x, x[:, :1])], opt_state, progress=False, compile=True)
+            train(mse_of, twin, [(x, x[:, :1])], twin_state, progress=False, compile=True)
         else:
-            update(opt_state, model, gradient(lambda m: _mse(m, x, x[:, :1]), model)[0])
-            update(twin_state, twin, gradient(lambda m: _mse(m, x, x[:, :1]), twin)[0])
+            update(opt_state, model, gradient(lambda m: mse_of(m, x, x[:, :1]), model)[0])
+            update(twin_state, twin, gradient(lambda m: mse_of(m, x, x[:, :1]), twin)[0])
     # a fresh setup would have made the same state: same steps, same parameters
-    assert _leaves(opt_state.state).keys() == _leaves(twin_state.state).keys()
-    for k, v in _leaves(model.parameters()).items():
-        np.testing.assert_allclose(np.array(v), np.array(_leaves(twin.parameters())[k]),
+    assert leaves(opt_state.state).keys() == leaves(twin_state.state).keys()
+    for k, v in leaves(model.parameters()).items():
+        np.testing.assert_allclose(np.array(v), np.array(leaves(twin.parameters())[k]),
                                    rtol=1e-6, err_msg=k)
 
 
@@ -263,11 +248,11 @@ def test_an_eager_step_that_raises_leaves_the_optimiser_state():
 
     model = Dense(2, 2)
     opt_state = setup(Picky(0.1), model)
-    before = _leaves(opt_state.state)
+    before = leaves(opt_state.state)
     grads = gradient(lambda m: m(mx.ones((1, 2))).sum(), model)[0]
     with pytest.raises(ValueError, match="no biases here"):
         update(opt_state, model, grads)
-    after = _leaves(opt_state.state)
+    after = leaves(opt_state.state)
     assert after.keys() == before.keys()
     assert all(after[k] is before[k] for k in before)
 
@@ -313,20 +298,20 @@ def test_loss_scale_scales_the_gradients_for_update():
     x = mx.arange(6.0).reshape(3, 2)
     model, twin = Dense(2, 1), Dense(2, 1)
     twin.update(model.parameters())
-    loss, (g,) = withgradient(lambda m: _mse(m, x, x[:, :1]), model, loss_scale=8.0)
-    plain, (g1,) = withgradient(lambda m: _mse(m, x, x[:, :1]), model)
+    loss, (g,) = withgradient(lambda m: mse_of(m, x, x[:, :1]), model, loss_scale=8.0)
+    plain, (g1,) = withgradient(lambda m: mse_of(m, x, x[:, :1]), model)
     assert loss.item() == plain.item()  # the value is the unscaled loss
     np.testing.assert_allclose(np.array(g["weight"]), 8 * np.array(g1["weight"]), rtol=1e-6)
     # update with a loss scale in opt_state expects exactly those: as without a scale
     scaled, unscaled = setup(Descent(0.1), model, loss_scale=DynamicLossScale()), \
         setup(Descent(0.1), twin)
-    (g,) = gradient(lambda m: _mse(m, x, x[:, :1]), model, loss_scale=scaled.loss_scale)
+    (g,) = gradient(lambda m: mse_of(m, x, x[:, :1]), model, loss_scale=scaled.loss_scale)
     update(scaled, model, g)
-    update(unscaled, twin, gradient(lambda m: _mse(m, x, x[:, :1]), twin)[0])
+    update(unscaled, twin, gradient(lambda m: mse_of(m, x, x[:, :1]), twin)[0])
     np.testing.assert_allclose(np.array(model.weight), np.array(twin.weight), rtol=1e-6)
     with pytest.raises(ValueError, match=r"gradient: loss_scale must be None, 'auto', a "
                                          r"positive number"):
-        gradient(lambda m: _mse(m, x, x[:, :1]), model, loss_scale="big")
+        gradient(lambda m: mse_of(m, x, x[:, :1]), model, loss_scale="big")
 
 
 @pytest.mark.parametrize("wrap", [list, tuple, lambda ms: {"a": ms[0], "b": ms[1]},
@@ -404,7 +389,7 @@ def test_checkpointed_blocks_are_recomputed_in_train_mode_and_the_scope(autocast
         mx.random.seed(1)
         model = _Checkpointed(checkpointed)
         (g,) = gradient(lambda m: (m(x) ** 2).sum(), model, autocast=autocast)
-        results.append((_leaves(g), _leaves(model.parameters())))
+        results.append((leaves(g), leaves(model.parameters())))
     (g_plain, p_plain), (g_ckpt, p_ckpt) = results
     for k in g_plain:
         np.testing.assert_allclose(np.array(g_ckpt[k]), np.array(g_plain[k]), rtol=1e-5,
@@ -435,9 +420,9 @@ def test_train_says_how_it_calls_the_loss():
     with pytest.raises(TypeError, match=r"train: the loss is called as loss\(model, \*batch\), "
                                          r"here with a batch of 1 \(array\).*for one batch "
                                          r"\(x, y\) pass \[\(x, y\)\]"):
-        train(_mse, model, (x, y), opt_state, progress=False)
+        train(mse_of, model, (x, y), opt_state, progress=False)
     with pytest.raises(TypeError, match=r"batch of 2 \(array, array\), and cannot take that"):
-        train(lambda x, y: _mse(model, x, y), model, [(x, y)], opt_state, progress=False)
+        train(lambda x, y: mse_of(model, x, y), model, [(x, y)], opt_state, progress=False)
     assert opt_state.state["optimizer"]["step"].item() == 0  # no step was taken
 
 
@@ -445,12 +430,12 @@ def test_update_with_another_models_opt_state():
     opt_state = setup(Adam(0.1), Dense(2, 1))
     other = Dense(3, 1)
     (g,) = gradient(lambda m: m(mx.ones((1, 3))).sum(), other)
-    before = _leaves(opt_state.state)
+    before = leaves(opt_state.state)
     with pytest.raises(ValueError, match=r"update: opt_state does not fit the model: its 'm' "
                                          r"for 'weight' has shape \(1, 2\), the parameter "
                                          r"\(1, 3\); setup\(\) the optimiser for this model"):
         update(opt_state, other, g)
-    assert _leaves(opt_state.state).keys() == before.keys()
+    assert leaves(opt_state.state).keys() == before.keys()
 
 
 def test_running_statistics_do_not_chain_across_steps():
@@ -481,7 +466,7 @@ def test_a_failed_first_batch_after_a_thaw_leaves_training_possible(compile):
     nan = [True]
 
     def loss(m, x, y):
-        value = _mse(m, x, y)
+        value = mse_of(m, x, y)
         return value * math.nan if nan[0] else value
 
     with pytest.raises(FloatingPointError):
@@ -541,7 +526,7 @@ def test_non_finite_gradients_name_their_batch():
     with pytest.raises(FloatingPointError, match=r"gradients hold inf or nan at batch 2"):
         train(loss, model, batches, opt_state, progress=False)
     assert opt_state.optimizer.state["step"].item() == 2
-    assert all(mx.all(mx.isfinite(v)).item() for v in _leaves(model.parameters()).values())
+    assert all(mx.all(mx.isfinite(v)).item() for v in leaves(model.parameters()).values())
 
 
 def test_with_a_loss_scale_non_finite_gradients_are_a_skipped_step():
@@ -563,4 +548,4 @@ def test_data_must_be_batches(data):
     with pytest.raises(TypeError, match=r"^train: data must be an iterable of batches \(a "
                        r"DataLoader, or a list of \(x, y\) tuples\), got .*; for one batch pass "
                        r"\[\(x, y\)\]"):
-        train(_mse, model, data, setup(Descent(0.1), model), progress=False)
+        train(mse_of, model, data, setup(Descent(0.1), model), progress=False)

@@ -262,7 +262,7 @@ def _route(cls: type) -> None:
     covered = record.owner is not None and plain is _plain(record.owner.__call__)
     forward = record.forward if covered else None
     if record.kind == "fp32":
-        _install(cls, "__call__", plain, _fp32_call(plain), "fp32")
+        _install(cls, "__call__", plain, _unscoped_call(plain, float32=True), "fp32")
     elif record.kind == "down" and forward == "ops":
         _install(cls, "__call__", plain, None, None)
     elif record.kind == "down" and forward is not None:
@@ -270,7 +270,7 @@ def _route(cls: type) -> None:
     elif record.kind == "down":
         _install(cls, "__call__", plain, _swapping_call(plain), "down")
     elif _casts_at_ops(cls, plain):  # "none" over a forward that would cast: as outside
-        _install(cls, "__call__", plain, _unscoped_call(plain), "none")
+        _install(cls, "__call__", plain, _unscoped_call(plain, float32=False), "none")
     else:
         _install(cls, "__call__", plain, None, None)
     for name, scoped in record.methods.items():
@@ -316,7 +316,12 @@ def _scoped_call(plain: Callable, scoped: Callable) -> Callable:
     return call
 
 
-def _unscoped_call(plain: Callable) -> Callable:
+def _unscoped_call(plain: Callable, float32: bool) -> Callable:
+    """``plain`` with autocast off on its device inside a scope: the ``"fp32"`` policy with
+    ``float32=True`` (half inputs cast up, half outputs returned in float32), else a
+    ``"none"`` class whose inherited forward would cast at fluxlike's kernels."""
+    up = _to(mx.float32, HALF)
+
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = context.get()
         if state is PLAIN:
@@ -324,30 +329,15 @@ def _unscoped_call(plain: Callable) -> Callable:
         slot = device_index()
         if state[slot] is None:
             return plain(self, *args, **kwargs)
-        token = with_dtype(slot, None)
-        try:
-            return plain(self, *args, **kwargs)
-        finally:
-            context.reset(token)
-
-    return call
-
-
-def _fp32_call(plain: Callable) -> Callable:
-    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = context.get()
-        if state is PLAIN:
-            return plain(self, *args, **kwargs)
-        slot = device_index()
-        if state[slot] is None:
-            return plain(self, *args, **kwargs)
-        args, kwargs = cast_arguments(mx.float32, HALF, args, kwargs)
+        if float32:
+            args, kwargs = cast_arguments(mx.float32, HALF, args, kwargs)
         token = with_dtype(slot, None)
         try:
             out = plain(self, *args, **kwargs)
         finally:
             context.reset(token)
-        up = _to(mx.float32, HALF)
+        if not float32:
+            return out
         return up(out) if isinstance(out, mx.array) else tree_map(up, out)
 
     return call
