@@ -24,6 +24,13 @@ and whose cotangents come back in the operands' dtypes. It supports ``mx.grad``/
 and ``mx.compile`` (not second-order gradients). On a GPU, MLX's native half kernels run.
 Inference reuses the kept float32 upcasts of the weights instead (:func:`castcache.reused`).
 
+Native kernels on the CPU (:mod:`fluxlike.native`, where ``./dev`` built them): float32 linear
+layers of ``NATIVE_FLOAT32_WEIGHTS`` weights or more, and float32 convolutions whose implicit
+GEMM pays, run oneDNN's kernels forward and backward (their weight gradients come back
+row-major); bfloat16 inference on kept weights runs oneDNN's bfloat16 kernels, with the same
+numerics (bfloat16 operands, float32 accumulation, one rounding). Half-precision training
+stays on the emulation above, which keeps less for the backward pass.
+
 Memory: what the graph retains is about half of float32's for an activation-heavy MLP.
 MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to about a
 hundred ops ahead of execution, so a measured peak also counts the float32 temporaries queued

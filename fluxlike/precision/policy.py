@@ -99,9 +99,13 @@ def _check_class(cls: Any, where: str) -> None:
 
 
 def _declare(cls: type, **changes: Any) -> None:
-    """Give ``cls`` a record of its own: the inherited one with ``changes``."""
+    """Give ``cls`` a record of its own: the inherited one with ``changes``. A new kind or
+    forward makes ``cls`` the record's owner; ``keep_float32`` alone keeps the inherited
+    owner (whose forward still covers only the owner's own ``__call__``)."""
     with barrier.lock:
-        _records[cls] = dataclasses.replace(policy_record(cls), owner=cls, **changes)
+        inherited = policy_record(cls)
+        owner = cls if "kind" in changes or inherited.owner is None else inherited.owner
+        _records[cls] = dataclasses.replace(inherited, owner=owner, **changes)
         if barrier.crossed:
             _route_tree(cls)
 

@@ -420,3 +420,17 @@ class TestSmallOnes:
         layer = make(lambda shape: mx.random.normal(shape).astype(dtype))
         arrays = dict(tree_flatten(layer.parameters()))
         assert {a.dtype for a in arrays.values()} == {dtype}, arrays.keys()
+
+
+def test_keep_float32_on_a_subclass_with_its_own_forward_keeps_it_cast_around():
+    """keep_float32 alone does not make a Dense subclass's own raw forward 'cast at the ops'."""
+
+    @fl.keep_float32
+    class Raw(fl.Dense):
+        def __call__(self, x):
+            return x @ self.weight.T  # raw MLX: needs its parameters swapped to the half casts
+
+    layer = Raw(3, 2)
+    with autocast(BF16, device="cpu"):
+        assert layer(mx.ones((1, 3))).dtype == BF16
+    assert fl.f16mix(layer).weight.dtype == F32
