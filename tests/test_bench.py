@@ -6,6 +6,7 @@ that the worker answers, computes the model and ends at the end of its input.
 """
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -134,7 +135,8 @@ def test_an_autocast_call_runs_little_python():
     Chain(Dense, LayerNorm, Dense), the `with` included, makes at most 50 Python calls in
     fluxlike and mlx with at most 20 switches between files; the plain call at most 24 and 8."""
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "calls.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's fluxlike
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split(" | ")[0]: [int(v) for v in line.split(" | ")[1:]]
             for line in done.stdout.splitlines() if line.startswith(("autocast |", "plain |"))}
