@@ -714,7 +714,15 @@ void relu_grad_loop(const G* g, const Y* y, G* out, size_t n) {
 void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& g = inputs[0];
   auto& y = inputs[1];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  // The cotangent's buffer is reused when nothing else holds it, as MLX's elementwise ops
+  // do (an elementwise pass can run in place): a new buffer per layer would raise the peak
+  // of a backward pass that MLX's scheduler queues ahead.
+  if (g.is_donatable() && g.itemsize() == out.itemsize() &&
+      g.buffer_size() <= out.nbytes() + 16384) {
+    out.copy_shared_buffer(g);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(g);
   encoder.set_input_array(y);
