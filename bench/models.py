@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from specs import SPECS, Spec, data, onehot, weights  # noqa: F401  (re-exported)
+from specs import LM, SPECS, LMSpec, Spec, data, lm_data, onehot, weights  # noqa: F401
 
 import fluxlike
 from fluxlike.losses import logitcrossentropy
@@ -123,3 +123,36 @@ def mlx_nn_model(spec: Spec, ws: list) -> nn.Sequential:
 def mlx_nn_loss(model: nn.Module, x: mx.array, labels: mx.array) -> mx.array:
     """Mean cross entropy against integer labels, with ``mlx.nn.losses``."""
     return nn.losses.cross_entropy(model(x), labels, reduction="mean")
+
+
+# ---------------------------------------------------------------- the transformer LM (stock mlx.nn)
+
+
+class LanguageModel(nn.Module):
+    """A causal transformer LM as a user builds it from ``mlx.nn``: token and position
+    embeddings, pre-norm ``nn.TransformerEncoderLayer``s (``nn.MultiHeadAttention``,
+    ``nn.LayerNorm``, ``nn.Linear``) with an additive causal mask, a final ``nn.LayerNorm``
+    and an ``nn.Linear`` head."""
+
+    def __init__(self, spec: LMSpec = LM):
+        super().__init__()
+        self.embedding = nn.Embedding(spec.vocab, spec.dims)
+        self.positions = nn.Embedding(spec.context, spec.dims)
+        self.layers = [nn.TransformerEncoderLayer(spec.dims, spec.heads, 4 * spec.dims)
+                       for _ in range(spec.layers)]
+        self.norm = nn.LayerNorm(spec.dims)
+        self.head = nn.Linear(spec.dims, spec.vocab)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        length = tokens.shape[1]
+        x = self.embedding(tokens) + self.positions(mx.arange(length))
+        mask = nn.MultiHeadAttention.create_additive_causal_mask(length)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.head(self.norm(x))
+
+
+def lm_loss(model: nn.Module, tokens: mx.array, targets: mx.array) -> mx.array:
+    """Mean next-token cross entropy (``mlx.nn.losses``), on float32 logits."""
+    logits = model(tokens).astype(mx.float32)
+    return nn.losses.cross_entropy(logits, targets, reduction="mean")

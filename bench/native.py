@@ -18,11 +18,13 @@ float32 on the same row. PyTorch runs afterwards, in its own process. Peak memor
 
 Variants: ``mlx f32`` hand-written MLX (``mx.addmm``) in float32, on the OpenBLAS fluxlike
 puts under MLX; ``fl bf16 today`` fluxlike's current CPU bfloat16 path (``precision.ops.
-linear``: bfloat16 numerics in float32 OpenBLAS kernels); ``native f32``/``native bf16``
-``fluxlike.native.linear`` (bf16: float32 master weights cast to bfloat16 on each call, as
-autocast does); ``torch f32``/``torch bf16`` PyTorch (``torch.autocast('cpu',
-torch.bfloat16)``) in a process of its own (``--torch``: a Python with torch 2.13; default
-this Python if it has torch, else /tmp/torchvenv/bin/python if present).
+linear``: oneDNN's bfloat16 kernel where the CPU has one, else bfloat16 numerics in float32
+OpenBLAS kernels); ``fl bf16 emu`` that emulation, the native kernels switched off;
+``native f32``/``native bf16`` ``fluxlike.native.linear`` (bf16: float32 master weights cast
+to bfloat16 on each call, as autocast does); ``torch f32``/``torch bf16`` PyTorch
+(``torch.autocast('cpu', torch.bfloat16)``) in a process of its own (``--torch``: a Python
+with torch 2.13; default this Python if it has torch, else /tmp/torchvenv/bin/python if
+present).
 """
 
 from __future__ import annotations
@@ -78,6 +80,16 @@ def today_linear(x, w, b, act):
     return ops.linear(x, w, b, _relu if act else None)
 
 
+def emulated_linear(x, w, b, act):
+    """``ops.linear`` with the native kernels switched off: the float32-kernel emulation."""
+    saved = native.available, native.bfloat16_native
+    native.available = native.bfloat16_native = lambda: False
+    try:
+        return ops.linear(x, w, b, _relu if act else None)
+    finally:
+        native.available, native.bfloat16_native = saved
+
+
 def _relu(y):
     return mx.maximum(y, 0)
 
@@ -102,6 +114,7 @@ CONV_KERNELS = {"mlx f32": (mlx_conv, None), "fl bf16 today": (today_conv, mx.bf
                 "native f32": (native_conv, None), "native bf16": (native_conv, mx.bfloat16)}
 
 KERNELS = {"mlx f32": (mlx_linear, None), "fl bf16 today": (today_linear, mx.bfloat16),
+           "fl bf16 emu": (emulated_linear, mx.bfloat16),
            "native f32": (native_linear, None), "native bf16": (native_linear, mx.bfloat16)}
 
 
@@ -284,7 +297,8 @@ def flops(row: str) -> float | None:
 
 
 def table(rows: dict) -> None:
-    names = ["mlx f32", "fl bf16 today", "native f32", "native bf16", "torch f32", "torch bf16"]
+    names = ["mlx f32", "fl bf16 today", "fl bf16 emu", "native f32", "native bf16", "torch f32",
+             "torch bf16"]
     names = [n for n in names if any(n in r for r in rows.values())]
     head = f"{'row':30s}" + "".join(f"{n:>15s}" for n in names)
     print("\ntime, ms (ratio to mlx f32)")

@@ -1,7 +1,7 @@
 """fluxlike against hand-written MLX, mlx.nn and PyTorch on this machine's CPU, side by side.
 
     .venv/bin/python bench/run.py [--quick] [--only inference|training|memory]
-                                  [--models seed,large,cnn,act]
+                                  [--models seed,large,cnn,act,lm] [--torch PYTHON]
 
 Three tables, each with the variants interleaved (round-robin over the variants for every
 repetition, in a new random order each round, medians kept), after a warm-up:
@@ -16,6 +16,12 @@ process never imports torch): MLX in the same process changes what PyTorch pays 
 page faults after MLX's buffer cache grew). The interleaving is kept across the two: at a
 PyTorch variant's turn in a round, the worker is asked for one sample (its untimed settle call,
 then the timed calls, measured inside the worker so that the pipe's latency is not counted).
+
+Native kernels: with fluxlike-native installed, ``fl f32`` and ``fl autocast`` take its oneDNN
+kernels where fluxlike routes them (``fluxlike.native``); the ``-native`` variants are the same
+with the native kernels switched off in this process (as ``FLUXLIKE_NATIVE=0`` would), and a
+line under each model says which native kernels each variant ran (counted on one untimed call).
+``lm`` is a transformer language model of stock ``mlx.nn`` layers, timed in training.
 
 Times are ratios to PyTorch float32 (to fluxlike float32 when PyTorch is not installed); the
 baseline's absolute milliseconds are in the last column. PyTorch runs with its default
@@ -46,12 +52,82 @@ import numpy as np
 import torch_worker as TW
 
 import fluxlike
-from fluxlike import autocast, bf16mix, setup, update, withgradient
+from fluxlike import autocast, bf16mix, native, setup, update, withgradient
 
 BF16 = mx.bfloat16
 SECTIONS = ("inference", "training", "memory")
-DEFAULT_MODELS = {"inference": ["seed", "large", "cnn"], "training": ["seed", "large", "cnn"],
+DEFAULT_MODELS = {"inference": ["seed", "large", "cnn"],
+                  "training": ["seed", "large", "cnn", "lm"],
                   "memory": ["seed", "large", "cnn", "act"]}
+MODELS = [*M.SPECS, M.LM.name]
+
+
+# ------------------------------------------------------------------ native kernels
+
+NATIVE_KERNELS = ("linear", "matmul", "conv", "conv_transpose", "attention")
+
+
+def without_native(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with fluxlike's native kernels switched off while it builds its graph (what
+    ``FLUXLIKE_NATIVE=0`` does for a whole process): ``native.available()`` and
+    ``native.bfloat16_native()`` say no, so every routing decision takes MLX's kernels."""
+
+    def run() -> object:
+        saved = {name: getattr(native, name) for name in ("available", "bfloat16_native")
+                 if hasattr(native, name)}
+        for name in saved:
+            setattr(native, name, lambda: False)
+        try:
+            return fn()
+        finally:
+            for name, value in saved.items():
+                setattr(native, name, value)
+
+    return run
+
+
+def kernels_used(fn: Callable[[], object]) -> str:
+    """Which of ``fluxlike.native``'s kernels one call of ``fn`` ran (outermost calls, by
+    operand dtype), e.g. ``linear bf16 x4``; ``MLX`` when none."""
+    if not native.available():
+        return "MLX"
+    seen: dict[str, int] = {}
+    depth = [0]
+    saved = {name: getattr(native, name) for name in NATIVE_KERNELS}
+
+    def counting(name: str, kernel: Callable) -> Callable:
+        def call(*args: object, **kwargs: object) -> object:
+            if depth[0] == 0:
+                dtype = getattr(args[0], "dtype", None)
+                key = f"{name} {str(dtype).rpartition('.')[2].replace('bfloat16', 'bf16')}"
+                seen[key] = seen.get(key, 0) + 1
+            depth[0] += 1
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    for name, kernel in saved.items():
+        setattr(native, name, counting(name, kernel))
+    try:
+        fn()
+    finally:
+        for name, kernel in saved.items():
+            setattr(native, name, kernel)
+    return ", ".join(f"{k} x{n}" for k, n in seen.items()) or "MLX"
+
+
+def print_kernels(model: str, variants: dict[str, Callable | TW.Remote]) -> None:
+    """One untimed call of each local variant (for a compiled one its trace), counting the
+    native kernels it runs; printed under the model's name."""
+    if not native.available():
+        return
+    used = {name: kernels_used(fn) for name, fn in variants.items()
+            if not isinstance(fn, TW.Remote)}
+    print(f"  {model}: native kernels per call: " + "; ".join(
+        f"{name}: {what}" for name, what in used.items()))
 
 
 # ------------------------------------------------------------------ timing
@@ -131,6 +207,9 @@ def inference_variants(spec: M.Spec, worker: TW.TorchWorker | None
         "mlx hand": lambda: forward(params, x),
         "mlx.nn": lambda: mnn(x),
     }
+    if native.available():
+        fns["fl f32 -native"] = without_native(fns["fl f32"])
+        fns["fl ac -native"] = without_native(fl_autocast)
     outputs = {name: (lambda f=f: np.array(f().astype(mx.float32))) for name, f in fns.items()}
     timed: dict[str, Callable | TW.Remote] = {
         name: (lambda f=f: mx.eval(f())) for name, f in fns.items()}
@@ -212,10 +291,69 @@ def training_variants(spec: M.Spec, memory: bool = False) -> dict[str, Callable]
         "fl ac compiled": lambda: flux(ac=BF16, compiled=True)[0],
         "fl bf16mix": lambda: flux(ac=None, mixed=True)[0],
     }
+    if native.available():
+        makers["fl f32 -native"] = lambda: without_native(flux(ac=None)[0])
+        makers["fl ac -native"] = lambda: without_native(flux(ac=BF16)[0])
     if memory:
         makers["mlx.nn"] = lambda: mlx_nn(False)
         return makers
     makers["mlx hand"] = mlx_hand
+    makers["mlx.nn"] = lambda: mlx_nn(False)
+    makers["mlx.nn compiled"] = lambda: mlx_nn(True)
+    return makers
+
+
+def lm_training_variants() -> dict[str, Callable]:
+    """The transformer LM's training step (stock ``mlx.nn`` model, next-token cross entropy,
+    Adam(1e-3)): with fluxlike's ``withgradient`` + ``update`` in float32 and under
+    ``autocast(mx.bfloat16)`` (and, with the native kernels installed, both without them),
+    and plain ``mlx.nn`` (``nn.value_and_grad`` + ``mlx.optimizers``), eager and compiled."""
+    tokens_np, targets_np = M.lm_data()
+    tokens, targets = mx.array(tokens_np), mx.array(targets_np)
+
+    def model() -> nn.Module:
+        mx.random.seed(0)
+        lm = M.LanguageModel()
+        mx.eval(lm.parameters())
+        return lm
+
+    def flux(ac: mx.Dtype | None, compiled: bool = False) -> Callable:
+        lm = model()
+        opt_state = setup(fluxlike.Adam(1e-3), lm)
+        captured = [lm.state, opt_state.optimizer.state]
+
+        def raw(tokens: mx.array, targets: mx.array) -> mx.array:
+            loss, grads = withgradient(lambda m: M.lm_loss(m, tokens, targets), lm,
+                                       autocast=ac)
+            update(opt_state, lm, grads[0])
+            return loss
+
+        fn = fluxlike.compile(raw, inputs=captured, outputs=captured) if compiled else raw
+        return lambda: mx.eval(fn(tokens, targets), captured)
+
+    def mlx_nn(compiled: bool) -> Callable:
+        lm, opt = model(), optim.Adam(1e-3, bias_correction=True)
+        opt.init(lm.trainable_parameters())
+        value_and_grad = nn.value_and_grad(lm, M.lm_loss)
+        state = [lm.state, opt.state]
+
+        def raw(tokens: mx.array, targets: mx.array) -> mx.array:
+            loss, grads = value_and_grad(lm, tokens, targets)
+            opt.update(lm, grads)
+            return loss
+
+        fn = mx.compile(raw, inputs=state, outputs=state) if compiled else raw
+        return lambda: mx.eval(fn(tokens, targets), state)
+
+    makers: dict[str, Callable[[], Callable]] = {
+        "fl f32": lambda: flux(None),
+        "fl compiled": lambda: flux(None, compiled=True),
+        "fl autocast": lambda: flux(BF16),
+        "fl ac compiled": lambda: flux(BF16, compiled=True),
+    }
+    if native.available():
+        makers["fl f32 -native"] = lambda: without_native(flux(None))
+        makers["fl ac -native"] = lambda: without_native(flux(BF16))
     makers["mlx.nn"] = lambda: mlx_nn(False)
     makers["mlx.nn compiled"] = lambda: mlx_nn(True)
     return makers
@@ -242,11 +380,13 @@ def print_table(title: str, rows: list[tuple[str, dict[str, str]]], columns: lis
 
 
 def ratio_rows(results: dict[str, dict[str, float]]) -> tuple[list, list[str], str]:
-    columns = list(next(iter(results.values())))
+    columns: list[str] = []
+    for times in results.values():  # every model's variants (the LM has fewer)
+        columns += [c for c in times if c not in columns]
     base = baseline_name(columns)
     rows = []
     for model, times in results.items():
-        cells = {c: f"{times[c] / times[base]:.2f}" for c in columns}
+        cells = {c: f"{times[c] / times[base]:.2f}" for c in columns if c in times}
         cells[f"{base} ms"] = f"{times[base] * 1e3:.3g}"
         rows.append((model, cells))
     note = f"(ratios to {base}: lower is faster; last column: {base} in ms per call)"
@@ -260,7 +400,8 @@ def check_outputs(name: str, outputs: dict[str, Callable]) -> None:
     worst = []
     for variant, f in outputs.items():
         err = float(np.abs(f() - ref).max()) / scale
-        limit = 0.1 if ("bf16" in variant or "autocast" in variant) else 1e-3
+        half = "bf16" in variant or "autocast" in variant or variant.startswith("fl ac")
+        limit = 0.1 if half else 1e-3
         worst.append(f"{variant} {err:.0e}")
         if not err <= limit:
             print(f"WARNING: {name}: {variant} differs from fl f32 by {err:.3g} (relative)")
@@ -274,6 +415,7 @@ def section_inference(models: list[str], timer: Timer, worker: TW.TorchWorker | 
         spec = M.SPECS[name]
         timed, outputs = inference_variants(spec, worker)
         check_outputs(name, outputs)
+        print_kernels(name, timed)
         results[spec.name] = timer.run(timed)
         del timed, outputs
         gc.collect()
@@ -284,12 +426,13 @@ def section_training(models: list[str], timer: Timer, worker: TW.TorchWorker | N
     print("\n# Training: one step = forward + backward + Adam update")
     results = {}
     for name in models:
-        spec = M.SPECS[name]
+        made = lm_training_variants() if name == M.LM.name else training_variants(M.SPECS[name])
         steps: dict[str, Callable | TW.Remote] = {
-            variant: make() for variant, make in training_variants(spec).items()}
+            variant: make() for variant, make in made.items()}
         if worker is not None:
-            steps.update(worker.build("training", spec.name))
-        results[spec.name] = timer.run(steps)
+            steps.update(worker.build("training", name))
+        print_kernels(name, steps)
+        results[name] = timer.run(steps)
         del steps
         gc.collect()
     return report("Training step (forward + backward + Adam)", results, worker)
@@ -412,17 +555,18 @@ def start_torch(args: argparse.Namespace, sections: list[str]
         return None, f"torch: --no-torch: {skipped}"
     if not {"inference", "training"} & set(sections):
         return None, "torch: not used by the memory section"
-    if importlib.util.find_spec("torch") is None:  # looks, does not import
-        return None, (f"torch: not installed: {skipped} "
-                      "(install: .venv/bin/pip install torch==2.13.0)")
+    if args.torch is None and importlib.util.find_spec("torch") is None:  # looks only
+        return None, (f"torch: not installed: {skipped} (install: .venv/bin/pip install "
+                      "torch==2.13.0, or pass --torch PYTHON, a Python that has it)")
     try:
-        worker = TW.TorchWorker(args.torch_threads)
+        worker = TW.TorchWorker(args.torch_threads, args.torch)
     except TW.Unavailable as e:
         return None, f"torch: the PyTorch process could not start ({e}): {skipped}"
     chosen = "set by --torch-threads" if args.torch_threads else "its default"
     loaded = ", ".join(worker.loaded) or "no MLX, no fluxlike"
     threads = f"{worker.threads} thread{'s' if worker.threads != 1 else ''}"
-    return worker, (f"torch {worker.version}: in a process of its own (pid {worker.pid}, "
+    return worker, (f"torch {worker.version}: in a process of its own ({worker.python}, "
+                    f"pid {worker.pid}, "
                     f"{threads}, {chosen}; {loaded} loaded there), timed there on request; "
                     "this process does not import torch")
 
@@ -441,9 +585,11 @@ def header(torch_line: str) -> None:
     routed = "custom_function" in open(ops).read() if ops else False
     print(f"fluxlike.precision.ops routes CPU half precision through float32 kernels "
           f"(custom_function present): {routed}")
+    print(f"fluxlike.native.native_info(): {native.native_info().reason}")
     print("Variants: fl = fluxlike (Chain of Dense/Conv/MaxPool); autocast = "
           "`with autocast(mx.bfloat16)`; bf16mix = bf16mix(model); mlx hand = plain mx ops; "
-          "torch bf16 = torch.autocast('cpu', dtype=torch.bfloat16)")
+          "torch bf16 = torch.autocast('cpu', dtype=torch.bfloat16); -native = the variant "
+          "with fluxlike's native kernels switched off in-process (as FLUXLIKE_NATIVE=0)")
 
 
 def summary(inference: dict, training: dict, memory: dict) -> None:
@@ -465,6 +611,33 @@ def summary(inference: dict, training: dict, memory: dict) -> None:
     for text, r, target in lines:
         verdict = "ok" if r <= target else "MISSED"
         print(f"{text:<48} {r:6.2f}  (target <= {target})  {verdict}")
+    issue12(inference, training)
+
+
+def issue12(inference: dict, training: dict) -> None:
+    """The acceptance figures of issue 12 (native kernels) that these tables give."""
+    wanted = [  # (text, section, model, variant, baseline, target)
+        ("large training: fl autocast / torch bf16", training, "large", "fl autocast",
+         "torch bf16", 1.15),
+        ("large training: fl autocast / fl f32", training, "large", "fl autocast", "fl f32",
+         0.45),
+        ("large inference: fl autocast / torch bf16", inference, "large", "fl autocast",
+         "torch bf16", 1.15),
+        ("large inference: fl f32 / torch f32", inference, "large", "fl f32", "torch f32", 0.8),
+        ("large training: fl f32 / torch f32", training, "large", "fl f32", "torch f32", 0.8),
+        ("seed training: fl f32 / torch f32", training, "seed", "fl f32", "torch f32", 1.0),
+        ("cnn training: fl f32 / torch f32", training, "cnn", "fl f32", "torch f32", 1.5),
+        ("cnn training: fl autocast / fl f32", training, "cnn", "fl autocast", "fl f32", 1.0),
+        ("lm training: fl autocast / fl f32", training, "lm", "fl autocast", "fl f32", 0.7),
+    ]
+    found = [(text, times[a] / times[b], target) for text, section, model, a, b, target in wanted
+             if (times := section.get(model)) and a in times and b in times]
+    if not found:
+        return
+    print("\n## Issue 12 acceptance (native kernels)")
+    for n, (text, r, target) in enumerate(found, 1):
+        verdict = "ok" if r <= target else "MISSED"
+        print(f"({n}) {text:<44} {r:6.2f}  (target <= {target})  {verdict}")
 
 
 def main() -> None:
@@ -476,11 +649,13 @@ def main() -> None:
                         help="torch.set_num_threads(N) in the PyTorch process "
                              "(default: PyTorch's own choice)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch even if installed")
+    parser.add_argument("--torch", metavar="PYTHON",
+                        help="the Python to run PyTorch with (default: this one, if it has torch)")
     args = parser.parse_args()
     chosen = args.models.split(",") if args.models else None
     for name in chosen or []:
-        if name not in M.SPECS:
-            parser.error(f"--models: unknown model {name!r}; choose from {', '.join(M.SPECS)}")
+        if name not in MODELS:
+            parser.error(f"--models: unknown model {name!r}; choose from {', '.join(MODELS)}")
     timer = Timer(args.quick)
     sections = [s for s in ([args.only] if args.only else SECTIONS) if any(
         chosen is None or m in chosen for m in DEFAULT_MODELS[s])]

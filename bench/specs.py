@@ -10,6 +10,10 @@ fluxlike or MLX. Same seeds, same arrays, so every framework computes the same f
 - ``cnn``: 28x28x1 images, Conv 3x3 1->16 (pad 1) -> ReLU -> MaxPool 2 -> Conv 3x3 16->32
   (pad 1) -> ReLU -> MaxPool 2 -> flatten (7*7*32 = 1568) -> Dense 10, batch 64.
 - ``act``: MLP 8 x (512 -> 512, ReLU), batch 8192 (activation-dominated memory).
+- ``lm`` (:data:`LM`): a causal transformer language model of stock layers, four pre-norm
+  encoder layers of width 512 with 8 heads (MLP 2048, ReLU), learned positions, context 128,
+  batch 4, vocabulary 1024; each framework initialises its own (same shapes, not the same
+  weights: only its training step is timed).
 """
 
 from __future__ import annotations
@@ -81,3 +85,27 @@ def data(spec: Spec, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
 def onehot(labels: np.ndarray, classes: int) -> np.ndarray:
     """float32 one-hot rows of integer labels."""
     return np.eye(classes, dtype=np.float32)[labels]
+
+
+@dataclass(frozen=True)
+class LMSpec:
+    """The transformer language model's shapes (``lm``)."""
+
+    name: str = "lm"
+    description: str = "transformer LM: 4 x (width 512, 8 heads, MLP 2048), context 128, batch 4"
+    vocab: int = 1024
+    dims: int = 512
+    heads: int = 8
+    layers: int = 4
+    context: int = 128
+    batch: int = 4
+
+
+LM = LMSpec()
+
+
+def lm_data(spec: LMSpec = LM, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of token ids and next-token targets, int32 ``(batch, context)`` each."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, spec.vocab, (spec.batch, spec.context + 1)).astype(np.int32)
+    return tokens[:, :-1].copy(), tokens[:, 1:].copy()

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from specs import SPECS, Spec, data, weights
+from specs import LM, SPECS, LMSpec, Spec, data, lm_data, weights
 
 # ------------------------------------------------------------------ timing (both processes)
 
@@ -87,9 +87,10 @@ class TorchWorker:
     """The PyTorch process, seen from run.py: started at construction, ended by ``close``
     (or by run.py's exit, which closes the pipe)."""
 
-    def __init__(self, threads: int = 0):
+    def __init__(self, threads: int = 0, python: str | None = None):
+        self.python = python or sys.executable  # a Python with torch (a venv of its own is fine)
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--threads", str(threads)],
+            [self.python, str(Path(__file__).resolve()), "--threads", str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self.pid = self.proc.pid
@@ -257,6 +258,56 @@ def training_variants(spec: Spec) -> dict[str, Callable[[], object]]:
     return {"torch f32": step_for(None), "torch bf16": step_for(torch.bfloat16)}
 
 
+def lm_training_variants(spec: LMSpec = LM) -> dict[str, Callable[[], object]]:
+    """The transformer LM's training step (``bench/models.py``'s ``LanguageModel`` in
+    ``torch.nn``: pre-norm ``TransformerEncoderLayer``s, batch first, ReLU, no dropout, an
+    additive causal mask), float32 and under CPU bf16 autocast, Adam(1e-3)."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens_np, targets_np = lm_data(spec)
+
+    class LanguageModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(spec.vocab, spec.dims)
+            self.positions = torch.nn.Embedding(spec.context, spec.dims)
+            self.layers = torch.nn.ModuleList(
+                torch.nn.TransformerEncoderLayer(spec.dims, spec.heads, 4 * spec.dims,
+                                                 dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+                for _ in range(spec.layers))
+            self.norm = torch.nn.LayerNorm(spec.dims)
+            self.head = torch.nn.Linear(spec.dims, spec.vocab)
+
+        def forward(self, tokens):
+            length = tokens.shape[1]
+            x = self.embedding(tokens) + self.positions(torch.arange(length))
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(length)
+            for layer in self.layers:
+                x = layer(x, src_mask=mask, is_causal=True)
+            return self.head(self.norm(x))
+
+    def step_for(dtype) -> Callable[[], None]:
+        torch.manual_seed(0)
+        tm = LanguageModel().train()
+        tokens = torch.from_numpy(tokens_np.astype(np.int64))
+        targets = torch.from_numpy(targets_np.astype(np.int64))
+        opt = torch.optim.Adam(tm.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+                logits = tm(tokens)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss.backward()
+            opt.step()
+
+        return step
+
+    return {"torch f32": step_for(None), "torch bf16": step_for(torch.bfloat16)}
+
+
 # ------------------------------------------------------------------ the worker's loop
 
 
@@ -267,6 +318,11 @@ def handle(request: dict, variants: dict[str, Callable[[], object]]) -> dict:
         gc.collect()
         if op == "clear":
             return {}
+        if request["model"] == LM.name:
+            if request["section"] != "training":
+                raise ValueError(f"the {LM.name} model is timed in training only")
+            variants.update(lm_training_variants())
+            return {"variants": list(variants)}
         build = {"inference": inference_variants, "training": training_variants}
         variants.update(build[request["section"]](SPECS[request["model"]]))
         return {"variants": list(variants)}

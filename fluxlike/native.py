@@ -40,8 +40,8 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "conv",
-           "conv_transpose", "linear", "matmul", "native_info", "pays"]
+__all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "bfloat16_native",
+           "conv", "conv_transpose", "linear", "matmul", "native_info", "pays"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -96,6 +96,14 @@ def native_info() -> NativeInfo:
 def available() -> bool:
     """Whether the native kernels are in use (:func:`native_info`'s ``available``)."""
     return (_info if _info is not None else native_info()).available
+
+
+def bfloat16_native() -> bool:
+    """Whether bfloat16 operands run in oneDNN's bfloat16 kernels here (:func:`native_info`'s
+    ``bfloat16 == "native"``): the kernels are in use and the CPU has AVX512_CORE_BF16."""
+    if _info is None:
+        _load()
+    return _bf16_native
 
 
 def _load() -> None:

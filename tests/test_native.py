@@ -389,6 +389,49 @@ def test_bfloat16_gradients():
 
 
 @needs_native
+@pytest.mark.parametrize("gdtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ydtype", DTYPES, ids=str)
+def test_relu_grad_is_where_positive(gdtype, ydtype):
+    """The fused ReLU's backward pass (one pass over bit patterns) is ``where(y > 0, g, 0)``
+    exactly, signed zeros, infinities and NaNs of ``y`` included; its own gradients too."""
+    from fluxlike_native import _ext
+
+    y, g = rand((37, 29), ydtype), rand((37, 29), gdtype)
+    y[0, :6] = mx.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan]).astype(ydtype)
+    y = y.T  # a transposed view: made contiguous first
+    g = g.T
+    mask = _ext.relu_grad(g, y)
+    expected = mx.where(y > 0, g, mx.array(0.0, gdtype))
+    assert mask.dtype == gdtype and mx.array_equal(mask, expected).item()
+    c = rand(g.shape, gdtype)
+    _, (dg, dy) = mx.vjp(lambda g, y: _ext.relu_grad(g, y), [g, y], [c])
+    assert mx.array_equal(dg, mx.where(y > 0, c, mx.array(0.0, gdtype))).item()
+    assert not dy.any().item()
+    _, (jg,) = mx.jvp(lambda g: _ext.relu_grad(g, y), [g], [c])
+    assert mx.array_equal(jg, dg).item()
+
+
+@needs_native
+def test_second_order_through_the_ordered_backward_pass():
+    """The backward pass computes the weight and bias gradients before the input's (an
+    ordering node with its own gradients): a gradient of a gradient still matches MLX's."""
+    x, w, b = rand((6, 5)), rand((4, 5)), rand((4,))
+
+    def inner(fn):
+        return lambda x, w: mx.grad(lambda x, w: (fn(x, w, b) ** 2).sum(), argnums=(0, 1))(
+            x, w)
+
+    def outer(fn):
+        return mx.grad(lambda x, w: sum((g**2).sum() for g in inner(fn)(x, w)),
+                       argnums=(0, 1))(x, w)
+
+    mine = outer(lambda x, w, b: native.linear(x, w, b))
+    theirs = outer(lambda x, w, b: _mlx_linear(x, w, b, False))
+    for m, t in zip(mine, theirs, strict=True):
+        np.testing.assert_allclose(np.array(m), np.array(t), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
 @pytest.mark.parametrize(("ta", "tb"), [(False, False), (True, False), (False, True),
                                         (True, True)])
 @pytest.mark.parametrize("batched", [False, True])

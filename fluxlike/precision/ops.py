@@ -246,13 +246,19 @@ _native_ready: list[bool | None] = [None]
 
 
 def _native_takes(x: mx.array, weight: mx.array, bias: mx.array | None) -> bool:
-    """Whether the native kernel computes this float32 linear (CPU, operands of one dtype, a
-    weight of ``NATIVE_FLOAT32_WEIGHTS`` entries or more), forward and backward. Half
-    precision under differentiation stays on the float32-kernel emulation, which keeps less
-    for the backward pass (bench/README.md); inference takes oneDNN's bfloat16 kernel in
-    :func:`_kept_cpu_half`."""
-    return (x.dtype == _F32 and weight.dtype == _F32 and (bias is None or bias.dtype == _F32)
-            and weight.size >= NATIVE_FLOAT32_WEIGHTS and _native_cpu())
+    """Whether the native kernel computes this linear, forward and backward (CPU, operands of
+    one dtype): float32 with a weight of ``NATIVE_FLOAT32_WEIGHTS`` entries or more, and
+    bfloat16 of any size where oneDNN has bfloat16 kernels (:func:`fluxlike.native.
+    bfloat16_native`). Its backward pass keeps only the bfloat16 input and output, and
+    computes each layer's parameter gradients while that layer's cotangent is live, so a
+    bfloat16 training step keeps less than the float32-kernel emulation (bench/README.md).
+    float16, and bfloat16 without those kernels, stay on the emulation."""
+    dtype = x.dtype
+    if dtype == _F32:
+        return (weight.dtype == _F32 and (bias is None or bias.dtype == _F32)
+                and weight.size >= NATIVE_FLOAT32_WEIGHTS and _native_cpu())
+    return (dtype == _BF16 and weight.dtype == _BF16 and (bias is None or bias.dtype == _BF16)
+            and _native_cpu() and native.bfloat16_native())
 
 
 def _kept_cpu_half(state: Context, x: mx.array, weight: mx.array, bias: mx.array | None,

@@ -58,6 +58,10 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none(),
       R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h).)");
 
+  m.def("relu_grad", &fluxlike_native::relu_grad, "g"_a, "y"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(g where y > 0, else 0, in one pass (a fused ReLU's backward; see matmul.h).)");
+
   m.def(
       "conv",
       [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,

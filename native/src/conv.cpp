@@ -540,8 +540,12 @@ std::vector<mx::array> Conv::vjp(
       } else {
         std::vector<int> axes;
         for (int i = 0; i + 1 < c.ndim(); ++i) axes.push_back(i);
-        auto gb = mx::sum(mx::astype(cotangents[0], mx::float32, s), axes, false, s);
-        grads.push_back(mx::astype(gb, primals[2].dtype(), s));
+        // MLX's CPU sum of bfloat16 accumulates in float32 (see Matmul::vjp).
+        auto& g = cotangents[0];
+        auto bdt = primals[2].dtype();
+        auto gb = bdt == g.dtype() ? mx::sum(g, axes, false, s)
+                                   : mx::sum(mx::astype(g, mx::float32, s), axes, false, s);
+        grads.push_back(gb.dtype() == bdt ? gb : mx::astype(gb, bdt, s));
       }
     } else if (kind_ == ConvKind::BackwardData) {  // dx = conv^T(dy, w)
       grads.push_back(arg == 0 ? forward(c, b, std::nullopt, p_, s)
@@ -550,6 +554,11 @@ std::vector<mx::array> Conv::vjp(
       grads.push_back(arg == 0 ? backward_data(b, c, tail(a.shape()), p_, s)
                                : forward(a, c, std::nullopt, p_, s));
     }
+  }
+  // The input's gradient waits for the weight's and bias's, as in Matmul::vjp: they are
+  // computed while this layer's cotangent is live, not at the end of the backward pass.
+  if (kind_ == ConvKind::Forward && grads.size() > 1 && argnums[0] == 0) {
+    grads[0] = after(grads[0], std::vector<mx::array>(grads.begin() + 1, grads.end()), s);
   }
   return grads;
 }

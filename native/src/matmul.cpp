@@ -12,6 +12,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -571,14 +572,18 @@ std::vector<mx::array> Matmul::vjp(
   auto cdt = a.dtype();
   bool native = cdt == mx::bfloat16;  // a bfloat16 primitive exists only when native
   auto g = cotangents[0];
-  if (relu_) {
-    auto& y = outputs[0];
-    g = mx::where(
-        mx::greater(y, mx::array(0.0f, y.dtype()), s), g, mx::array(0.0f, g.dtype()), s);
+  if (relu_) {  // relu'(y) is y > 0 (the output is kept in the compute dtype)
+    // One pass, no temporaries (MLX's where, or a product with the mask, take 3-4 passes
+    // and a mask array, several times slower on bfloat16).
+    g = relu_grad(g, outputs[0], s);
   }
   auto gc = g.dtype() == cdt ? g : mx::astype(g, cdt, s);
   std::vector<mx::array> grads;
+  int first = -1;  // where the first operand's gradient is in grads
   for (int arg : argnums) {
+    if (arg == 0) {
+      first = static_cast<int>(grads.size());
+    }
     if (arg == 0) {
       mx::array da = trans_a_
           ? matmul(b, gc, std::nullopt, trans_b_, true, false, cdt, batched_, native, s)
@@ -610,9 +615,25 @@ std::vector<mx::array> Matmul::vjp(
       for (int i = 0; i + 1 < g.ndim(); ++i) {
         axes.push_back(i);
       }
-      auto gb = mx::sum(mx::astype(g, mx::float32, s), axes, false, s);
-      grads.push_back(mx::astype(gb, bias.dtype(), s));
+      // MLX's CPU sum of bfloat16 accumulates in float32 and rounds once: the same result
+      // as summing a float32 upcast, without an upcast of the whole cotangent.
+      auto gb = bias.dtype() == g.dtype() ? mx::sum(g, axes, false, s)
+                                          : mx::sum(mx::astype(g, mx::float32, s), axes, false, s);
+      grads.push_back(gb.dtype() == bias.dtype() ? gb : mx::astype(gb, bias.dtype(), s));
     }
+  }
+  // The first operand's gradient flows on down the network: making it wait for the others'
+  // (the weight's and bias's) has those computed now, while this layer's cotangent and
+  // input are live, instead of at the end of the backward pass with every layer's
+  // cotangent held until then (MLX evaluates depth first, from the outputs).
+  if (first >= 0 && grads.size() > 1) {
+    std::vector<mx::array> others;
+    for (int i = 0; i < static_cast<int>(grads.size()); ++i) {
+      if (i != first) {
+        others.push_back(grads[i]);
+      }
+    }
+    grads[first] = after(grads[first], others, s);
   }
   return grads;
 }
@@ -652,6 +673,153 @@ std::vector<mx::array> Matmul::jvp(
     t = mx::where(mx::greater(y, mx::array(0.0f), s), *t, mx::array(0.0f), s);
   }
   return {mx::astype(*t, out_dtype_, s)};
+}
+
+// ---- relu_grad ------------------------------------------------------------------------
+
+mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  auto ok = [](mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; };
+  if (g.shape() != y.shape() || !ok(g.dtype()) || !ok(y.dtype())) {
+    // Anything else (never built by Matmul::vjp): MLX's ops.
+    auto mask = mx::greater(y, mx::array(0.0f, y.dtype()), stream);
+    return mx::where(mask, g, mx::array(0.0f, g.dtype()), stream);
+  }
+  return mx::array(
+      g.shape(), g.dtype(), std::make_shared<ReluGrad>(stream),
+      {mx::contiguous(g, false, stream), mx::contiguous(y, false, stream)});
+}
+
+namespace {
+
+// Whether the float32 / bfloat16 bit pattern is > 0 (positive and finite or +inf; not NaN).
+inline bool positive(uint32_t bits) {
+  return bits - 1u < 0x7F800000u;
+}
+inline bool positive(uint16_t bits) {
+  return static_cast<uint16_t>(bits - 1u) < 0x7F80u;
+}
+
+// Branch-free (a mask of the bits: random signs would mispredict a branch half the time),
+// so that the compiler vectorises it.
+template <typename G, typename Y>
+void relu_grad_loop(const G* g, const Y* y, G* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = g[i] & static_cast<G>(G(0) - static_cast<G>(positive(y[i])));
+  }
+}
+
+} // namespace
+
+void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& g = inputs[0];
+  auto& y = inputs[1];
+  // The cotangent's buffer is reused when nothing else holds it, as MLX's elementwise ops
+  // do (an elementwise pass can run in place): a new buffer per layer would raise the peak
+  // of a backward pass that MLX's scheduler queues ahead.
+  if (g.is_donatable() && g.itemsize() == out.itemsize() &&
+      g.buffer_size() <= out.nbytes() + 16384) {
+    out.copy_shared_buffer(g);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(g);
+  encoder.set_input_array(y);
+  encoder.set_output_array(out);
+  size_t n = out.size();
+  const void* pg = g.data<void>();
+  const void* py = y.data<void>();
+  void* po = out.data<void>();
+  bool g16 = g.dtype() == mx::bfloat16, y16 = y.dtype() == mx::bfloat16;
+  encoder.dispatch([pg, py, po, n, g16, y16]() {
+    if (g16 && y16) {
+      relu_grad_loop(static_cast<const uint16_t*>(pg), static_cast<const uint16_t*>(py),
+                     static_cast<uint16_t*>(po), n);
+    } else if (g16) {
+      relu_grad_loop(static_cast<const uint16_t*>(pg), static_cast<const uint32_t*>(py),
+                     static_cast<uint16_t*>(po), n);
+    } else if (y16) {
+      relu_grad_loop(static_cast<const uint32_t*>(pg), static_cast<const uint16_t*>(py),
+                     static_cast<uint32_t*>(po), n);
+    } else {
+      relu_grad_loop(static_cast<const uint32_t*>(pg), static_cast<const uint32_t*>(py),
+                     static_cast<uint32_t*>(po), n);
+    }
+  });
+}
+
+void ReluGrad::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("fluxlike_native.relu_grad has no GPU kernel");
+}
+
+std::vector<mx::array> ReluGrad::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {  // linear in g; piecewise constant in y
+    grads.push_back(arg == 0 ? relu_grad(cotangents[0], primals[1], stream())
+                             : mx::zeros_like(primals[1], stream()));
+  }
+  return grads;
+}
+
+std::vector<mx::array> ReluGrad::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    if (argnums[i] == 0) {
+      return {relu_grad(tangents[i], primals[1], stream())};
+    }
+  }
+  return {mx::zeros_like(primals[0], stream())};
+}
+
+// ---- after ----------------------------------------------------------------------------
+
+mx::array after(const mx::array& x, const std::vector<mx::array>& deps, mx::StreamOrDevice s) {
+  if (deps.empty()) {
+    return x;
+  }
+  std::vector<mx::array> inputs{x};
+  inputs.insert(inputs.end(), deps.begin(), deps.end());
+  return mx::array(
+      x.shape(), x.dtype(), std::make_shared<After>(mx::to_stream(s)), std::move(inputs));
+}
+
+void After::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.copy_shared_buffer(inputs[0]);
+}
+
+void After::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.copy_shared_buffer(inputs[0]);
+}
+
+std::vector<mx::array> After::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    grads.push_back(arg == 0 ? cotangents[0] : mx::zeros_like(primals[arg], stream()));
+  }
+  return grads;
+}
+
+std::vector<mx::array> After::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    if (argnums[i] == 0) {
+      return {tangents[i]};
+    }
+  }
+  return {mx::zeros_like(primals[0], stream())};
 }
 
 } // namespace fluxlike_native

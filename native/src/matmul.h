@@ -118,4 +118,77 @@ class Matmul : public mx::UnaryPrimitive {
   mx::Dtype out_dtype_;
 };
 
+// relu'(y) * g: `g` where `y > 0`, else 0, in one pass (g and y of one shape, float32 or
+// bfloat16 each; the result has g's dtype). The backward pass of a fused ReLU.
+mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s = {});
+
+class ReluGrad : public mx::UnaryPrimitive {
+ public:
+  explicit ReluGrad(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  std::vector<mx::array> jvp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& tangents,
+      const std::vector<int>& argnums) override;
+
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mx::array>& outputs) override;
+
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "FluxlikeNativeReluGrad";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+// `x`, evaluated only after `deps`: MLX's mx::depends, with output shapes (so that a
+// shapeless mx.compile can replay it). Used in backward passes to order the evaluation:
+// a layer's parameter gradients are computed while its cotangent is live.
+mx::array after(const mx::array& x, const std::vector<mx::array>& deps, mx::StreamOrDevice s = {});
+
+class After : public mx::UnaryPrimitive {
+ public:
+  explicit After(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  std::vector<mx::array> jvp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& tangents,
+      const std::vector<int>& argnums) override;
+
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mx::array>& outputs) override;
+
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "FluxlikeNativeAfter";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
 } // namespace fluxlike_native

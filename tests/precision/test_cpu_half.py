@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import np64
 
-from fluxlike import Chain, Dense, autocast, relu
+from fluxlike import Chain, Dense, autocast, native, relu
 from fluxlike.precision import ops
 
 HALVES = [mx.float16, mx.bfloat16]
@@ -277,6 +277,16 @@ class TestSavedActivations:
         reference = float32_peak(model, x, limit=None)
         assert peak_of_training_step(model, x, dtype, limit=None) <= 0.7 * reference
 
+    @pytest.mark.skipif(not native.bfloat16_native(), reason="no oneDNN bfloat16 kernels here")
+    def test_native_bfloat16_keeps_no_more_than_the_emulation(self, mlp, monkeypatch):
+        """Where bfloat16 training runs on oneDNN (ops._native_takes), its backward pass keeps
+        the bfloat16 activations only, and computes each layer's weight gradient while that
+        layer's cotangent is live (not every cotangent held to the end of the pass)."""
+        model, x, _ = mlp
+        on_native = peak_of_training_step(model, x, mx.bfloat16)
+        monkeypatch.setattr(ops, "_native_takes", lambda *a: False)
+        assert on_native <= peak_of_training_step(model, x, mx.bfloat16)
+
     def test_plain_upcasts_would_keep_float32_copies(self, mlp, monkeypatch):
         """The control: float32 upcasts without the custom backward pass are kept."""
         model, x, float32_peak = mlp
@@ -309,6 +319,7 @@ class TestRowBlocks:
             mx.eval(y, grads)
             return y, grads
 
+        monkeypatch.setattr(ops, "_native_takes", lambda *a: False)  # the emulation's blocks
         monkeypatch.setattr(ops, "CHUNK_BYTES", 2**40)  # one piece
         whole, whole_grads = run()
         monkeypatch.setattr(ops, "CHUNK_BYTES", 4 * 24)  # 64-row blocks (the minimum)

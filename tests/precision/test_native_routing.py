@@ -1,7 +1,8 @@
 """Where fluxlike's linear kernel takes the native oneDNN companion (fluxlike/precision/ops.py,
-fluxlike/native.py): large float32 layers forward and backward, and bfloat16 inference under
-autocast on weights seen before; float16, small layers and (without the companion) everything
-stay on MLX's kernels, with the same results to float32 rounding."""
+fluxlike/native.py): large float32 layers forward and backward, and bfloat16 under autocast
+(inference and training, any size) where oneDNN has bfloat16 kernels; float16, small float32
+layers and (without the companion) everything stay on MLX's kernels, with the same results to
+float32 rounding."""
 
 import mlx.core as mx
 import numpy as np
@@ -49,23 +50,30 @@ def test_a_small_float32_layer_stays_on_mlx(calls):
     assert calls == []
 
 
-def test_bfloat16_inference_on_kept_weights_runs_native(calls):
+def test_bfloat16_inference_runs_native_first_and_on_kept_weights(calls):
+    if not native.bfloat16_native():
+        pytest.skip("bfloat16 runs in oneDNN's float32 kernels here: the emulation takes it")
     layer, x = Dense(64, 32, relu), mx.random.normal((8, 64))
     with autocast(mx.bfloat16, device="cpu"):
-        first = layer(x)  # first sight: the custom-gradient path, nothing kept yet
-        assert calls == []
-        again = layer(x)
-    assert calls == [mx.bfloat16] and again.dtype == mx.bfloat16
+        first = layer(x)  # first sight: through the per-call casts
+        again = layer(x)  # then on the kept bfloat16 casts
+    assert calls == [mx.bfloat16, mx.bfloat16] and again.dtype == mx.bfloat16
     assert mx.array_equal(first, again).item()  # one rounding of the float32 accumulation
 
 
-def test_half_training_and_float16_stay_on_the_emulation(calls):
+def test_bfloat16_training_runs_native_and_float16_stays_on_the_emulation(calls):
     layer, x = Dense(512, 512), mx.random.normal((16, 512))
     with autocast(mx.float16, device="cpu"):
         layer(x)
         layer(x)  # kept weights, but no oneDNN float16 kernel pays on this CPU
     assert calls == []
-    for dtype in (mx.float16, mx.bfloat16):
-        (g,) = gradient(lambda m: m(x).astype(mx.float32).sum(), layer, autocast=dtype)
-        assert g["weight"].dtype == mx.float32
-    assert calls == []  # the emulation keeps only half activations for the backward pass
+    (g,) = gradient(lambda m: m(x).astype(mx.float32).sum(), layer, autocast=mx.float16)
+    assert g["weight"].dtype == mx.float32 and calls == []
+    (g,) = gradient(lambda m: m(x).astype(mx.float32).sum(), layer, autocast=mx.bfloat16)
+    assert g["weight"].dtype == g["bias"].dtype == mx.float32
+    # oneDNN's bfloat16 kernel where the CPU has one: its backward pass keeps only bfloat16
+    # activations (and less than the emulation: tests/precision/test_cpu_half.py).
+    assert calls == ([mx.bfloat16] if native.bfloat16_native() else [])
+    # d/dw of sum(x @ w.T) is the column sums of x, rounded to bfloat16 (accumulated in float32)
+    expected = x.astype(mx.bfloat16).astype(mx.float32).sum(axis=0).astype(mx.bfloat16)
+    np.testing.assert_allclose(np64(g["weight"][0]), np64(expected), rtol=2**-8, atol=1e-6)
