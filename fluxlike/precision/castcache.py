@@ -67,6 +67,20 @@ def _forget(table: dict, key: int) -> Callable[[weakref.ref], None]:
     return forget
 
 
+def _casts(source: mx.array) -> dict:
+    """This thread's casts of ``source`` (an empty table the first time): dtype (or
+    ``(half dtype, float32)``) to array."""
+    try:
+        table = _thread.casts
+    except AttributeError:
+        table = _table()
+    key = id(source)
+    entry = table.get(key)
+    if entry is None or entry[0]() is not source:
+        entry = table[key] = (weakref.ref(source, _forget(table, key)), {})
+    return entry[1]
+
+
 def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     """``source.astype(dtype)``, the same array object on every call while ``source`` lives.
     While fluxlike differentiates, the parameters are the transformation's own arrays, new at
@@ -82,14 +96,10 @@ def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     """
     if source.dtype == dtype:
         return source
-    table = _table()
-    key = id(source)
-    entry = table.get(key)
-    if entry is None or entry[0]() is not source:
-        entry = table[key] = (weakref.ref(source, _forget(table, key)), {})
-    result = entry[1].get(dtype)
+    casts = _casts(source)
+    result = casts.get(dtype)
     if result is None:
-        result = entry[1][dtype] = source.astype(dtype)
+        result = casts[dtype] = source.astype(dtype)
     return result
 
 
@@ -105,17 +115,11 @@ def kept(source: mx.array, dtype: mx.Dtype) -> mx.array | None:
     """
     if source.dtype == dtype:
         return None if context.get().differentiating else source
-    try:
-        table = _thread.casts
-    except AttributeError:
-        table = _table()
-    entry = table.get(id(source))
-    if entry is not None and entry[0]() is source:
-        result = entry[1].get(dtype)
-        if result is not None:
-            return result
-    cast(source, dtype)
-    return None
+    casts = _casts(source)
+    result = casts.get(dtype)
+    if result is None:
+        casts[dtype] = source.astype(dtype)
+    return result
 
 
 def rounded_upcast(source: mx.array, dtype: mx.Dtype) -> mx.array | None:
@@ -133,24 +137,14 @@ def rounded_upcast(source: mx.array, dtype: mx.Dtype) -> mx.array | None:
     """
     if context.get().differentiating:
         return None
-    try:
-        table = _thread.casts
-    except AttributeError:
-        table = _table()
-    key = id(source)
-    entry = table.get(key)
-    if entry is not None and entry[0]() is source:
-        result = entry[1].get((dtype, mx.float32))
-        if result is not None:
-            return result
-    else:
-        entry = table[key] = (weakref.ref(source, _forget(table, key)), {})
-    casts = entry[1]
-    half = source if source.dtype == dtype else casts.get(dtype)
-    if half is None:
-        half = casts[dtype] = source.astype(dtype)
-    casts[(dtype, mx.float32)] = half.astype(mx.float32)
-    return None
+    casts = _casts(source)
+    result = casts.get((dtype, mx.float32))
+    if result is None:
+        half = source if source.dtype == dtype else casts.get(dtype)
+        if half is None:
+            half = casts[dtype] = source.astype(dtype)
+        casts[(dtype, mx.float32)] = half.astype(mx.float32)
+    return result
 
 
 def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | None:
@@ -170,11 +164,9 @@ def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | N
     """
     if context.get().differentiating:
         return None
-    found = []
-    table = _table()
+    found: list[mx.array] = []
     for source in sources:
-        entry = table.get(id(source))
-        result = None if entry is None or entry[0]() is not source else entry[1].get(dtype)
+        result = _casts(source).get(dtype)
         if result is None:
             break
         found.append(result)
