@@ -17,13 +17,9 @@ import mlx.nn as nn
 from .precision.state import context, enter, mode_fixes
 
 
-def fixed_modes() -> int:
-    """A number that changes whenever ``trainmode``/``testmode`` or ``model.train()``/
-    ``model.eval()`` fix the mode of fluxlike's layers (a compiled trace bakes modes in)."""
-    return mode_fixes.value
-
-
 def mode_changed() -> None:
+    """Count a fixed mode (``trainmode``/``testmode``, ``model.train()``/``model.eval()``):
+    ``fluxlike.compile`` traces again when the count moves (a trace bakes modes in)."""
     mode_fixes.value += 1
 
 

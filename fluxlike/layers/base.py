@@ -18,7 +18,6 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from .._mlxtyping import tree_flatten
@@ -121,7 +120,3 @@ def _show_child(child: Any, name: str | None) -> str:
     code, sep, comment = last.partition("  # ")
     return f"{body}{newline}{code},{sep}{comment}"
 
-
-def is_floating(x: Any) -> bool:
-    """Whether ``x`` is an ``mx.array`` of a floating dtype."""
-    return isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating)
