@@ -53,6 +53,7 @@ import torch_worker as TW
 
 import fluxlike
 from fluxlike import autocast, bf16mix, native, setup, update, withgradient
+from fluxlike.precision import ops
 
 BF16 = mx.bfloat16
 SECTIONS = ("inference", "training", "memory")
@@ -77,11 +78,13 @@ def without_native(fn: Callable[[], object]) -> Callable[[], object]:
                  if hasattr(native, name)}
         for name in saved:
             setattr(native, name, lambda: False)
+        ops._native_in_use.cache_clear()  # ops asks once per process: ask again, and after
         try:
             return fn()
         finally:
             for name, value in saved.items():
                 setattr(native, name, value)
+            ops._native_in_use.cache_clear()
 
     return run
 

@@ -236,13 +236,12 @@ NATIVE_FLOAT32_WEIGHTS = 2**17
 def _native_cpu() -> bool:
     """Whether fluxlike's native kernels run here: the companion is in use (decided once in a
     process: :func:`fluxlike.native.native_info`) and the default device is the CPU."""
-    ready = _native_ready[0]
-    if ready is None:
-        ready = _native_ready[0] = native.available()
-    return ready and mx.default_device().type is mx.cpu
+    return _native_in_use() and mx.default_device().type is mx.cpu
 
 
-_native_ready: list[bool | None] = [None]
+@functools.cache
+def _native_in_use() -> bool:
+    return native.available()
 
 
 def _native_takes(x: mx.array, weight: mx.array, bias: mx.array | None) -> bool:
