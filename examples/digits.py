@@ -147,18 +147,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.lr < math.inf:
         parser.error(f"--lr must be a positive finite number, got {args.lr}")
-    if args.save:  # known before training, not after it
-        if not args.save.endswith(".safetensors"):
-            parser.error(f"--save names a safetensors file (x.safetensors), got {args.save!r}")
-        folder = os.path.dirname(args.save) or "."
+    # output paths are checked before training, not after it
+    for flag, path, suffix, kind in (("--save", args.save, ".safetensors", "a safetensors"),
+                                     ("--plot", args.plot, ".png", "a PNG")):
+        if not path:
+            continue
+        if not path.endswith(suffix):
+            parser.error(f"{flag} names {kind} file (x{suffix}), got {path!r}")
+        folder = os.path.dirname(path) or "."
         if not os.path.isdir(folder):
-            parser.error(f"--save: no folder {folder!r} to write {args.save!r} in")
-    if args.plot:
-        if not args.plot.endswith(".png"):
-            parser.error(f"--plot names a PNG file (x.png), got {args.plot!r}")
-        folder = os.path.dirname(args.plot) or "."
-        if not os.path.isdir(folder):
-            parser.error(f"--plot: no folder {folder!r} to write {args.plot!r} in")
+            parser.error(f"{flag}: no folder {folder!r} to write {path!r} in")
     return args
 
 
