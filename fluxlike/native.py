@@ -187,7 +187,23 @@ def _check_arrays(name: str, **arrays: mx.array | None) -> None:
 def _split_act(act: str | Callable | None) -> tuple[bool, Callable | None]:
     """``(fuse a ReLU, activation applied afterwards)`` for ``act``: fluxlike's ``identity``
     and ``relu`` say what they are (their ``_commutes_with_rounding`` mark), as ``mlx.nn``'s
-    ``relu`` does by being it."""
+    ``relu`` does by being it. The answers for those are remembered (a bounded set)."""
+    try:
+        known = _KNOWN_ACTS.get(act)
+    except TypeError:  # an unhashable callable
+        known = None
+    if known is not None:
+        return known
+    split = _split_act_uncached(act)
+    if split[1] is None:  # identity or a fused ReLU: finitely many such objects
+        _KNOWN_ACTS[act] = split
+    return split
+
+
+_KNOWN_ACTS: dict[Any, tuple[bool, Callable | None]] = {}
+
+
+def _split_act_uncached(act: str | Callable | None) -> tuple[bool, Callable | None]:
     if act is None or (isinstance(act, str) and act == "identity"):
         return False, None
     if isinstance(act, str):
@@ -240,8 +256,12 @@ def linear(
         _check_arrays("linear", x=x, w=w, bias=bias)
     fused, after = (False, None) if act is None else _split_act(act)
     try:
-        y = ext.matmul(x, w, bias, trans_b=True, relu=fused, out_dtype=out_dtype,
-                       native_bf16=_bf16_native, stream=stream)
+        # Positional: nanobind fills defaults and keywords at a cost the size of a small
+        # layer's whole graph construction (every float32 linear layer calls this).
+        y = (ext.matmul(x, w, bias, False, True, fused, out_dtype, False, _bf16_native)
+             if stream is None else
+             ext.matmul(x, w, bias, False, True, fused, out_dtype, False, _bf16_native,
+                        stream=stream))
     except ValueError as error:
         raise ValueError(f"fluxlike.native.linear(x {x.shape} {x.dtype}, w {w.shape} "
                          f"{w.dtype}): {error}") from None

@@ -174,6 +174,25 @@ def test_linear_against_mlx(dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("out_dtype", [None, mx.float32], ids=["own", "f32"])
+def test_the_fused_relu_keeps_nan_as_mlx_does(dtype, out_dtype):
+    """relu(NaN) is NaN, as MLX's maximum and PyTorch's relu give it (oneDNN's ReLU post-op
+    gives 0, which would hide a diverged layer from a non-finite check); inf - inf is NaN;
+    -0 and negatives are 0, +inf stays."""
+    inf, nan = float("inf"), float("nan")
+    x = mx.array([[nan, 1, 2], [inf, -inf, 0], [-1, -1, -1], [inf, 0, 0], [-0.0, 0, 0]],
+                 dtype)
+    w = mx.array([[1, 1, 1], [2, 0, 0]], dtype)
+    y = native.linear(x, w, None, "relu", out_dtype=out_dtype)
+    expected = mx.maximum(x.astype(mx.float32) @ w.astype(mx.float32).T, 0)
+    got, want = np64(y), np64(expected)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+    assert not np.signbit(got[~np.isnan(got)]).any()
+
+
+@needs_native
 def test_bfloat16_is_the_rounded_float32_accumulation():
     """bf16 x bf16 -> bf16 equals the bf16 x bf16 -> f32 result rounded to nearest even."""
     x, w, b = rand((64, 96), mx.bfloat16), rand((80, 96), mx.bfloat16), rand((80,), mx.bfloat16)

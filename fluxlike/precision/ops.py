@@ -24,12 +24,11 @@ and whose cotangents come back in the operands' dtypes. It supports ``mx.grad``/
 and ``mx.compile`` (not second-order gradients). On a GPU, MLX's native half kernels run.
 Inference reuses the kept float32 upcasts of the weights instead (:func:`castcache.reused`).
 
-Native kernels on the CPU (:mod:`fluxlike.native`, where ``./dev`` built them): float32 linear
-layers of ``NATIVE_FLOAT32_WEIGHTS`` weights or more, and float32 convolutions whose implicit
-GEMM pays, run oneDNN's kernels forward and backward (their weight gradients come back
-row-major); bfloat16 inference on kept weights runs oneDNN's bfloat16 kernels, with the same
-numerics (bfloat16 operands, float32 accumulation, one rounding). Half-precision training
-stays on the emulation above, which keeps less for the backward pass.
+Native kernels on the CPU (:mod:`fluxlike.native`, where ``./dev`` built them): float32 and
+bfloat16 linear layers (bfloat16 where oneDNN has bfloat16 kernels), and float32 convolutions
+whose implicit GEMM pays, run oneDNN's kernels forward and backward (their weight gradients
+come back row-major), with the same numerics (operands in the compute dtype, float32
+accumulation, one rounding). float16 stays on the emulation above.
 
 Memory: what the graph retains is about half of float32's for an activation-heavy MLP.
 MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to about a
@@ -203,17 +202,23 @@ def linear(
     # The everyday float32 call first: one addmm, as little Python as can be.
     state = _state()
     if state is PLAIN and weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
-        if weight.size < NATIVE_FLOAT32_WEIGHTS or not _native_cpu():
-            y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
-            return y if act is None else act(y)
-        return native.linear(x, weight, bias, act)
+        if _native_cpu():
+            try:
+                return native.linear(x, weight, bias, act)
+            except ValueError:  # operands oneDNN does not take (a bias of another shape or
+                pass  # dtype), or a shape error: MLX's ops below broadcast, or say what it is
+        y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+        return y if act is None else act(y)
     if not (state.differentiating or state.shapeless) and type(x) is mx.array:
         kept = _kept_cpu_half(state, x, weight, bias, act)  # repeated inference, CPU half
         if kept is not None:
             return kept
     x, weight, bias = operands(x, weight, bias, layer=layer)
     if _native_takes(x, weight, bias):
-        return native.linear(x, weight, bias, act)
+        try:
+            return native.linear(x, weight, bias, act)
+        except ValueError:  # a bias of another shape, or a shape error: as below
+            pass
     # The row-major custom gradients cannot be traced shapeless (MLX cannot infer their
     # output shapes): there the plain ops are differentiated.
     row_major = state.differentiating and not state.shapeless
@@ -226,11 +231,6 @@ def linear(
     else:
         y = _row_major_affine(x, weight, bias) if row_major else _affine(x, weight, bias)
     return y if act is None else act(y)
-
-
-# oneDNN's float32 matmul beats MLX's (OpenBLAS) from about 2**17 multiply-adds; a weight of
-# that many entries makes every product of it at least that large (bench/native.py).
-NATIVE_FLOAT32_WEIGHTS = 2**17
 
 
 def _native_cpu() -> bool:
@@ -246,8 +246,7 @@ def _native_in_use() -> bool:
 
 def _native_takes(x: mx.array, weight: mx.array, bias: mx.array | None) -> bool:
     """Whether the native kernel computes this linear, forward and backward (CPU, operands of
-    one dtype): float32 with a weight of ``NATIVE_FLOAT32_WEIGHTS`` entries or more, and
-    bfloat16 of any size where oneDNN has bfloat16 kernels (:func:`fluxlike.native.
+    one dtype): float32, and bfloat16 where oneDNN has bfloat16 kernels (:func:`fluxlike.native.
     bfloat16_native`). Its backward pass keeps only the bfloat16 input and output, and
     computes each layer's parameter gradients while that layer's cotangent is live, so a
     bfloat16 training step keeps less than the float32-kernel emulation (bench/README.md).
@@ -255,7 +254,7 @@ def _native_takes(x: mx.array, weight: mx.array, bias: mx.array | None) -> bool:
     dtype = x.dtype
     if dtype == _F32:
         return (weight.dtype == _F32 and (bias is None or bias.dtype == _F32)
-                and weight.size >= NATIVE_FLOAT32_WEIGHTS and _native_cpu())
+                and _native_cpu())
     return (dtype == _BF16 and weight.dtype == _BF16 and (bias is None or bias.dtype == _BF16)
             and _native_cpu() and native.bfloat16_native())
 

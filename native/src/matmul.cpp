@@ -230,14 +230,12 @@ std::shared_ptr<Entry> lookup(
     const dnnl::memory::dims& dst_dims,
     mx::Dtype in_dt,
     mx::Dtype out_dt,
-    std::optional<mx::Dtype> bias_dt,
-    bool relu) {
+    std::optional<mx::Dtype> bias_dt) {
   std::vector<int64_t> key;
   key.reserve(8 + 5 * a.dims.size());
   key.push_back(static_cast<int64_t>(in_dt.val()));
   key.push_back(static_cast<int64_t>(out_dt.val()));
   key.push_back(bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1);
-  key.push_back(relu);
   key.push_back(static_cast<int64_t>(a.dims.size()));
   for (auto* part : {&a.dims, &a.strides, &b.dims, &b.strides, &dst_dims}) {
     key.insert(key.end(), part->begin(), part->end());
@@ -262,11 +260,6 @@ std::shared_ptr<Entry> lookup(
   }
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  if (relu) {
-    dnnl::post_ops ops;
-    ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
-    attr.set_post_ops(ops);
-  }
   double macs = static_cast<double>(a.dims.back());
   for (auto d : dst_dims) macs *= static_cast<double>(d);
   OneThread one(macs < SINGLE_THREAD_MACS);
@@ -512,6 +505,34 @@ mx::array matmul(
 
 // ---- the primitive ------------------------------------------------------------------------
 
+namespace {
+
+// Whether the float32 / bfloat16 bit pattern is > 0 (positive and finite or +inf; not NaN).
+inline bool positive(uint32_t bits) {
+  return bits - 1u < 0x7F800000u;
+}
+inline bool positive(uint16_t bits) {
+  return static_cast<uint16_t>(bits - 1u) < 0x7F80u;
+}
+inline bool nan(uint32_t bits) {
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
+}
+inline bool nan(uint16_t bits) {
+  return (bits & 0x7FFFu) > 0x7F80u;
+}
+
+// relu(y) as MLX's maximum(y, 0) computes it, in place on the float32 / bfloat16 bits: NaN
+// stays NaN, -0 becomes 0. oneDNN's ReLU post-op is a vmaxps that returns 0 for NaN, which
+// would make a layer that diverged look finite. Branch-free, so that it vectorises.
+template <typename T>
+void relu_in_place(T* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    y[i] &= static_cast<T>(T(0) - static_cast<T>(positive(y[i]) || nan(y[i])));
+  }
+}
+
+} // namespace
+
 void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& a = inputs[0];
   auto& b = inputs[1];
@@ -531,7 +552,7 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   if (has_bias_) {
     bias_dt = inputs[2].dtype();
   }
-  auto entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt, relu_);
+  auto entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt);
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) {
@@ -543,7 +564,17 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     pa = const_cast<void*>(a.data<void>()),
                     pb = const_cast<void*>(b.data<void>()),
                     pbias,
-                    pdst = out.data<void>()]() { run(*entry, pa, pb, pbias, pdst); });
+                    pdst = out.data<void>(),
+                    relu = relu_,
+                    bf16 = out.dtype() == mx::bfloat16,
+                    n = out.size()]() {
+    run(*entry, pa, pb, pbias, pdst);
+    if (relu && bf16) {
+      relu_in_place(static_cast<uint16_t*>(pdst), n);
+    } else if (relu) {
+      relu_in_place(static_cast<uint32_t*>(pdst), n);
+    }
+  });
 }
 
 void Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
@@ -692,13 +723,6 @@ mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s
 
 namespace {
 
-// Whether the float32 / bfloat16 bit pattern is > 0 (positive and finite or +inf; not NaN).
-inline bool positive(uint32_t bits) {
-  return bits - 1u < 0x7F800000u;
-}
-inline bool positive(uint16_t bits) {
-  return static_cast<uint16_t>(bits - 1u) < 0x7F80u;
-}
 
 // Branch-free (a mask of the bits: random signs would mispredict a branch half the time),
 // so that the compiler vectorises it.

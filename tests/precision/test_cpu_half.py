@@ -257,7 +257,7 @@ def float32_peak(model, x, limit=1):
     """The float32 step's peak on MLX's own kernels, the ones the half path emulates on (the
     native oneDNN kernels, where installed, keep less: fluxlike.native)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "NATIVE_FLOAT32_WEIGHTS", float("inf"))
+        patch.setattr(ops, "_native_cpu", lambda: False)
         return peak_of_training_step(model, x, None, limit)
 
 

@@ -1,8 +1,8 @@
 """Where fluxlike's linear kernel takes the native oneDNN companion (fluxlike/precision/ops.py,
-fluxlike/native.py): large float32 layers forward and backward, and bfloat16 under autocast
-(inference and training, any size) where oneDNN has bfloat16 kernels; float16, small float32
-layers and (without the companion) everything stay on MLX's kernels, with the same results to
-float32 rounding."""
+fluxlike/native.py): float32 layers forward and backward, and bfloat16 under autocast
+(inference and training), of any size, where oneDNN has bfloat16 kernels; float16 and
+(without the companion) everything stay on MLX's kernels, with the same results to float32
+rounding."""
 
 import mlx.core as mx
 import numpy as np
@@ -45,9 +45,24 @@ def test_a_large_float32_layer_runs_native_forward_and_backward(calls):
     np.testing.assert_allclose(np64(g["weight"]), np64(expected), rtol=1e-3, atol=1e-3)
 
 
-def test_a_small_float32_layer_stays_on_mlx(calls):
-    Dense(256, 256)(mx.ones((4, 256)))
-    assert calls == []
+@pytest.mark.parametrize("rows, dims", [(1, 8), (4, 256), (128, 64)])
+def test_float32_layers_of_every_size_run_native(calls, rows, dims):
+    # oneDNN's float32 kernel beats MLX's (OpenBLAS) down to the smallest layers measured,
+    # forward and backward (bench/README.md): there is no size below which MLX takes over.
+    layer, x = Dense(dims, dims, relu), mx.random.normal((rows, dims))
+    y = layer(x)
+    assert calls == [mx.float32] and y.dtype == mx.float32
+    np.testing.assert_allclose(np64(y), np64(_mlx(layer, x)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bias_the_kernel_does_not_take_falls_back_to_mlx(calls):
+    layer, x = Dense(3, 2), mx.random.normal((4, 3))
+    layer.bias = mx.array([[0.5, -1.0]])  # (1, 2): oneDNN wants (2,), MLX broadcasts it
+    y = layer(x)
+    assert calls == [mx.float32]  # tried, refused, and computed by MLX instead
+    np.testing.assert_allclose(np64(y), np64(x @ layer.weight.T + layer.bias), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"\[Dense\]"):  # a real shape error is still named
+        layer(mx.ones((4, 5)))
 
 
 def test_bfloat16_inference_runs_native_first_and_on_kept_weights(calls):
@@ -77,3 +92,13 @@ def test_bfloat16_training_runs_native_and_float16_stays_on_the_emulation(calls)
     # d/dw of sum(x @ w.T) is the column sums of x, rounded to bfloat16 (accumulated in float32)
     expected = x.astype(mx.bfloat16).astype(mx.float32).sum(axis=0).astype(mx.bfloat16)
     np.testing.assert_allclose(np64(g["weight"][0]), np64(expected), rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [None, mx.bfloat16], ids=["float32", "autocast-bf16"])
+def test_a_nan_input_gives_nan_outputs_through_a_relu_layer(calls, dtype):
+    # A diverged batch must show in the loss (fluxlike.train stops on it), not be zeroed.
+    layer = Dense(3, 4, relu)
+    x = mx.array([[float("nan"), 1.0, 2.0], [1.0, 1.0, 1.0]])
+    with autocast(dtype, enabled=dtype is not None, device="cpu"):
+        y = layer(x)
+    assert calls and np.isnan(np64(y)[0]).all() and not np.isnan(np64(y)[1]).any()
