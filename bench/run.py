@@ -78,13 +78,16 @@ def without_native(fn: Callable[[], object]) -> Callable[[], object]:
                  if hasattr(native, name)}
         for name in saved:
             setattr(native, name, lambda: False)
-        ops._native_in_use.cache_clear()  # ops asks once per process: ask again, and after
+        forget = (ops._native_in_use.cache_clear, ops._plain_kernel.cache_clear)
+        for clear in forget:  # ops asks once per process: ask again, and after
+            clear()
         try:
             return fn()
         finally:
             for name, value in saved.items():
                 setattr(native, name, value)
-            ops._native_in_use.cache_clear()
+            for clear in forget:
+                clear()
 
     return run
 

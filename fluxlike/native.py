@@ -184,10 +184,11 @@ def _check_arrays(name: str, **arrays: mx.array | None) -> None:
                             f"{type(value).__name__}")
 
 
-def _split_act(act: str | Callable | None) -> tuple[bool, Callable | None]:
-    """``(fuse a ReLU, activation applied afterwards)`` for ``act``: fluxlike's ``identity``
-    and ``relu`` say what they are (their ``_commutes_with_rounding`` mark), as ``mlx.nn``'s
-    ``relu`` does by being it. The answers for those are remembered (a bounded set)."""
+def split_act(act: str | Callable | None) -> tuple[bool, Callable | None]:
+    """``(fuse a ReLU, activation applied afterwards)`` for ``act`` in :func:`linear`:
+    fluxlike's ``identity`` and ``relu`` say what they are (their ``_commutes_with_rounding``
+    mark), as ``mlx.nn``'s ``relu`` does by being it. The answers for those are remembered
+    (a bounded set)."""
     try:
         known = _KNOWN_ACTS.get(act)
     except TypeError:  # an unhashable callable
@@ -254,7 +255,7 @@ def linear(
         bias is not None and type(bias) is not mx.array
     ):
         _check_arrays("linear", x=x, w=w, bias=bias)
-    fused, after = (False, None) if act is None else _split_act(act)
+    fused, after = (False, None) if act is None else split_act(act)
     try:
         # Positional: nanobind fills defaults and keywords at a cost the size of a small
         # layer's whole graph construction (every float32 linear layer calls this).
@@ -266,6 +267,16 @@ def linear(
         raise ValueError(f"fluxlike.native.linear(x {x.shape} {x.dtype}, w {w.shape} "
                          f"{w.dtype}): {error}") from None
     return y if after is None else after(y)
+
+
+def plain_linear_kernel() -> Callable[[mx.array, mx.array, mx.array | None, bool],
+                                      mx.array | None] | None:
+    """The companion's entry for fluxlike's everyday float32 layer call,
+    ``kernel(x, w, bias, relu)``: ``relu?(x @ w.T + bias)`` on oneDNN where ``x``, ``w`` and
+    ``bias`` (or ``None``) are float32 of matching shapes and the default device is the CPU,
+    ``None`` for anything else; it checks in C++ what :func:`linear` checks in Python. ``None``
+    where the kernels are not in use (or a build predates the entry)."""
+    return getattr(_ext, "plain_linear", None) if available() else None
 
 
 def matmul(

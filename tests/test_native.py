@@ -980,3 +980,27 @@ def test_conv_transpose_compiled_and_errors():
         native.conv_transpose(rand((1, 4, 4, 2)), w, stride=2, output_padding=2)
     with pytest.raises(ValueError, match=r"conv_transpose: channels do not match"):
         native.conv_transpose(rand((1, 4, 4, 3)), w)
+
+
+@needs_native
+def test_the_plain_float32_entry_computes_or_declines():
+    """``plain_linear_kernel()``: fluxlike's everyday float32 layer call, checked in C++; it
+    gives ``native.linear``'s result or declines (``None``) whatever is not its to compute."""
+    kernel = native.plain_linear_kernel()
+    x, w, b = rand((6, 5), mx.float32), rand((4, 5), mx.float32), rand((4,), mx.float32)
+    for bias in (b, None):
+        for relu_ in (False, True):
+            mine = kernel(x, w, bias, relu_)
+            theirs = native.linear(x, w, bias, "relu" if relu_ else None)
+            np.testing.assert_array_equal(np64(mine), np64(theirs))
+    assert kernel(rand((2, 3, 5), mx.float32), w, b, False).shape == (2, 3, 4)
+    declined = [
+        (x.astype(mx.float64), w, b), (x.astype(mx.bfloat16), w, b), (mx.ones((6, 5), mx.int32),
+        w, b), (x, w.astype(mx.bfloat16), b), (x, w, b.astype(mx.bfloat16)),
+        (x, w, b.reshape(1, 4)), (x, w, mx.zeros((5,))), (x, w.reshape(1, 4, 5), b),
+        (rand((6, 3), mx.float32), w, b), (mx.array(1.0), w, b),
+    ]
+    for args in declined:
+        assert kernel(*args, False) is None, [a.shape for a in args]
+    with pytest.raises(TypeError):
+        kernel(np.ones((6, 5), np.float32), w, b, False)

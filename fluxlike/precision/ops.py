@@ -199,16 +199,22 @@ def linear(
     >>> y.shape, y.dtype
     ((2, 4), mlx.core.bfloat16)
     """
-    # The everyday float32 call first: one addmm, as little Python as can be.
+    # The everyday float32 call first, with as little Python as can be: one oneDNN kernel
+    # (which checks the operands in C++ and declines what is not its), or one addmm.
     state = _state()
-    if state is PLAIN and weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
-        if _native_cpu():
+    if state is PLAIN:
+        kernel = _plain_kernel()
+        if kernel is not None:
+            fused, after = (False, None) if act is None else native.split_act(act)
             try:
-                return native.linear(x, weight, bias, act)
-            except ValueError:  # operands oneDNN does not take (a bias of another shape or
-                pass  # dtype), or a shape error: MLX's ops below broadcast, or say what it is
-        y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
-        return y if act is None else act(y)
+                y = kernel(x, weight, bias, fused)
+            except TypeError:  # not an mx.array: the general path below says what it is
+                y = None
+            if y is not None:
+                return y if after is None else after(y)
+        if weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
+            y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+            return y if act is None else act(y)
     if not (state.differentiating or state.shapeless) and type(x) is mx.array:
         kept = _kept_cpu_half(state, x, weight, bias, act)  # repeated inference, CPU half
         if kept is not None:
@@ -242,6 +248,13 @@ def _native_cpu() -> bool:
 @functools.cache
 def _native_in_use() -> bool:
     return native.available()
+
+
+@functools.cache
+def _plain_kernel() -> Callable[[mx.array, mx.array, mx.array | None, bool],
+                                mx.array | None] | None:
+    """:func:`fluxlike.native.plain_linear_kernel`, asked once per process."""
+    return native.plain_linear_kernel() if _native_in_use() else None
 
 
 def _native_takes(x: mx.array, weight: mx.array, bias: mx.array | None) -> bool:

@@ -58,6 +58,28 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none(),
       R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h).)");
 
+  m.def(
+      "plain_linear",
+      [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+         bool relu) -> std::optional<mx::array> {
+        // fluxlike's everyday float32 layer call, checked here rather than in Python (each
+        // check there costs about as much as this whole call's graph construction).
+        if (x.dtype() != mx::float32 || w.dtype() != mx::float32 || w.ndim() != 2 ||
+            x.ndim() < 1 || x.shape(-1) != w.shape(1) ||
+            mx::default_device().type != mx::Device::DeviceType::cpu) {
+          return std::nullopt;
+        }
+        if (bias && (bias->dtype() != mx::float32 || bias->ndim() != 1 ||
+                     bias->shape(0) != w.shape(0))) {
+          return std::nullopt;
+        }
+        return fluxlike_native::matmul(x, w, bias, false, true, relu, std::nullopt, false,
+                                       false, {});
+      },
+      "x"_a, "w"_a, "bias"_a.none(), "relu"_a,
+      R"(relu?(x @ w.T + bias) on oneDNN for float32 operands on the CPU (default device),
+w (out, in) and bias (out,) or None; None for anything else (the caller's general path).)");
+
   m.def("relu_grad", &fluxlike_native::relu_grad, "g"_a, "y"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         R"(g where y > 0, else 0, in one pass (a fused ReLU's backward; see matmul.h).)");

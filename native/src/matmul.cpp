@@ -488,13 +488,12 @@ mx::array matmul(
     }
     return mx::astype(mx::reshape(y, shape, stream), odt, stream);
   }
-  // Contiguous is free for an operand already laid out so (it shares the buffer); a 2-D
-  // column-major operand (a transposed view) passes as it is, with its strides.
-  std::vector<mx::array> inputs{
-      mx::contiguous(a, !batched && a.ndim() == 2, stream),
-      mx::contiguous(b, !batched, stream)};
+  // Operands that are not laid out as oneDNN takes them are copied when the primitive runs
+  // (Matmul::eval_cpu), as MLX's own matmul does, rather than by Contiguous ops in the
+  // graph: each of those costs a node to build and to run on every call.
+  std::vector<mx::array> inputs{a, b};
   if (bias) {
-    inputs.push_back(mx::contiguous(*bias, false, stream));
+    inputs.push_back(*bias);
   }
   return mx::array(
       shape, odt,
@@ -531,15 +530,66 @@ void relu_in_place(T* y, size_t n) {
   }
 }
 
+// dst[i] = the i-th element of a strided array in row-major order (any strides, negative or
+// zero too; MLX does not export its CPU copy to extensions).
+template <typename T>
+void gather(const T* src, T* dst, const mx::Shape& shape, const mx::Strides& strides) {
+  size_t n = 1;
+  for (auto d : shape) {
+    n *= static_cast<size_t>(d);
+  }
+  int nd = static_cast<int>(shape.size());
+  std::vector<int64_t> index(nd, 0);
+  int64_t offset = 0;
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = src[offset];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++index[d] < shape[d]) {
+        offset += strides[d];
+        break;
+      }
+      offset -= strides[d] * (shape[d] - 1);
+      index[d] = 0;
+    }
+  }
+}
+
+// x's elements in a new row-contiguous array, copied by a task queued on the encoder before
+// the kernel that reads it (and kept alive until then as a temporary); float32 or bfloat16.
+mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
+  mx::array copy(x.shape(), x.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  encoder.add_temporary(copy);
+  encoder.dispatch([src = x.data<void>(), dst = copy.data<void>(), shape = x.shape(),
+                    strides = x.strides(), two = x.itemsize() == 2]() {
+    if (two) {
+      gather(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), shape, strides);
+    } else {
+      gather(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), shape, strides);
+    }
+  });
+  return copy;
+}
+
 } // namespace
 
 void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto& a = inputs[0];
-  auto& b = inputs[1];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
     return;
   }
+  // Row-contiguous operands pass as they are, and column-major ones (a transposed view) where
+  // the kernel reads them with their strides: a 2-D first operand, an unbatched second one.
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  auto laid_out = [&](const mx::array& x, bool col_major_ok) -> mx::array {
+    if (x.flags().row_contiguous || (col_major_ok && x.flags().col_contiguous)) {
+      return x;
+    }
+    return row_contiguous_copy(x, encoder);
+  };
+  const mx::array a = laid_out(inputs[0], !batched_ && inputs[0].ndim() == 2);
+  const mx::array b = laid_out(inputs[1], !batched_);
+  const mx::array bias = has_bias_ ? laid_out(inputs[2], false) : inputs[0];
   View va = view(a, trans_a_, !batched_);
   View vb = view(b, trans_b_, false);
   dnnl::memory::dims dst_dims;
@@ -554,12 +604,11 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   auto entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt);
 
-  auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) {
     encoder.set_input_array(in);
   }
   encoder.set_output_array(out);
-  void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
+  void* pbias = has_bias_ ? const_cast<void*>(bias.data<void>()) : nullptr;
   encoder.dispatch([entry,
                     pa = const_cast<void*>(a.data<void>()),
                     pb = const_cast<void*>(b.data<void>()),
@@ -716,9 +765,7 @@ mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s
     auto mask = mx::greater(y, mx::array(0.0f, y.dtype()), stream);
     return mx::where(mask, g, mx::array(0.0f, g.dtype()), stream);
   }
-  return mx::array(
-      g.shape(), g.dtype(), std::make_shared<ReluGrad>(stream),
-      {mx::contiguous(g, false, stream), mx::contiguous(y, false, stream)});
+  return mx::array(g.shape(), g.dtype(), std::make_shared<ReluGrad>(stream), {g, y});
 }
 
 namespace {
@@ -736,20 +783,29 @@ void relu_grad_loop(const G* g, const Y* y, G* out, size_t n) {
 } // namespace
 
 void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto& g = inputs[0];
-  auto& y = inputs[1];
+  // A flat pass: operands not row-contiguous are copied first (references otherwise, so that
+  // the cotangent stays donatable).
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::optional<mx::array> g_copy, y_copy;
+  if (!inputs[0].flags().row_contiguous) {
+    g_copy = row_contiguous_copy(inputs[0], encoder);
+  }
+  if (!inputs[1].flags().row_contiguous) {
+    y_copy = row_contiguous_copy(inputs[1], encoder);
+  }
+  const mx::array& g = g_copy ? *g_copy : inputs[0];
+  const mx::array& y = y_copy ? *y_copy : inputs[1];
   // The cotangent's buffer is reused when nothing else holds it, as MLX's elementwise ops
   // do (an elementwise pass can run in place): a new buffer per layer would raise the peak
   // of a backward pass that MLX's scheduler queues ahead.
-  if (g.is_donatable() && g.itemsize() == out.itemsize() &&
+  if (!g_copy && g.is_donatable() && g.itemsize() == out.itemsize() &&
       g.buffer_size() <= out.nbytes() + 16384) {
     out.copy_shared_buffer(g);
   } else {
     out.set_data(mx::allocator::malloc(out.nbytes()));
   }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(g);
-  encoder.set_input_array(y);
+  encoder.set_input_array(inputs[0]);
+  encoder.set_input_array(inputs[1]);
   encoder.set_output_array(out);
   size_t n = out.size();
   const void* pg = g.data<void>();
