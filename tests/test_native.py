@@ -1004,3 +1004,23 @@ def test_the_plain_float32_entry_computes_or_declines():
         assert kernel(*args, False) is None, [a.shape for a in args]
     with pytest.raises(TypeError):
         kernel(np.ones((6, 5), np.float32), w, b, False)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_operands_of_any_strides_are_gathered_when_the_kernel_runs(dtype):
+    """Reversed, strided, broadcast and transposed-batch operands (no Contiguous op in the
+    graph: the primitive copies what oneDNN cannot read): the same values as MLX's."""
+    a, b = rand((2, 6, 8), dtype), rand((2, 8, 5), dtype)
+    operands = [
+        (a[:, ::-1], b), (a[:, ::2], b), (a, b[:, :, ::-1]), (mx.broadcast_to(a[:1], a.shape), b),
+        (a.swapaxes(0, 1).swapaxes(0, 1)[..., ::-1], b[:, ::-1]),
+    ]
+    for x, y in operands:
+        mine = native.matmul(x, y, out_dtype=mx.float32)
+        theirs = x.astype(mx.float32) @ y.astype(mx.float32)
+        np.testing.assert_allclose(np64(mine), np64(theirs), rtol=1e-5, atol=1e-5)
+    g, y = rand((8, 6), dtype), rand((6, 8), dtype)
+    mask = np64(y.T) > 0
+    got = native._require("relu_grad").relu_grad(g[::-1], y.T)
+    np.testing.assert_array_equal(np64(got), np.where(mask, np64(g[::-1]), 0))
