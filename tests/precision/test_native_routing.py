@@ -110,4 +110,5 @@ def test_a_nan_input_gives_nan_outputs_through_a_relu_layer(calls, dtype):
     x = mx.array([[float("nan"), 1.0, 2.0], [1.0, 1.0, 1.0]])
     with autocast(dtype, enabled=dtype is not None, device="cpu"):
         y = layer(x)
-    assert calls and np.isnan(np64(y)[0]).all() and not np.isnan(np64(y)[1]).any()
+    assert bool(calls) == (dtype is None or native.bfloat16_native())  # the kernel ran
+    assert np.isnan(np64(y)[0]).all() and not np.isnan(np64(y)[1]).any()
