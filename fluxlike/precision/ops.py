@@ -433,16 +433,33 @@ def quantized_linear(
     return y if bias is None else y + bias
 
 
-def matmul(a: mx.array, b: mx.array) -> mx.array:
-    """``a @ b`` for operands of one dtype.
+def matmul(a: mx.array, b: mx.array, *, transpose_b: bool = False) -> mx.array:
+    """``a @ b`` for operands of one dtype (``a @ b.swapaxes(-1, -2)`` with
+    ``transpose_b``). Half operands on the CPU keep half-precision numerics (float32
+    accumulation, the result rounded once to their dtype): bfloat16 in oneDNN's bfloat16
+    kernels where the native companion has them (:func:`_native_matmul`), otherwise in
+    float32 kernels.
 
     >>> import mlx.core as mx
     >>> matmul(mx.ones((2, 3), mx.float16), mx.ones((3, 5), mx.float16)).dtype
     mlx.core.float16
+    >>> matmul(mx.ones((2, 3), mx.bfloat16), mx.ones((5, 3), mx.bfloat16), transpose_b=True).shape
+    (2, 5)
     """
     if emulates(a, b):
-        return _in_float32("matmul")(a, b)
-    return a @ b
+        if _native_matmul(a, b):
+            return native.matmul(a, b, transpose_b=transpose_b)
+        return _in_float32("matmul")(a, b.swapaxes(-1, -2) if transpose_b else b)
+    return a @ (b.swapaxes(-1, -2) if transpose_b else b)
+
+
+def _native_matmul(a: mx.array, b: mx.array) -> bool:
+    """Whether :func:`matmul` takes the native kernel, forward and backward: bfloat16
+    operands (all one dtype: :func:`emulates` said so) of two or more axes, not empty, on the
+    CPU where oneDNN has bfloat16 kernels (attention's scores and weighted sums: MLX's CPU
+    float32 matmul on such small batched products costs more than oneDNN's bfloat16 one)."""
+    return (a.dtype == _BF16 and a.ndim >= 2 and b.ndim >= 2 and a.size > 0 and b.size > 0
+            and _native_cpu() and native.bfloat16_native())
 
 
 def conv(
