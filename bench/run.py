@@ -65,7 +65,7 @@ MODELS = [*M.SPECS, M.LM.name]
 
 # ------------------------------------------------------------------ native kernels
 
-NATIVE_KERNELS = ("linear", "matmul", "conv", "conv_transpose", "attention")
+NATIVE_KERNELS = ("linear", "matmul", "conv", "conv_transpose", "attention", "softmax")
 
 
 def without_native(fn: Callable[[], object]) -> Callable[[], object]:

@@ -462,6 +462,21 @@ def _native_matmul(a: mx.array, b: mx.array) -> bool:
             and _native_cpu() and native.bfloat16_native())
 
 
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis (:func:`fluxlike.workarounds.softmax`), for the float32
+    scores of half-precision attention: on the CPU where the native companion is in use,
+    oneDNN's vectorised float32 softmax, forward and backward (MLX's CPU softmax runs a
+    scalar ``exp``; the numerics are float32's either way).
+
+    >>> import mlx.core as mx
+    >>> softmax(mx.zeros((1, 4))).tolist()
+    [[0.25, 0.25, 0.25, 0.25]]
+    """
+    if x.dtype == _F32 and x.ndim >= 1 and x.size > 0 and _native_cpu():
+        return native.softmax(x)
+    return workarounds.softmax(x)
+
+
 def conv(
     x: mx.array,
     weight: mx.array,

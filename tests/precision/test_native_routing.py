@@ -297,3 +297,19 @@ def test_without_the_native_part_attention_takes_the_emulation():
     here = attend(q, k, v, 0.3, "causal")[0]
     np.testing.assert_allclose(np.array(ast.literal_eval(result.stdout)), np64(here),
                                rtol=2**-7, atol=1e-6)
+
+
+def test_half_attention_softmax_runs_native_in_float32(monkeypatch):
+    seen = []
+    original = native.softmax
+    monkeypatch.setattr(ops.native, "softmax", lambda x: seen.append(x.dtype) or original(x))
+    for dtype in (mx.float16, BF16):
+        q, k, v = _qkv(dtype=dtype)
+        out, weights = attend(q, k, v, SCALE, "causal", return_weights=True)
+        assert out.dtype == weights.dtype == dtype
+        exact, exact_weights = _np_attention(q, k, v, SCALE, "causal")
+        np.testing.assert_allclose(np64(weights), exact_weights, atol=2e-2)
+    assert seen == [mx.float32, mx.float32]  # the float32 scores of both half dtypes
+    q, k, v = _qkv(dtype=mx.float32)
+    attend(q, k, v, SCALE, "causal", return_weights=True)  # float32: MLX's softmax, as before
+    assert len(seen) == 2
