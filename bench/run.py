@@ -79,12 +79,14 @@ def without_native(fn: Callable[[], object]) -> Callable[[], object]:
         for name in saved:
             setattr(native, name, lambda: False)
         ops._native_in_use.cache_clear()  # ops asks once per process: ask again, and after
+        ops._native_softmax.cache_clear()
         try:
             return fn()
         finally:
             for name, value in saved.items():
                 setattr(native, name, value)
             ops._native_in_use.cache_clear()
+            ops._native_softmax.cache_clear()
 
     return run
 

@@ -43,7 +43,8 @@ from typing import Any
 import mlx.core as mx
 
 __all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "bfloat16_native",
-           "conv", "conv_transpose", "linear", "matmul", "native_info", "pays", "softmax"]
+           "conv", "conv_transpose", "linear", "matmul", "native_info", "pays", "provides",
+           "softmax"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -166,6 +167,17 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
               f"{isa}{limit}; {why}")
     return NativeInfo(True, reason, isa, how, mx.__version__, built_for,  # type: ignore[attr-defined]  # not in MLX's stub
                       ext.onednn_version(), path), ext, bf16
+
+
+def provides(name: str) -> bool:
+    """Whether the companion in use has the kernel ``name`` (e.g. ``"softmax"``): a build
+    from an older ``native/`` lacks the newer kernels until ``./dev setup`` rebuilds it.
+
+    >>> from fluxlike import native
+    >>> native.provides("matmul") == native.available()
+    True
+    """
+    return available() and hasattr(_ext, name)
 
 
 def _require(name: str) -> ModuleType:
@@ -364,6 +376,10 @@ def softmax(x: mx.array, *, stream: mx.Stream | mx.Device | None = None) -> mx.a
     ...     assert native.softmax(mx.zeros((2, 4))).tolist() == [[0.25] * 4] * 2
     """
     ext = _require("softmax")
+    if not hasattr(ext, "softmax"):
+        raise NativeUnavailable("fluxlike.native.softmax: this build of fluxlike-native has no "
+                                "softmax (built from an older native/): rebuild it with "
+                                "./dev setup, or use mx.softmax")
     _check_arrays("softmax", x=x)
     if x.dtype != mx.float32 or x.ndim < 1:
         raise ValueError(f"fluxlike.native.softmax: expected a float32 array of one or more "

@@ -472,9 +472,18 @@ def softmax(x: mx.array) -> mx.array:
     >>> softmax(mx.zeros((1, 4))).tolist()
     [[0.25, 0.25, 0.25, 0.25]]
     """
-    if x.dtype == _F32 and x.ndim >= 1 and x.size > 0 and _native_cpu():
+    if x.dtype == _F32 and x.ndim >= 1 and x.size > 0 and _native_softmax_cpu():
         return native.softmax(x)
     return workarounds.softmax(x)
+
+
+@functools.cache
+def _native_softmax() -> bool:
+    return _native_in_use() and native.provides("softmax")
+
+
+def _native_softmax_cpu() -> bool:
+    return _native_softmax() and mx.default_device().type is mx.cpu
 
 
 def conv(

@@ -313,3 +313,26 @@ def test_half_attention_softmax_runs_native_in_float32(monkeypatch):
     q, k, v = _qkv(dtype=mx.float32)
     attend(q, k, v, SCALE, "causal", return_weights=True)  # float32: MLX's softmax, as before
     assert len(seen) == 2
+
+
+def test_a_build_without_softmax_keeps_mlxs(monkeypatch):
+    """A companion built from an older native/ (no softmax kernel yet): MLX's softmax."""
+    class Older:  # the extension module without its softmax
+        def __getattr__(self, name):
+            if name == "softmax":
+                raise AttributeError(name)
+            return getattr(original, name)
+
+    original = native._ext
+    monkeypatch.setattr(native, "_ext", Older())
+    ops._native_softmax.cache_clear()
+    try:
+        assert not native.provides("softmax") and native.provides("matmul")
+        with pytest.raises(native.NativeUnavailable, match=r"rebuild it with ./dev setup"):
+            native.softmax(mx.zeros((2, 3)))
+        q, k, v = _qkv()
+        out, weights = attend(q, k, v, SCALE, "causal", return_weights=True)
+        np.testing.assert_allclose(np64(weights), _np_attention(q, k, v, SCALE, "causal")[1],
+                                   atol=2e-2)
+    finally:
+        ops._native_softmax.cache_clear()
