@@ -27,9 +27,11 @@ Inference reuses the kept float32 upcasts of the weights instead (:func:`castcac
 Native kernels on the CPU (:mod:`fluxlike.native`, where ``./dev`` built them): float32 linear
 layers of ``NATIVE_FLOAT32_WEIGHTS`` weights or more, and float32 convolutions whose implicit
 GEMM pays, run oneDNN's kernels forward and backward (their weight gradients come back
-row-major); bfloat16 inference on kept weights runs oneDNN's bfloat16 kernels, with the same
-numerics (bfloat16 operands, float32 accumulation, one rounding). Half-precision training
-stays on the emulation above, which keeps less for the backward pass.
+row-major); bfloat16 linear layers (inference on kept weights, and training) and bfloat16
+matmuls (:func:`matmul`: attention's scores and weighted sums) run oneDNN's bfloat16 kernels
+where it has them, with the same numerics (bfloat16 operands, float32 accumulation, one
+rounding), and :func:`softmax` (attention's float32 scores under CPU half precision) runs
+oneDNN's. float16, and bfloat16 convolutions in training, stay on the emulation above.
 
 Memory: what the graph retains is about half of float32's for an activation-heavy MLP.
 MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to about a
