@@ -65,7 +65,7 @@ MODELS = [*M.SPECS, M.LM.name]
 
 # ------------------------------------------------------------------ native kernels
 
-NATIVE_KERNELS = ("linear", "matmul", "conv", "conv_transpose", "attention")
+NATIVE_KERNELS = ("linear", "matmul", "conv", "conv_transpose", "attention", "softmax")
 
 
 def without_native(fn: Callable[[], object]) -> Callable[[], object]:
@@ -78,7 +78,8 @@ def without_native(fn: Callable[[], object]) -> Callable[[], object]:
                  if hasattr(native, name)}
         for name in saved:
             setattr(native, name, lambda: False)
-        forget = (ops._native_in_use.cache_clear, ops._plain_kernel.cache_clear)
+        forget = (ops._native_in_use.cache_clear, ops._plain_kernel.cache_clear,
+                  ops._native_softmax.cache_clear)
         for clear in forget:  # ops asks once per process: ask again, and after
             clear()
         try:

@@ -11,7 +11,9 @@ module finds it, checks it, and decides how it is used; fluxlike works without i
   :func:`matmul` (batched, transposed operands) and :func:`conv` (``mx.conv_general``'s
   channels-last convolution, 1-3 spatial axes, with its two gradients as oneDNN primitives)
   build the primitives; :func:`attention` is ``mx.fast.scaled_dot_product_attention`` made
-  of them (float32 scores and softmax, so no MLX half-precision kernel runs); :func:`pays`
+  of them (float32 scores and softmax, so no MLX half-precision kernel runs); :func:`softmax`
+  is oneDNN's float32 softmax over the last axis (MLX's CPU softmax runs a scalar ``exp``
+  on the Linux wheel, which is built without AVX); :func:`pays`
   says whether they beat today's kernels for a shape and dtype (measured; see
   ``bench/native.py``).
 
@@ -41,7 +43,8 @@ from typing import Any
 import mlx.core as mx
 
 __all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "bfloat16_native",
-           "conv", "conv_transpose", "linear", "matmul", "native_info", "pays"]
+           "conv", "conv_transpose", "linear", "matmul", "native_info", "pays", "provides",
+           "softmax"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -164,6 +167,17 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
               f"{isa}{limit}; {why}")
     return NativeInfo(True, reason, isa, how, mx.__version__, built_for,  # type: ignore[attr-defined]  # not in MLX's stub
                       ext.onednn_version(), path), ext, bf16
+
+
+def provides(name: str) -> bool:
+    """Whether the companion in use has the kernel ``name`` (e.g. ``"softmax"``): a build
+    from an older ``native/`` lacks the newer kernels until ``./dev setup`` rebuilds it.
+
+    >>> from fluxlike import native
+    >>> native.provides("matmul") == native.available()
+    True
+    """
+    return available() and hasattr(_ext, name)
 
 
 def _require(name: str) -> ModuleType:
@@ -379,6 +393,29 @@ def attention(
         probs = probs.reshape(batch, kv_heads, groups, lq, lk)
     out = matmul(probs, v)
     return out.reshape(batch, heads, lq, v.shape[-1]) if groups > 1 else out
+
+
+def softmax(x: mx.array, *, stream: mx.Stream | mx.Device | None = None) -> mx.array:
+    """``mx.softmax(x, axis=-1, precise=True)`` for a float32 ``x`` (any leading axes) as one
+    oneDNN primitive (its accurate algorithm: the row's maximum subtracted first), with its
+    backward pass as another (``y * (g - sum(g * y))``); both are differentiable again, and
+    have output shapes (``mx.compile(shapeless=True)``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     assert native.softmax(mx.zeros((2, 4))).tolist() == [[0.25] * 4] * 2
+    """
+    ext = _require("softmax")
+    if not hasattr(ext, "softmax"):
+        raise NativeUnavailable("fluxlike.native.softmax: this build of fluxlike-native has no "
+                                "softmax (built from an older native/): rebuild it with "
+                                "./dev setup, or use mx.softmax")
+    _check_arrays("softmax", x=x)
+    if x.dtype != mx.float32 or x.ndim < 1:
+        raise ValueError(f"fluxlike.native.softmax: expected a float32 array of one or more "
+                         f"axes, got {x.dtype} of shape {x.shape}; use mx.softmax")
+    return ext.softmax(x, stream=stream)
 
 
 def _per_axis(name: str, value: int | Sequence[Any], k: int,

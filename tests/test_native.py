@@ -1024,3 +1024,73 @@ def test_operands_of_any_strides_are_gathered_when_the_kernel_runs(dtype):
     mask = np64(y.T) > 0
     got = native._require("relu_grad").relu_grad(g[::-1], y.T)
     np.testing.assert_array_equal(np64(got), np.where(mask, np64(g[::-1]), 0))
+
+
+# ---- softmax ------------------------------------------------------------------------------------
+
+def _np_softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 4, 16, 33), (1, 1, 1)])
+def test_softmax_against_float64_and_mlx(shape):
+    x = 4 * rand(shape)
+    y = native.softmax(x)
+    assert y.dtype == mx.float32 and y.shape == x.shape
+    np.testing.assert_allclose(np64(y), _np_softmax(np64(x)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np64(y), np64(mx.softmax(x, axis=-1, precise=True)), rtol=1e-6,
+                               atol=1e-7)
+    strided = x.swapaxes(0, -1) if x.ndim > 1 else x[::2]  # made contiguous first
+    np.testing.assert_allclose(np64(native.softmax(strided)), _np_softmax(np64(strided)),
+                               rtol=1e-6, atol=1e-7)
+
+
+@needs_native
+def test_softmax_masked_rows_as_mlx():
+    low = mx.finfo(mx.float32).min
+    x = mx.where(mx.arange(9) < 4, rand((3, 9)), low)  # attention's boolean/causal masking
+    np.testing.assert_allclose(np64(native.softmax(x)), np64(mx.softmax(x, axis=-1)),
+                               rtol=1e-6, atol=1e-7)
+    assert native.softmax(mx.full((2, 5), low)).tolist() == mx.softmax(
+        mx.full((2, 5), low), axis=-1).tolist()  # a fully masked row averages
+
+
+@needs_native
+def test_softmax_gradients_second_order_and_jvp():
+    x, c = 3 * rand((2, 3, 11)), rand((2, 3, 11))
+
+    def first(fn):
+        return mx.grad(lambda a: (fn(a) * c).sum())
+
+    def mlx_softmax(a):
+        return mx.softmax(a, axis=-1, precise=True)
+
+    np.testing.assert_allclose(np64(first(native.softmax)(x)), np64(first(mlx_softmax)(x)),
+                               rtol=1e-5, atol=1e-6)
+    second = [mx.grad(lambda a, fn=fn: (first(fn)(a) ** 2).sum())(x)
+              for fn in (native.softmax, mlx_softmax)]
+    np.testing.assert_allclose(np64(second[0]), np64(second[1]), rtol=1e-4, atol=1e-6)
+    t = rand(x.shape)
+    (mine,), (theirs,) = (mx.jvp(fn, [x], [t])[1] for fn in (native.softmax, mlx_softmax))
+    np.testing.assert_allclose(np64(mine), np64(theirs), rtol=1e-5, atol=1e-6)
+    # the backward primitive's own derivatives (second order through it, forward mode)
+    g = mx.grad(lambda a: (native.softmax(a) * c).sum())
+    (jg,), (jref,) = (mx.jvp(f, [x], [t])[1] for f in (g, first(mlx_softmax)))
+    np.testing.assert_allclose(np64(jg), np64(jref), rtol=1e-4, atol=1e-6)
+
+
+@needs_native
+def test_softmax_inside_compile_and_errors():
+    f = mx.compile(mx.grad(lambda a: (native.softmax(a) * a).sum()), shapeless=True)
+    for rows in (3, 6):
+        x = rand((rows, 9))
+        expected = mx.grad(lambda a: (mx.softmax(a, axis=-1) * a).sum())(x)
+        np.testing.assert_allclose(np64(f(x)), np64(expected), rtol=1e-5, atol=1e-6)
+    assert native.softmax(mx.zeros((0, 4))).shape == (0, 4)
+    for bad in (mx.ones((2, 3), mx.bfloat16), mx.array(1.0)):
+        with pytest.raises(ValueError, match=r"fluxlike.native.softmax: expected a float32"):
+            native.softmax(bad)
+    with pytest.raises(TypeError, match=r"fluxlike.native.softmax: expected x"):
+        native.softmax(np.ones(3))

@@ -24,11 +24,14 @@ and whose cotangents come back in the operands' dtypes. It supports ``mx.grad``/
 and ``mx.compile`` (not second-order gradients). On a GPU, MLX's native half kernels run.
 Inference reuses the kept float32 upcasts of the weights instead (:func:`castcache.reused`).
 
-Native kernels on the CPU (:mod:`fluxlike.native`, where ``./dev`` built them): float32 and
-bfloat16 linear layers (bfloat16 where oneDNN has bfloat16 kernels), and float32 convolutions
-whose implicit GEMM pays, run oneDNN's kernels forward and backward (their weight gradients
-come back row-major), with the same numerics (operands in the compute dtype, float32
-accumulation, one rounding). float16 stays on the emulation above.
+Native kernels on the CPU (:mod:`fluxlike.native`, where ``./dev`` built them): float32
+linear layers, and float32 convolutions whose implicit GEMM pays, run oneDNN's kernels forward
+and backward (their weight gradients come back row-major); bfloat16 linear layers (inference
+on kept weights, and training) and bfloat16 matmuls (:func:`matmul`: attention's scores and
+weighted sums) run oneDNN's bfloat16 kernels where it has them, with the same numerics
+(bfloat16 operands, float32 accumulation, one rounding), and :func:`softmax` (attention's
+float32 scores under CPU half precision) runs oneDNN's. float16, and bfloat16 convolutions in
+training, stay on the emulation above.
 
 Memory: what the graph retains is about half of float32's for an activation-heavy MLP.
 MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to about a
@@ -445,16 +448,57 @@ def quantized_linear(
     return y if bias is None else y + bias
 
 
-def matmul(a: mx.array, b: mx.array) -> mx.array:
-    """``a @ b`` for operands of one dtype.
+def matmul(a: mx.array, b: mx.array, *, transpose_b: bool = False) -> mx.array:
+    """``a @ b`` for operands of one dtype (``a @ b.swapaxes(-1, -2)`` with
+    ``transpose_b``). Half operands on the CPU keep half-precision numerics (float32
+    accumulation, the result rounded once to their dtype): bfloat16 in oneDNN's bfloat16
+    kernels where the native companion has them (:func:`_native_matmul`), otherwise in
+    float32 kernels.
 
     >>> import mlx.core as mx
     >>> matmul(mx.ones((2, 3), mx.float16), mx.ones((3, 5), mx.float16)).dtype
     mlx.core.float16
+    >>> matmul(mx.ones((2, 3), mx.bfloat16), mx.ones((5, 3), mx.bfloat16), transpose_b=True).shape
+    (2, 5)
     """
     if emulates(a, b):
-        return _in_float32("matmul")(a, b)
-    return a @ b
+        if _native_matmul(a, b):
+            return native.matmul(a, b, transpose_b=transpose_b)
+        return _in_float32("matmul")(a, b.swapaxes(-1, -2) if transpose_b else b)
+    return a @ (b.swapaxes(-1, -2) if transpose_b else b)
+
+
+def _native_matmul(a: mx.array, b: mx.array) -> bool:
+    """Whether :func:`matmul` takes the native kernel, forward and backward: bfloat16
+    operands (all one dtype: :func:`emulates` said so) of two or more axes, not empty, on the
+    CPU where oneDNN has bfloat16 kernels (attention's scores and weighted sums: MLX's CPU
+    float32 matmul on such small batched products costs more than oneDNN's bfloat16 one)."""
+    return (a.dtype == _BF16 and a.ndim >= 2 and b.ndim >= 2 and a.size > 0 and b.size > 0
+            and _native_cpu() and native.bfloat16_native())
+
+
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis (:func:`fluxlike.workarounds.softmax`), for the float32
+    scores of half-precision attention: on the CPU where the native companion is in use,
+    oneDNN's vectorised float32 softmax, forward and backward (MLX's CPU softmax runs a
+    scalar ``exp``; the numerics are float32's either way).
+
+    >>> import mlx.core as mx
+    >>> softmax(mx.zeros((1, 4))).tolist()
+    [[0.25, 0.25, 0.25, 0.25]]
+    """
+    if x.dtype == _F32 and x.ndim >= 1 and x.size > 0 and _native_softmax_cpu():
+        return native.softmax(x)
+    return workarounds.softmax(x)
+
+
+@functools.cache
+def _native_softmax() -> bool:
+    return _native_in_use() and native.provides("softmax")
+
+
+def _native_softmax_cpu() -> bool:
+    return _native_softmax() and mx.default_device().type is mx.cpu
 
 
 def conv(

@@ -8,6 +8,7 @@
 
 #include "conv.h"
 #include "matmul.h"
+#include "softmax.h"
 #include "mlx/version.h"
 
 namespace nb = nanobind;
@@ -34,7 +35,8 @@ NB_MODULE(_ext, m) {
   m.def("clear_cache", []() {
     fluxlike_native::clear_cache();
     fluxlike_native::conv_clear_cache();
-  }, "Drop the cached oneDNN primitives (matmul and convolution).");
+    fluxlike_native::softmax_clear_cache();
+  }, "Drop the cached oneDNN primitives (matmul, convolution and softmax).");
   m.def("cache_impls", &fluxlike_native::cache_impls,
         "(oneDNN implementation name, count) of the cached matmul primitives.");
   m.def("conv_cache_size", &fluxlike_native::conv_cache_size,
@@ -83,6 +85,14 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
   m.def("relu_grad", &fluxlike_native::relu_grad, "g"_a, "y"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         R"(g where y > 0, else 0, in one pass (a fused ReLU's backward; see matmul.h).)");
+
+  m.def("softmax_cache_size", &fluxlike_native::softmax_cache_size,
+        "Cached oneDNN softmax primitives.");
+  m.def("softmax", &fluxlike_native::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        R"(softmax over the last axis of a float32 array on oneDNN (see softmax.h).)");
+  m.def("softmax_grad", &fluxlike_native::softmax_grad, "g"_a, "y"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(y * (g - sum(g * y, -1)): the softmax's backward pass on oneDNN (see softmax.h).)");
 
   m.def(
       "conv",

@@ -2,15 +2,26 @@
 fluxlike/native.py): float32 layers forward and backward, and bfloat16 under autocast
 (inference and training), of any size, where oneDNN has bfloat16 kernels; float16 and
 (without the companion) everything stay on MLX's kernels, with the same results to float32
-rounding."""
+rounding. Attention's core under autocast(bfloat16) takes the native bfloat16 matmul
+(ops.matmul) with the emulation's numerics."""
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import np64
+from mlx.utils import tree_flatten
 
-from fluxlike import Dense, autocast, gradient, native, relu
+from fluxlike import Dense, MultiHeadAttention, autocast, gradient, native, relu, trainmode
+from fluxlike import compile as fl_compile
 from fluxlike.precision import ops
+from fluxlike.precision.attention import attend
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=native.native_info().reason)
 
@@ -112,3 +123,251 @@ def test_a_nan_input_gives_nan_outputs_through_a_relu_layer(calls, dtype):
         y = layer(x)
     assert bool(calls) == (dtype is None or native.bfloat16_native())  # the kernel ran
     assert np.isnan(np64(y)[0]).all() and not np.isnan(np64(y)[1]).any()
+
+
+# ---- attention's core (fluxlike/precision/attention.py: attend, through ops.matmul) ----------
+
+BF16 = mx.bfloat16
+SCALE = 0.3  # not a power of two: the scaled queries are rounded, as in the emulation
+
+
+@pytest.fixture
+def matmuls(monkeypatch):
+    seen = []
+    original = native.matmul
+
+    def counting(*args, **kwargs):
+        seen.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops.native, "matmul", counting)
+    return seen
+
+
+@pytest.fixture
+def needs_bf16_kernels():
+    if not native.bfloat16_native():
+        pytest.skip("bfloat16 runs in oneDNN's float32 kernels here: the emulation takes it")
+
+
+def _emulated(monkeypatch, fn, *args):
+    """``fn(*args)`` with ops.matmul on the float32-kernel emulation, as without the native
+    companion (or with FLUXLIKE_NATIVE=0)."""
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_native_matmul", lambda a, b: False)
+        return fn(*args)
+
+
+def _qkv(lq=5, lk=7, dtype=BF16, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((2, 3, lq, 8), (2, 3, lk, 8), (2, 3, lk, 6))
+    return tuple(mx.array(rng.normal(size=s).astype(np.float32)).astype(dtype) for s in shapes)
+
+
+def _mask(kind, lq=5, lk=7):
+    rng = np.random.default_rng(1)
+    if kind == "bool":
+        keep = rng.random((lq, lk)) < 0.6
+        keep[:, 0] = True
+        return mx.array(keep)
+    if kind == "additive":
+        return mx.array(rng.normal(size=(2, 1, 1, lk)).astype(np.float32))
+    return kind
+
+
+def _np_attention(q, k, v, scale, mask):
+    """Float64 attention on the (rounded) operands, and its weights."""
+    q, k, v = np64(q), np64(k), np64(v)
+    scores = scale * q @ k.swapaxes(-1, -2)
+    lq, lk = scores.shape[-2:]
+    if isinstance(mask, str):
+        scores = np.where(np.tril(np.ones((lq, lk), bool), k=lk - lq), scores, -np.inf)
+    elif mask is not None and mask.dtype == mx.bool_:
+        scores = np.where(np.array(mask), scores, -np.inf)
+    elif mask is not None:
+        scores = scores + np64(mask)
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights = e / e.sum(axis=-1, keepdims=True)
+    return weights @ v, weights
+
+
+MASKS = [None, "causal", "bool", "additive"]
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_bfloat16_attention_core_runs_native_with_the_emulations_numerics(
+        mask, matmuls, needs_bf16_kernels, monkeypatch):
+    q, k, v = _qkv()
+    given = _mask(mask)
+    out, weights = attend(q, k, v, SCALE, given, return_weights=True)
+    assert matmuls == [BF16, BF16]  # the scores and the weighted sum
+    assert out.dtype == weights.dtype == BF16 and out.shape == (2, 3, 5, 6)
+    # The emulation's roundings (scaled queries, scores, weights and output in bfloat16,
+    # float32 accumulation, float32 softmax): the same values, to accumulation order.
+    e_out, e_weights = _emulated(
+        monkeypatch, lambda: attend(q, k, v, SCALE, given, return_weights=True))
+    assert len(matmuls) == 2
+    np.testing.assert_allclose(np64(out), np64(e_out), rtol=2**-7, atol=1e-6)
+    np.testing.assert_allclose(np64(weights), np64(e_weights), rtol=2**-7, atol=1e-6)
+    exact, exact_weights = _np_attention(q, k, v, SCALE, given)
+    np.testing.assert_allclose(np64(out), exact, atol=3e-2)
+    np.testing.assert_allclose(np64(weights), exact_weights, atol=2e-2)
+    # the fused path (no weights asked for) is the same computation
+    assert mx.array_equal(attend(q, k, v, SCALE, given)[0], out).item()
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_bfloat16_attention_core_gradients_match_the_emulation(
+        mask, matmuls, needs_bf16_kernels, monkeypatch):
+    q, k, v = _qkv()
+    given = _mask(mask)
+    cotangent = mx.array(np.random.default_rng(3).normal(size=(2, 3, 5, 6)).astype(np.float32))
+
+    def loss(q, k, v):
+        return (attend(q, k, v, SCALE, given)[0].astype(mx.float32) * cotangent).sum()
+
+    grads = mx.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert len(matmuls) == 2
+    expected = _emulated(monkeypatch, mx.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    for g, e in zip(grads, expected, strict=True):
+        assert g.dtype == e.dtype == BF16
+        scale = max(np.abs(np64(e)).max(), 1e-3)
+        assert np.abs(np64(g) - np64(e)).max() <= 2**-6 * scale
+
+
+def test_stock_multi_head_attention_trains_native_in_bfloat16(matmuls, needs_bf16_kernels):
+    layer, x = nn.MultiHeadAttention(8, 2), mx.random.normal((2, 5, 8))
+    mx.eval(layer.parameters())
+    mask = nn.MultiHeadAttention.create_additive_causal_mask(5)
+
+    def loss(model, x):
+        return model(x, x, x, mask).astype(mx.float32).sum()
+
+    reference, expected = nn.value_and_grad(layer, loss)(layer, x)  # float32, MLX's own
+    assert matmuls == []
+    with autocast(mx.bfloat16, device="cpu"):
+        value, grads = nn.value_and_grad(layer, loss)(layer, x)
+    assert matmuls == [BF16, BF16]
+    np.testing.assert_allclose(value.item(), reference.item(), rtol=5e-2, atol=5e-2)
+    for (_, g), (_, e) in zip(tree_flatten(grads), tree_flatten(expected), strict=True):
+        assert g.dtype == mx.float32  # the float32 master weights' gradients
+        assert np.abs(np64(g) - np64(e)).max() <= 5e-2 * max(np.abs(np64(e)).max(), 1e-3)
+
+
+def test_dropout_and_weights_paths_run_native(matmuls, needs_bf16_kernels, monkeypatch):
+    mha = MultiHeadAttention(8, 2, dropout=0.5)
+    trainmode(mha)
+    x = mx.random.normal((2, 6, 8))
+
+    def run():
+        mx.random.seed(7)  # the same dropout mask both times
+        with autocast(mx.bfloat16, device="cpu"):
+            return mha(x, return_weights=True)
+
+    out, weights = run()
+    assert matmuls == [BF16, BF16] and out.dtype == weights.dtype == BF16
+    w = np64(weights)
+    assert 0 < np.count_nonzero(w) < w.size  # some weights dropped, some kept
+    e_out, e_weights = _emulated(monkeypatch, run)
+    np.testing.assert_allclose(w, np64(e_weights), rtol=2**-7, atol=1e-6)
+    np.testing.assert_allclose(np64(out), np64(e_out), rtol=2**-6, atol=1e-2)
+
+
+def test_float16_and_float32_stay_off_the_native_matmul(matmuls):
+    q, k, v = _qkv(dtype=mx.float16)
+    assert attend(q, k, v, SCALE, "causal")[0].dtype == mx.float16
+    q, k, v = _qkv(dtype=mx.float32)
+    attend(q, k, v, SCALE, "causal", return_weights=True)
+    assert matmuls == []
+
+
+# fluxlike's MultiHeadAttention cannot be traced shapeless (its head split names the shapes),
+# mlx.nn's can.
+@pytest.mark.parametrize("kind, shapeless", [("fluxlike", False), ("mlx.nn", False),
+                                             ("mlx.nn", True)])
+def test_compiled_attention_under_autocast_runs_native(kind, shapeless, matmuls,
+                                                       needs_bf16_kernels):
+    mha = MultiHeadAttention(8, 2) if kind == "fluxlike" else nn.MultiHeadAttention(8, 2)
+    mask = mx.random.normal((6, 6))
+    mx.eval(mha.parameters(), mask)
+
+    def call(m, x):
+        return m(x, mask=mask) if kind == "fluxlike" else m(x, x, x, mask)
+
+    def grads(x):
+        return gradient(lambda m: call(m, x).astype(mx.float32).sum(), mha,
+                        autocast=mx.bfloat16)[0]
+
+    compiled = fl_compile(grads, inputs=mha.state, shapeless=shapeless)
+    for batch in (2, 3) if shapeless else (2,):
+        x = mx.random.normal((batch, 6, 8))
+        fast, slow = compiled(x), grads(x)
+        for (key, a), (_, b) in zip(tree_flatten(fast), tree_flatten(slow), strict=True):
+            assert a.dtype == b.dtype == mx.float32
+            np.testing.assert_allclose(np64(a), np64(b), rtol=1e-2, atol=1e-3, err_msg=key)
+    assert BF16 in matmuls
+
+
+def test_without_the_native_part_attention_takes_the_emulation():
+    """FLUXLIKE_NATIVE=0: the same bfloat16 attention on the float32-kernel emulation."""
+    code = textwrap.dedent("""
+        import mlx.core as mx, numpy as np
+        from fluxlike import native
+        from fluxlike.precision.attention import attend
+        assert not native.available()
+        rng = np.random.default_rng(0)
+        q, k, v = (mx.array(rng.normal(size=(2, 3, 5, 8)).astype(np.float32)).astype(
+            mx.bfloat16) for _ in range(3))
+        out = attend(q, k, v, 0.3, "causal")[0]
+        assert out.dtype == mx.bfloat16
+        print(out.astype(mx.float32).tolist())
+    """)
+    env = {key: value for key, value in os.environ.items() if key != "FLUXLIKE_NATIVE"}
+    result = subprocess.run([sys.executable, "-c", code], env={**env, "FLUXLIKE_NATIVE": "0"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.normal(size=(2, 3, 5, 8)).astype(np.float32)).astype(BF16)
+               for _ in range(3))
+    here = attend(q, k, v, 0.3, "causal")[0]
+    np.testing.assert_allclose(np.array(ast.literal_eval(result.stdout)), np64(here),
+                               rtol=2**-7, atol=1e-6)
+
+
+def test_half_attention_softmax_runs_native_in_float32(monkeypatch):
+    seen = []
+    original = native.softmax
+    monkeypatch.setattr(ops.native, "softmax", lambda x: seen.append(x.dtype) or original(x))
+    for dtype in (mx.float16, BF16):
+        q, k, v = _qkv(dtype=dtype)
+        out, weights = attend(q, k, v, SCALE, "causal", return_weights=True)
+        assert out.dtype == weights.dtype == dtype
+        exact, exact_weights = _np_attention(q, k, v, SCALE, "causal")
+        np.testing.assert_allclose(np64(weights), exact_weights, atol=2e-2)
+    assert seen == [mx.float32, mx.float32]  # the float32 scores of both half dtypes
+    q, k, v = _qkv(dtype=mx.float32)
+    attend(q, k, v, SCALE, "causal", return_weights=True)  # float32: MLX's softmax, as before
+    assert len(seen) == 2
+
+
+def test_a_build_without_softmax_keeps_mlxs(monkeypatch):
+    """A companion built from an older native/ (no softmax kernel yet): MLX's softmax."""
+    class Older:  # the extension module without its softmax
+        def __getattr__(self, name):
+            if name == "softmax":
+                raise AttributeError(name)
+            return getattr(original, name)
+
+    original = native._ext
+    monkeypatch.setattr(native, "_ext", Older())
+    ops._native_softmax.cache_clear()
+    try:
+        assert not native.provides("softmax") and native.provides("matmul")
+        with pytest.raises(native.NativeUnavailable, match=r"rebuild it with ./dev setup"):
+            native.softmax(mx.zeros((2, 3)))
+        q, k, v = _qkv()
+        out, weights = attend(q, k, v, SCALE, "causal", return_weights=True)
+        np.testing.assert_allclose(np64(weights), _np_attention(q, k, v, SCALE, "causal")[1],
+                                   atol=2e-2)
+    finally:
+        ops._native_softmax.cache_clear()

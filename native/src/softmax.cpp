@@ -1,0 +1,210 @@
+// fluxlike-native: oneDNN softmax (last axis, float32) as an MLX primitive. As in
+// matmul.cpp: the oneDNN primitive for a shape is created on the evaluating thread, kept in a
+// mutex-guarded cache, and executed on MLX's CPU stream with its own scratchpad.
+
+#include "softmax.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+
+#include "mlx/allocator.h"
+#include "mlx/transforms.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace fluxlike_native {
+
+namespace {
+
+const char* FN = "fluxlike_native.softmax";
+
+dnnl::engine& engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+struct Entry {
+  dnnl::primitive prim;
+  dnnl::memory::desc md, scratch_md;
+  size_t scratch_bytes;
+};
+
+std::mutex cache_mutex;
+std::map<std::tuple<bool, int64_t, int64_t>, std::shared_ptr<Entry>> cache;
+
+std::shared_ptr<Entry> lookup(bool backward, int64_t rows, int64_t cols) {
+  auto key = std::make_tuple(backward, rows, cols);
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) {
+    return it->second;
+  }
+  auto& eng = engine();
+  auto e = std::make_shared<Entry>();
+  e->md = dnnl::memory::desc({rows, cols}, dnnl::memory::data_type::f32, {cols, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto fwd = dnnl::softmax_forward::primitive_desc(
+      eng, dnnl::prop_kind::forward_training, dnnl::algorithm::softmax_accurate, e->md, e->md,
+      1, attr);
+  if (backward) {
+    auto bwd = dnnl::softmax_backward::primitive_desc(
+        eng, dnnl::algorithm::softmax_accurate, e->md, e->md, e->md, 1, fwd, attr);
+    e->prim = dnnl::softmax_backward(bwd);
+    e->scratch_md = bwd.scratchpad_desc();
+  } else {
+    e->prim = dnnl::softmax_forward(fwd);
+    e->scratch_md = fwd.scratchpad_desc();
+  }
+  e->scratch_bytes = e->scratch_md.get_size();
+  if (cache.size() >= 1024) {
+    cache.clear();
+  }
+  cache.emplace(key, e);
+  return e;
+}
+
+void run(const Entry& e, bool backward, void* in0, void* in1, void* dst) {
+  auto& eng = engine();
+  dnnl::stream strm(eng);
+  std::unordered_map<int, dnnl::memory> args;
+  if (backward) {  // in0 = g (diff_dst), in1 = y (dst)
+    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.md, eng, in0));
+    args.emplace(DNNL_ARG_DST, dnnl::memory(e.md, eng, in1));
+    args.emplace(DNNL_ARG_DIFF_SRC, dnnl::memory(e.md, eng, dst));
+  } else {
+    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.md, eng, in0));
+    args.emplace(DNNL_ARG_DST, dnnl::memory(e.md, eng, dst));
+  }
+  void* scratch = nullptr;
+  if (e.scratch_bytes > 0) {
+    scratch = std::aligned_alloc(64, (e.scratch_bytes + 63) / 64 * 64);
+    if (scratch == nullptr) {
+      throw std::runtime_error(std::string(FN) + ": out of memory for oneDNN's scratchpad");
+    }
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch));
+  }
+  try {
+    e.prim.execute(strm, args);
+    strm.wait();
+  } catch (...) {
+    std::free(scratch);
+    throw;
+  }
+  std::free(scratch);
+}
+
+void check(const mx::array& x, const char* what) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1) {
+    throw std::invalid_argument(std::string(FN) + ": expected " + what +
+                                " to be a float32 array of one or more axes");
+  }
+}
+
+// The backward pass in MLX's ops: what the primitive's own derivatives are made of.
+mx::array grad_ops(const mx::array& g, const mx::array& y, mx::Stream s) {
+  auto gy = mx::sum(mx::multiply(g, y, s), -1, true, s);
+  return mx::multiply(y, mx::subtract(g, gy, s), s);
+}
+
+} // namespace
+
+size_t softmax_cache_size() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  return cache.size();
+}
+
+void softmax_clear_cache() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  cache.clear();
+}
+
+mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
+  check(x, "x");
+  auto stream = mx::to_stream(s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream, false),
+                   {mx::contiguous(x, false, stream)});
+}
+
+mx::array softmax_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s) {
+  check(g, "g");
+  check(y, "y");
+  if (g.shape() != y.shape()) {
+    throw std::invalid_argument(std::string(FN) + "_grad: g and y must have one shape");
+  }
+  auto stream = mx::to_stream(s);
+  return mx::array(g.shape(), mx::float32, std::make_shared<Softmax>(stream, true),
+                   {mx::contiguous(g, false, stream), mx::contiguous(y, false, stream)});
+}
+
+void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) {
+    return;
+  }
+  int64_t cols = out.shape().back();
+  int64_t rows = static_cast<int64_t>(out.size()) / cols;
+  auto entry = lookup(backward_, rows, cols);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  void* in1 = backward_ ? const_cast<void*>(inputs[1].data<void>()) : nullptr;
+  encoder.dispatch([entry, backward = backward_, in0 = const_cast<void*>(inputs[0].data<void>()),
+                    in1, dst = out.data<void>()]() { run(*entry, backward, in0, in1, dst); });
+}
+
+void Softmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("fluxlike_native.softmax has no GPU kernel");
+}
+
+std::vector<mx::array> Softmax::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>& outputs) {
+  auto s = stream();
+  if (!backward_) {
+    return {softmax_grad(cotangents[0], outputs[0], s)};
+  }
+  auto fn = [s](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{grad_ops(in[0], in[1], s)};
+  };
+  auto grads = mx::vjp(fn, primals, cotangents).second;
+  std::vector<mx::array> picked;
+  for (int arg : argnums) {
+    picked.push_back(grads[arg]);
+  }
+  return picked;
+}
+
+std::vector<mx::array> Softmax::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  auto s = stream();
+  if (!backward_) {
+    return {softmax_grad(tangents[0], softmax(primals[0], s), s)};
+  }
+  std::vector<mx::array> full;
+  for (size_t i = 0; i < primals.size(); ++i) {
+    full.push_back(mx::zeros_like(primals[i], s));
+  }
+  for (size_t j = 0; j < argnums.size(); ++j) {
+    full[argnums[j]] = tangents[j];
+  }
+  auto fn = [s](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{grad_ops(in[0], in[1], s)};
+  };
+  return mx::jvp(fn, primals, full).second;
+}
+
+} // namespace fluxlike_native
