@@ -24,16 +24,19 @@ numerics - decided once, when the first op is built, never inside ``mx.eval``.
 
 Environment: ``FLUXLIKE_NATIVE=0`` (or ``off``) leaves the kernels unused;
 ``FLUXLIKE_NATIVE_BF16=float32`` runs bfloat16 in float32 kernels even where native ones
-exist. Both, like ``ONEDNN_MAX_CPU_ISA``, are read once, at the first use.
+exist. Both, like ``ONEDNN_MAX_CPU_ISA``, are read once, at the first use. oneDNN's OpenMP
+threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` while the companion loads, unless the
+environment sets it): spinning threads take the cores MLX's own kernels need.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -138,7 +141,8 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
                    f"--no-build-isolation ./native)", built_for=built_for, path=path,
         ), None, False
     try:
-        from fluxlike_native import _ext as ext
+        with _passive_openmp():
+            from fluxlike_native import _ext as ext
     except ImportError as error:
         return NativeInfo(False, f"fluxlike-native at {path} could not be loaded ({error}); "
                                  f"reinstall it with ./dev setup", built_for=built_for,
@@ -164,6 +168,25 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
               f"{isa}{limit}; {why}")
     return NativeInfo(True, reason, isa, how, mx.__version__, built_for,  # type: ignore[attr-defined]  # not in MLX's stub
                       ext.onednn_version(), path), ext, bf16
+
+
+@contextlib.contextmanager
+def _passive_openmp() -> Iterator[None]:
+    """``OMP_WAIT_POLICY=PASSIVE`` while the companion loads oneDNN's OpenMP runtime (libgomp
+    reads it once, when it is loaded), unless the user set it; the environment is restored
+    afterwards, so child processes and other libraries do not inherit it. By default
+    libgomp's idle threads spin after each parallel region; on a CPU shared with MLX's own
+    threads (and OpenBLAS's) a spinning thread takes the core that the next kernel needs,
+    and a small convolution's parallel region then waits a scheduler tick for it
+    (bench/README.md)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _require(name: str) -> ModuleType:

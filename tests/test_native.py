@@ -75,7 +75,8 @@ def assert_close(y: mx.array, exact: np.ndarray, scale: np.ndarray, dtype) -> No
 
 def _subprocess(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items()
-            if k not in ("FLUXLIKE_NATIVE", "FLUXLIKE_NATIVE_BF16", "ONEDNN_MAX_CPU_ISA")}
+            if k not in ("FLUXLIKE_NATIVE", "FLUXLIKE_NATIVE_BF16", "ONEDNN_MAX_CPU_ISA",
+                         "OMP_WAIT_POLICY")}
     full.update(env, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full,
                           capture_output=True, text=True, timeout=300)
@@ -129,6 +130,24 @@ def test_mismatched_build_is_reported(tmp_path):
         print("ok")
     """)
     assert result.returncode == 0, result.stderr
+
+
+@needs_native
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_openmp_waits_passively_unless_told(given):
+    """oneDNN's OpenMP runtime is loaded with OMP_WAIT_POLICY=PASSIVE (libgomp's
+    OMP_DISPLAY_ENV shows what it read), a user's own setting is kept, and the environment
+    afterwards is what it was (child processes do not inherit the policy)."""
+    env = {"OMP_DISPLAY_ENV": "true"} | ({} if given is None else {"OMP_WAIT_POLICY": given})
+    result = _subprocess("""
+        import os
+        from fluxlike import native
+        assert native.native_info().available
+        print("after:", os.environ.get("OMP_WAIT_POLICY"))
+    """, **env)
+    assert result.returncode == 0, result.stderr
+    assert f"OMP_WAIT_POLICY = '{given or 'PASSIVE'}'" in result.stderr, result.stderr
+    assert f"after: {given}" in result.stdout
 
 
 @needs_native
