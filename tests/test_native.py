@@ -980,3 +980,288 @@ def test_conv_transpose_compiled_and_errors():
         native.conv_transpose(rand((1, 4, 4, 2)), w, stride=2, output_padding=2)
     with pytest.raises(ValueError, match=r"conv_transpose: channels do not match"):
         native.conv_transpose(rand((1, 4, 4, 3)), w)
+
+
+# ---- convolution with a fused ReLU -------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CONV_CASES[:4], ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
+def test_conv_fused_relu(dtype, case):
+    """act=relu is fused: max(conv + b, 0) as float64 gives it (one rounding), its
+    gradients and jvp as MLX's conv followed by a ReLU, its output dtype the operands'."""
+    xs, ws, stride, pad, dil, groups = case
+    x, w, b = rand(xs, dtype), rand(ws, dtype), rand((ws[0],), dtype)
+
+    def fused(x, w, b):
+        return native.conv(x, w, b, stride=stride, padding=pad, dilation=dil, groups=groups,
+                           act=relu)
+
+    def plain(x, w, b):
+        return nn.relu(_mlx_conv(x, w, b, stride, pad, dil, groups))
+
+    y = fused(x, w, b)
+    exact, scale = np_conv(x, w, stride, *pad, dil, groups)
+    exact, scale = np.maximum(exact + np64(b), 0), scale + np.abs(np64(b))
+    assert_close(y, exact, scale, dtype)
+    if dtype != mx.float32:
+        return
+    c = rand(y.shape)
+    mine = mx.grad(lambda *a: (fused(*a) * c).sum(), argnums=(0, 1, 2))(x, w, b)
+    theirs = mx.grad(lambda *a: (plain(*a) * c).sum(), argnums=(0, 1, 2))(x, w, b)
+    for g, h in zip(mine, theirs, strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(h), rtol=1e-4, atol=1e-4)
+    tangents = (rand(xs), rand(ws), rand((ws[0],)))
+    _, (jm,) = mx.jvp(fused, (x, w, b), tangents)
+    tx, tw, tb = tangents
+    lin = (_mlx_conv(tx, w, None, stride, pad, dil, groups)
+           + _mlx_conv(x, tw, None, stride, pad, dil, groups) + tb)
+    np.testing.assert_allclose(np.array(jm), np.array(lin * (y > 0)), rtol=1e-4, atol=1e-4)
+    other = native.conv(x, w, b, stride=stride, padding=pad, dilation=dil, groups=groups,
+                        act=mx.tanh)  # any other function: applied to the result
+    np.testing.assert_allclose(np.array(other), np.tanh(np.array(
+        _mlx_conv(x, w, b, stride, pad, dil, groups))), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("shapeless", [False, True])
+def test_conv_fused_relu_inside_compile_bfloat16(shapeless):
+    w, b = rand((4, 3, 3, 2), mx.bfloat16), rand((4,), mx.bfloat16)
+
+    def loss(w, b, x):
+        return native.conv(x, w, b, padding=1, act="relu").astype(mx.float32).sum()
+
+    step = mx.compile(mx.value_and_grad(loss, argnums=(0, 1)), shapeless=shapeless)
+    eager = mx.value_and_grad(loss, argnums=(0, 1))
+    for batch in (2, 3):
+        x = rand((batch, 6, 5, 2), mx.bfloat16)
+        (v, g), (v0, g0) = step(w, b, x), eager(w, b, x)
+        assert v.item() == pytest.approx(v0.item(), rel=1e-2)
+        for gi, hi in zip(g, g0, strict=True):
+            assert gi.dtype == mx.bfloat16 and gi.shape == hi.shape
+            np.testing.assert_array_equal(np64(gi), np64(hi))
+
+
+# ---- max pooling ------------------------------------------------------------------------------
+
+def np_max_pool(x, kernel, stride, lo, hi):
+    """float64 max pooling (channels last, padding never the maximum) and, per input entry,
+    how many outputs pick it as their window's first maximum (the gradient of a sum)."""
+    import itertools
+
+    x64 = np64(x)
+    padded = np.pad(x64, [(0, 0), *zip(lo, hi, strict=True), (0, 0)], constant_values=-np.inf)
+    k = x64.ndim - 2
+    out = [(padded.shape[i + 1] - kernel[i]) // stride[i] + 1 for i in range(k)]
+    y = np.full((x64.shape[0], *out, x64.shape[-1]), -np.inf)
+    for off in itertools.product(*(range(s) for s in kernel)):
+        window = tuple(slice(off[i], off[i] + (out[i] - 1) * stride[i] + 1, stride[i])
+                       for i in range(k))
+        y = np.maximum(y, padded[(slice(None), *window, slice(None))])
+    return y
+
+
+def _pool_grad_first_max(x, c, kernel, stride, lo, hi):
+    """The gradient of ``sum(max_pool(x) * c)`` when each window's cotangent goes to its
+    first maximum (in window order), in float64."""
+    import itertools
+
+    x64 = np64(x)
+    padded = np.pad(x64, [(0, 0), *zip(lo, hi, strict=True), (0, 0)], constant_values=-np.inf)
+    k = x64.ndim - 2
+    c64 = np64(c)
+    grad = np.zeros_like(padded)
+    for n in range(x64.shape[0]):
+        for o in itertools.product(*(range(s) for s in c64.shape[1:-1])):
+            for ch in range(x64.shape[-1]):
+                best, where = -np.inf, None
+                for off in itertools.product(*(range(s) for s in kernel)):
+                    pos = tuple(o[i] * stride[i] + off[i] for i in range(k))
+                    v = padded[(n, *pos, ch)]
+                    if v > best:
+                        best, where = v, pos
+                grad[(n, *where, ch)] += c64[(n, *o, ch)]
+    crop = tuple(slice(lo[i], lo[i] + x64.shape[i + 1]) for i in range(k))
+    return grad[(slice(None), *crop, slice(None))]
+
+
+# A gradient entry is its windows' cotangents summed in float32 (rounded once to bfloat16).
+POOL_GRAD_TOL = {mx.float32: {"rtol": 1e-5, "atol": 1e-6},
+                 mx.bfloat16: {"rtol": BF16_HALF_ULP * 1.01, "atol": 1e-5}}
+
+POOL_CASES = [  # x shape, window, stride, (lo, hi)
+    ((2, 8, 8, 3), (2, 2), (2, 2), ((0, 0), (0, 0))),
+    ((2, 9, 7, 4), (3, 3), (2, 1), ((1, 0), (1, 2))),
+    ((3, 11, 5), (3,), (2,), ((1,), (1,))),
+    ((1, 5, 6, 7, 2), (2, 3, 2), (1, 2, 2), ((1, 0, 1), (0, 1, 0))),
+    ((2, 7, 7, 16), (2, 2), (2, 2), ((0, 0), (0, 0))),  # ragged end: the last row dropped
+]
+
+
+def _mlx_pool(x, window, stride, pad):
+    """MLX's (fluxlike's pure-MLX) max pooling on the same arguments."""
+    from fluxlike.layers.pooling import sliding_windows
+
+    padded = mx.pad(x, [(0, 0), *zip(*pad, strict=True), (0, 0)], constant_values=-np.inf)
+    return mx.max(sliding_windows(padded, window, stride),
+                  axis=tuple(range(-len(window) - 1, -1)))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"{c[0]}/{c[1]}s{c[2]}")
+def test_max_pool_against_float64_and_mlx(dtype, case):
+    xs, window, stride, pad = case
+    x = rand(xs, dtype)
+    y = native.max_pool(x, window, stride=stride, padding=pad)
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(np64(y), np_max_pool(x, window, stride, *pad))
+    theirs = _mlx_pool(x, window, stride, pad)
+    assert theirs.dtype == y.dtype and theirs.shape == y.shape
+    np.testing.assert_array_equal(np64(y), np64(theirs))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"{c[0]}/{c[1]}s{c[2]}")
+def test_max_pool_gradient(dtype, case):
+    """The gradient goes to each window's first maximum (exactly, in the input's dtype); on
+    inputs without ties it equals MLX's."""
+    xs, window, stride, pad = case
+    x = rand(xs, dtype)
+    c = rand(native.max_pool(x, window, stride=stride, padding=pad).shape, dtype)
+    g = mx.grad(lambda v: (native.max_pool(v, window, stride=stride, padding=pad) * c)
+                .astype(mx.float32).sum())(x)
+    assert g.dtype == dtype and g.shape == x.shape
+    np.testing.assert_allclose(np64(g), _pool_grad_first_max(x, c, window, stride, *pad),
+                               **POOL_GRAD_TOL[dtype])
+    x32 = rand(xs)  # float32 normals: no ties
+    c32 = rand(c.shape)
+    mine = mx.vjp(lambda v: native.max_pool(v, window, stride=stride, padding=pad), [x32],
+                  [c32])[1][0]
+    theirs = mx.vjp(lambda v: _mlx_pool(v, window, stride, pad), [x32], [c32])[1][0]
+    # (overlapping windows add their cotangents in another order: float32 rounding apart)
+    np.testing.assert_allclose(np.array(mine), np.array(theirs), rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_max_pool_gradient_by_finite_differences():
+    xs, window, stride, pad = POOL_CASES[1]
+    # distinct values 1 apart: a step of 1e-2 never changes which entry is a window's maximum
+    x = mx.array(np.random.default_rng(0).permutation(int(np.prod(xs))).reshape(xs) * 1.0,
+                 dtype=mx.float32)
+    c = rand(native.max_pool(x, window, stride=stride, padding=pad).shape)
+
+    def f(v):
+        return (native.max_pool(v, window, stride=stride, padding=pad) * c).sum()
+
+    def f64(v):  # the pooling is exact: sum in float64, so only the step is rounded
+        return float((np64(native.max_pool(v, window, stride=stride, padding=pad))
+                      * np64(c)).sum())
+
+    g = mx.grad(f)(x)
+    for seed in range(3):
+        d = mx.random.normal(xs, key=mx.random.key(seed))
+        numeric = (f64(x + 1e-2 * d) - f64(x - 1e-2 * d)) / 2e-2
+        analytic = (g * d).sum().item()
+        assert abs(numeric - analytic) <= 1e-2 * (1 + abs(analytic)), (numeric, analytic)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(k=st.integers(1, 3), n=st.integers(1, 3), size=st.integers(1, 9),
+       window=st.integers(1, 3), stride=st.integers(1, 3), lo=st.integers(0, 2),
+       hi=st.integers(0, 2), channels=st.integers(1, 5), layout=st.sampled_from(LAYOUTS[:3]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_max_pool_random_shapes_and_layouts(k, n, size, window, stride, lo, hi, channels,
+                                            layout, dtype, seed):
+    mx.random.seed(seed)
+    if lo >= window or hi >= window or size + lo + hi < window:
+        return
+    xs = (n, *([size] * k), channels)
+    x = rand(xs, dtype)
+    if layout == "transposed":  # the same values through a transposed view
+        x = rand(xs[::-1], dtype).transpose(*range(x.ndim - 1, -1, -1))
+    elif layout == "sliced rows":
+        x = rand((n, *([size] * k), channels + 2), dtype)[..., 1:-1]
+    args = ((window,) * k, (stride,) * k, ((lo,) * k, (hi,) * k))
+    y = native.max_pool(x, args[0], stride=args[1], padding=args[2])
+    np.testing.assert_array_equal(np64(y), np_max_pool(x, *args[:2], *args[2]))
+    c = rand(y.shape, dtype)
+    g = mx.vjp(lambda v: native.max_pool(v, args[0], stride=args[1], padding=args[2]), [x],
+               [c])[1][0]
+    np.testing.assert_allclose(np64(g), _pool_grad_first_max(x, c, *args[:2], *args[2]),
+                               **POOL_GRAD_TOL[dtype])
+
+
+@needs_native
+@pytest.mark.parametrize("shapeless", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_pool_inside_compile(shapeless, dtype):
+    def loss(x, c):
+        return (native.max_pool(x, 2) * c).astype(mx.float32).sum()
+
+    step = mx.compile(mx.value_and_grad(loss), shapeless=shapeless)
+    eager = mx.value_and_grad(loss)
+    # (a shapeless trace replays at other batch sizes; the gradient's spatial size is fixed,
+    # as the convolution's is)
+    for batch, size in ((2, 8), (3, 8), (1, 8)):
+        x = rand((batch, size, size, 3), dtype)
+        c = rand((batch, size // 2, size // 2, 3), dtype)
+        (v, g), (v0, g0) = step(x, c), eager(x, c)
+        assert v.item() == pytest.approx(v0.item(), rel=1e-6)
+        assert g.dtype == dtype and g.shape == x.shape
+        np.testing.assert_array_equal(np64(g), np64(g0))
+
+
+@needs_native
+def test_max_pool_from_several_threads_and_cache():
+    from fluxlike_native import _ext
+
+    failures: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            dtype = DTYPES[k % 2]
+            for _ in range(4):
+                x = rand((2, 8 + 2 * k, 8, 3), dtype)
+                y = native.max_pool(x, 2)
+                g = mx.grad(lambda v: native.max_pool(v, 2).astype(mx.float32).sum())(x)
+                mx.eval(y, g)
+                np.testing.assert_array_equal(np64(y), np_max_pool(x, (2, 2), (2, 2),
+                                                                   (0, 0), (0, 0)))
+                assert g.dtype == dtype and float(g.astype(mx.float32).sum()) == y.size
+        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
+            failures.append(error)
+
+    _ext.clear_cache()
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert _ext.pool_cache_size() == 4 * 2  # one forward and one backward per shape
+    assert sum(count for _, count in _ext.pool_cache_impls()) == 8
+
+
+@needs_native
+def test_max_pool_errors():
+    x = mx.ones((1, 5, 5, 4))
+    with pytest.raises(ValueError, match=r"fluxlike\.native\.max_pool.*float32 or bfloat16"):
+        native.max_pool(x.astype(mx.float16), 2)
+    with pytest.raises(ValueError, match=r"larger than the padded input"):
+        native.max_pool(x, 7)
+    with pytest.raises(ValueError, match=r"smaller than the kernel"):
+        native.max_pool(x, 2, padding=2)
+    with pytest.raises(ValueError, match=r"window must be an int or 2 ints"):
+        native.max_pool(x, (2, 2, 2))
+    with pytest.raises(ValueError, match=r"1-3 spatial axes"):
+        native.max_pool(mx.ones((2, 3)), 2)
+    with pytest.raises(ValueError, match=r"empty input"):
+        native.max_pool(mx.ones((0, 4, 4, 1)), 2)
+    with pytest.raises(RuntimeError, match=r"jvp"):
+        mx.jvp(lambda v: native.max_pool(v, 2), [x], [x])
+    with pytest.raises(RuntimeError, match=r"second-order"):
+        mx.grad(lambda v: mx.grad(lambda u: native.max_pool(u * u, 2).sum())(v).sum())(x)
+

@@ -1,0 +1,374 @@
+// fluxlike-native: oneDNN max pooling as MLX primitives (forward with its workspace, and
+// backward), channels-last activations.
+//
+// As in conv.cpp: eval_cpu looks up (or creates) a cached oneDNN primitive for the exact
+// shapes, dtype and parameters, on the evaluating thread, and dispatches its execution to
+// MLX's CPU stream. The forward pass writes oneDNN's workspace (where each window's maximum
+// is) as a second output, which the backward pass reads: the gradient is one scatter of the
+// cotangent, instead of MLX's strided view, comparison and division.
+
+#include "pool.h"
+
+#include <cstdlib>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "cache.h"
+#include "matmul.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace fluxlike_native {
+
+namespace {
+
+const char* FN = "fluxlike_native.max_pool";
+using dims = dnnl::memory::dims;
+
+dnnl::engine& engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    os << s[i] << (s.size() == 1 ? "," : (i + 1 < s.size() ? ", " : ""));
+  }
+  os << ")";
+  return os.str();
+}
+
+std::string vec_str(const std::vector<int>& v) {
+  return shape_str(mx::Shape(v.begin(), v.end()));
+}
+
+// (N, *spatial, C) channels-last, as oneDNN's (N, C, *spatial) with strides.
+dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
+  int k = static_cast<int>(s.size()) - 2;
+  int64_t c = s.back();
+  dims d{s[0], c}, st{0, 1};
+  int64_t acc = c;
+  std::vector<int64_t> sp(k);
+  for (int i = k - 1; i >= 0; --i) {
+    sp[i] = acc;
+    acc *= s[i + 1];
+  }
+  st[0] = acc;
+  for (int i = 0; i < k; ++i) {
+    d.push_back(s[i + 1]);
+    st.push_back(sp[i]);
+  }
+  auto t = dt == mx::bfloat16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
+  return dnnl::memory::desc(d, t, st);
+}
+
+// The workspace's dtype: oneDNN keeps a window offset per output, in one byte for windows of
+// fewer than 256 entries.
+mx::Dtype workspace_dtype(const PoolParams& p) {
+  int64_t n = 1;
+  for (int k : p.kernel) n *= k;
+  return n < 256 ? mx::uint8 : mx::int32;
+}
+
+struct Entry {
+  dnnl::primitive prim;
+  dnnl::memory::desc x_md, y_md, ws_md, scratch_md;
+  size_t scratch_bytes = 0;
+  std::string impl;
+};
+
+PrimitiveCache<Entry> cache(1024);
+
+dims to_dims(const std::vector<int>& v) {
+  return dims(v.begin(), v.end());
+}
+
+std::shared_ptr<Entry> lookup(bool backward, const PoolParams& p, const mx::Shape& xs,
+                              const mx::Shape& ys, mx::Dtype dt) {
+  CacheKey key{backward, static_cast<int64_t>(dt.val()), static_cast<int64_t>(xs.size())};
+  key.insert(key.end(), xs.begin(), xs.end());
+  key.insert(key.end(), ys.begin(), ys.end());
+  for (auto* v : {&p.kernel, &p.stride, &p.pad_lo, &p.pad_hi}) {
+    key.insert(key.end(), v->begin(), v->end());
+  }
+  if (auto hit = cache.find(key)) return hit;
+  auto e = std::make_shared<Entry>();
+  e->x_md = act_md(xs, dt);
+  e->y_md = act_md(ys, dt);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto& eng = engine();
+  auto kernel = to_dims(p.kernel), strides = to_dims(p.stride);
+  auto pl = to_dims(p.pad_lo), pr = to_dims(p.pad_hi);
+  dims dil(kernel.size(), 0);
+  double work = 1;
+  for (auto d : ys) work *= d;
+  for (int k : p.kernel) work *= k;
+  OneThread one(work < SINGLE_THREAD_MACS);
+  try {
+    auto fwd = dnnl::pooling_forward::primitive_desc(
+        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, e->x_md, e->y_md,
+        strides, kernel, dil, pl, pr, attr);
+    e->ws_md = fwd.workspace_desc();
+    if (backward) {
+      auto pd = dnnl::pooling_backward::primitive_desc(
+          eng, dnnl::algorithm::pooling_max, e->x_md, e->y_md, strides, kernel, dil, pl, pr,
+          fwd, attr);
+      e->scratch_md = pd.scratchpad_desc();
+      e->impl = pd.impl_info_str();
+      e->prim = dnnl::pooling_backward(pd);
+    } else {
+      e->scratch_md = fwd.scratchpad_desc();
+      e->impl = fwd.impl_info_str();
+      e->prim = dnnl::pooling_forward(fwd);
+    }
+  } catch (const dnnl::error& err) {
+    throw std::runtime_error(std::string(FN) + ": oneDNN has no max pooling for these operands (" +
+                             err.what() + ")");
+  }
+  // The workspace travels as an MLX array of y's shape (workspace_dtype): check that oneDNN's
+  // is exactly that big.
+  size_t ws_bytes = 1;
+  for (auto d : ys) ws_bytes *= d;
+  ws_bytes *= workspace_dtype(p).size();
+  if (e->ws_md.get_size() != ws_bytes) {
+    throw std::runtime_error(std::string(FN) + ": internal error: oneDNN's workspace (" +
+                             std::to_string(e->ws_md.get_size()) + " bytes) is not one " +
+                             "entry per output (" + std::to_string(ws_bytes) + " bytes)");
+  }
+  e->scratch_bytes = e->scratch_md.get_size();
+  return cache.insert(std::move(key), e);
+}
+
+void run(const Entry& e, bool backward, void* in0, void* ws, void* out) {
+  auto& eng = engine();
+  dnnl::stream strm(eng);
+  void* scratch = nullptr;
+  std::unordered_map<int, dnnl::memory> args;
+  if (e.scratch_bytes > 0) {
+    scratch = std::aligned_alloc(64, (e.scratch_bytes + 63) / 64 * 64);
+    if (scratch == nullptr) throw std::runtime_error(std::string(FN) + ": out of memory");
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch));
+  }
+  args.emplace(DNNL_ARG_WORKSPACE, dnnl::memory(e.ws_md, eng, ws));
+  if (backward) {
+    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.y_md, eng, in0));
+    args.emplace(DNNL_ARG_DIFF_SRC, dnnl::memory(e.x_md, eng, out));
+  } else {
+    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.x_md, eng, in0));
+    args.emplace(DNNL_ARG_DST, dnnl::memory(e.y_md, eng, out));
+  }
+  try {
+    e.prim.execute(strm, args);
+    strm.wait();
+  } catch (...) {
+    std::free(scratch);
+    throw;
+  }
+  std::free(scratch);
+}
+
+mx::Shape pool_out_shape(const mx::Shape& xs, const PoolParams& p) {
+  std::ostringstream err;
+  err << FN << ": ";
+  int k = static_cast<int>(xs.size()) - 2;
+  if (k < 1 || k > 3) {
+    err << "expected x (N, *spatial, C) with 1-3 spatial axes, got " << shape_str(xs);
+    throw std::invalid_argument(err.str());
+  }
+  for (auto* v : {&p.kernel, &p.stride, &p.pad_lo, &p.pad_hi}) {
+    if (static_cast<int>(v->size()) != k) {
+      err << "kernel, stride and padding need " << k << " values each (x " << shape_str(xs)
+          << "), got " << vec_str(*v);
+      throw std::invalid_argument(err.str());
+    }
+  }
+  mx::Shape out{xs[0]};
+  for (int i = 0; i < k; ++i) {
+    if (p.kernel[i] < 1 || p.stride[i] < 1 || p.pad_lo[i] < 0 || p.pad_hi[i] < 0 ||
+        p.pad_lo[i] >= p.kernel[i] || p.pad_hi[i] >= p.kernel[i]) {
+      err << "kernel and stride must be >= 1 and padding >= 0 and smaller than the kernel, "
+             "got kernel "
+          << vec_str(p.kernel) << ", stride " << vec_str(p.stride) << ", padding "
+          << vec_str(p.pad_lo) << " / " << vec_str(p.pad_hi);
+      throw std::invalid_argument(err.str());
+    }
+    int span = xs[i + 1] + p.pad_lo[i] + p.pad_hi[i] - p.kernel[i];
+    if (span < 0) {
+      err << "the window " << vec_str(p.kernel) << " is larger than the padded input "
+          << shape_str(xs) << " on spatial axis " << i;
+      throw std::invalid_argument(err.str());
+    }
+    out.push_back(span / p.stride[i] + 1);
+  }
+  out.push_back(xs.back());
+  return out;
+}
+
+mx::array backward(const mx::array& dy, const mx::array& ws, const mx::Shape& x_tail,
+                   const PoolParams& p, mx::Stream s) {
+  mx::Shape shape{dy.shape(0)};
+  shape.insert(shape.end(), x_tail.begin(), x_tail.end());
+  return mx::array(std::move(shape), dy.dtype(),
+                   std::make_shared<MaxPoolBackward>(s, p, x_tail),
+                   {mx::contiguous(dy, false, s), mx::contiguous(ws, false, s)});
+}
+
+} // namespace
+
+size_t pool_cache_size() {
+  return cache.size();
+}
+
+void pool_clear_cache() {
+  cache.clear();
+}
+
+std::vector<std::pair<std::string, int>> pool_cache_impls() {
+  return cache.impls();
+}
+
+mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
+                   mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(FN) +
+                                ": oneDNN kernels run on the CPU, the stream is on the GPU");
+  }
+  auto dt = x.dtype();
+  if (dt != mx::float32 && dt != mx::bfloat16) {
+    std::ostringstream os;
+    os << FN << ": x must be float32 or bfloat16, got " << dt;
+    throw std::invalid_argument(os.str());
+  }
+  auto shape = pool_out_shape(x.shape(), p);
+  if (x.size() == 0) {
+    throw std::invalid_argument(std::string(FN) + ": empty input " + shape_str(x.shape()));
+  }
+  if (dt == mx::bfloat16 && (!native_bf16 || !isa_has_bf16())) {
+    // The maximum is exact in any dtype: through float32 kernels, rounded back exactly.
+    return mx::astype(max_pool(mx::astype(x, mx::float32, stream), p, false, stream), dt,
+                      stream);
+  }
+  auto outs = mx::array::make_arrays(
+      {shape, shape}, {dt, workspace_dtype(p)}, std::make_shared<MaxPool>(stream, p),
+      {mx::contiguous(x, false, stream)});
+  return outs[0];
+}
+
+void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& x = inputs[0];
+  auto& y = outputs[0];
+  auto& ws = outputs[1];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  ws.set_data(mx::allocator::malloc(ws.nbytes()));
+  if (y.size() == 0) return;
+  if (!x.flags().row_contiguous) {
+    throw std::runtime_error(std::string(FN) + ": internal error: input not contiguous");
+  }
+  auto entry = lookup(false, p_, x.shape(), y.shape(), x.dtype());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_output_array(y);
+  encoder.set_output_array(ws);
+  encoder.dispatch([entry, px = const_cast<void*>(x.data<void>()), py = y.data<void>(),
+                    pw = ws.data<void>()]() { run(*entry, false, px, pw, py); });
+}
+
+void MaxPool::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("fluxlike_native.max_pool has no GPU kernel: build it on a CPU stream");
+}
+
+std::vector<mx::Shape> MaxPool::output_shapes(const std::vector<mx::array>& inputs) {
+  auto s = pool_out_shape(inputs[0].shape(), p_);
+  return {s, s};
+}
+
+bool MaxPool::is_equivalent(const mx::Primitive& other) const {
+  return p_ == static_cast<const MaxPool&>(other).p_;
+}
+
+std::vector<mx::array> MaxPool::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>&,
+    const std::vector<mx::array>& outputs) {
+  auto& x = primals[0];
+  auto c = cotangents[0].dtype() == x.dtype() ? cotangents[0]
+                                              : mx::astype(cotangents[0], x.dtype(), stream());
+  mx::Shape tail(x.shape().begin() + 1, x.shape().end());
+  bool overlap = false;
+  for (size_t i = 0; i < p_.kernel.size(); ++i) overlap |= p_.stride[i] < p_.kernel[i];
+  if (overlap && x.dtype() == mx::bfloat16) {
+    // Overlapping windows add cotangents: oneDNN's bfloat16 backward pass would round each
+    // sum; in float32 they are accumulated and rounded once (the workspace is the same).
+    auto dx = backward(mx::astype(c, mx::float32, stream()), outputs[1], tail, p_, stream());
+    return {mx::astype(dx, mx::bfloat16, stream())};
+  }
+  return {backward(c, outputs[1], tail, p_, stream())};
+}
+
+std::vector<mx::array> MaxPool::jvp(
+    const std::vector<mx::array>&,
+    const std::vector<mx::array>&,
+    const std::vector<int>&) {
+  throw std::runtime_error(std::string(FN) + ": forward-mode derivatives (jvp) are not "
+                           "implemented; use MLX's max pooling (FLUXLIKE_NATIVE=0)");
+}
+
+void MaxPoolBackward::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& dy = inputs[0];
+  auto& ws = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  if (!dy.flags().row_contiguous || !ws.flags().row_contiguous) {
+    throw std::runtime_error(std::string(FN) + ": internal error: operand not contiguous");
+  }
+  auto entry = lookup(true, p_, out.shape(), dy.shape(), dy.dtype());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(dy);
+  encoder.set_input_array(ws);
+  encoder.set_output_array(out);
+  encoder.dispatch([entry, pd = const_cast<void*>(dy.data<void>()),
+                    pw = const_cast<void*>(ws.data<void>()),
+                    po = out.data<void>()]() { run(*entry, true, pd, pw, po); });
+}
+
+void MaxPoolBackward::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("fluxlike_native.max_pool has no GPU kernel: build it on a CPU stream");
+}
+
+std::vector<mx::Shape> MaxPoolBackward::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape s{inputs[0].shape(0)};
+  s.insert(s.end(), x_tail_.begin(), x_tail_.end());
+  return {s};
+}
+
+bool MaxPoolBackward::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const MaxPoolBackward&>(other);
+  return p_ == o.p_ && x_tail_ == o.x_tail_;
+}
+
+std::vector<mx::array> MaxPoolBackward::vjp(
+    const std::vector<mx::array>&,
+    const std::vector<mx::array>&,
+    const std::vector<int>&,
+    const std::vector<mx::array>&) {
+  throw std::runtime_error(std::string(FN) + ": second-order gradients of the native max "
+                           "pooling are not implemented; use MLX's (FLUXLIKE_NATIVE=0)");
+}
+
+std::vector<mx::array> MaxPoolBackward::jvp(
+    const std::vector<mx::array>&,
+    const std::vector<mx::array>&,
+    const std::vector<int>&) {
+  throw std::runtime_error(std::string(FN) + ": forward-mode derivatives of the native max "
+                           "pooling's gradient are not implemented");
+}
+
+} // namespace fluxlike_native
