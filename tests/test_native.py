@@ -100,6 +100,11 @@ def test_fluxlike_works_without_native():
         y = Dense(3, 2)(mx.ones((4, 3)))
         mx.eval(y)
         assert y.shape == (4, 2)
+        from fluxlike import Chain, Conv, MaxPool, gradient, relu
+        cnn = Chain(Conv((3, 3), 1, 2, relu, padding=1), MaxPool((2, 2)))
+        for ac in (None, mx.bfloat16):
+            g, = gradient(lambda m: m(mx.ones((2, 8, 8, 1))).sum(), cnn, autocast=ac)
+            assert g["layers"][0]["weight"].dtype == mx.float32
         try:
             native.linear(mx.ones((2, 3)), mx.ones((4, 3)))
         except native.NativeUnavailable as error:
@@ -1265,3 +1270,81 @@ def test_max_pool_errors():
     with pytest.raises(RuntimeError, match=r"second-order"):
         mx.grad(lambda v: mx.grad(lambda u: native.max_pool(u * u, 2).sum())(v).sum())(x)
 
+
+# ---- the layers' routing -------------------------------------------------------------------------
+
+def _cnn():
+    import fluxlike as fl
+
+    mx.random.seed(3)
+    return fl.Chain(fl.Conv((3, 3), 1, 8, relu, padding=1), fl.MaxPool((2, 2)),
+                    fl.Conv((3, 3), 8, 16, relu, padding=1), fl.MaxPool((2, 2)), fl.flatten,
+                    fl.Dense(16 * 7 * 7, 3))
+
+
+def _without_native(fn):
+    """``fn()`` with the native kernels switched off in-process (as FLUXLIKE_NATIVE=0)."""
+    from fluxlike.precision import ops
+
+    saved = native.available, native.bfloat16_native
+    native.available = native.bfloat16_native = lambda: False
+    ops._native_in_use.cache_clear()
+    try:
+        return fn()
+    finally:
+        native.available, native.bfloat16_native = saved
+        ops._native_in_use.cache_clear()
+
+
+@needs_native
+@pytest.mark.parametrize("ac", [None, mx.bfloat16], ids=["float32", "autocast"])
+def test_cnn_layers_run_native_kernels_in_training(ac, monkeypatch):
+    """Conv (with its ReLU fused) and MaxPool run the native kernels in a training step, in
+    float32 and under autocast (bfloat16 convolutions, forward and backward); the loss and
+    float32 gradients agree with MLX's kernels (FLUXLIKE_NATIVE=0's path)."""
+    from fluxlike import withgradient
+    from fluxlike.losses import logitcrossentropy
+
+    model = _cnn()
+    x = mx.random.normal((16, 28, 28, 1), key=mx.random.key(0))
+    y = mx.eye(3)[mx.arange(16) % 3]
+
+    def step():
+        loss, (g,) = withgradient(lambda m: logitcrossentropy(m(x), y), model, autocast=ac)
+        mx.eval(loss, g)
+        return loss, g
+
+    calls: dict[str, list] = {"conv": [], "max_pool": []}
+    for name in calls:
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _k=kernel, _n=name, **kw: (
+            calls[_n].append((a[0].dtype, kw.get("act"))), _k(*a, **kw))[1])
+    loss, g = step()
+    monkeypatch.undo()
+    want = mx.float32 if ac is None else mx.bfloat16
+    assert [d for d, _ in calls["conv"]] == [want, want] and all(a is relu
+                                                                for _, a in calls["conv"])
+    assert [d for d, _ in calls["max_pool"]] == [want, want]
+    from mlx.utils import tree_flatten
+
+    if ac is None:  # float32: MLX's kernels give the same step
+        loss0, g0 = _without_native(step)
+        assert loss.item() == pytest.approx(loss0.item(), rel=1e-5)
+        for (name, a), (_, b) in zip(tree_flatten(g), tree_flatten(g0), strict=True):
+            assert a.dtype == mx.float32 == b.dtype, name
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4,
+                                       atol=1e-5 * float(mx.abs(b).max()), err_msg=name)
+        return
+    # bfloat16: as far from float32's step as the float32-kernel emulation is (bfloat16
+    # activations both; the roundings fall elsewhere, and ties in a pool go to the first)
+    ac = None
+    loss32, g32 = _without_native(step)
+    ac = mx.bfloat16
+    loss_emu, g_emu = _without_native(step)
+    assert abs(loss.item() - loss32.item()) <= 2 * abs(loss_emu.item() - loss32.item()) + 1e-3
+    for (name, a), (_, b), (_, r) in zip(tree_flatten(g), tree_flatten(g_emu),
+                                         tree_flatten(g32), strict=True):
+        assert a.dtype == mx.float32, name
+        scale = float(mx.abs(r).max())
+        mine, theirs = (float(mx.abs(v - r).max()) / scale for v in (a, b))
+        assert mine <= 1.5 * theirs + 0.01, (name, mine, theirs)
