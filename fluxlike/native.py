@@ -527,8 +527,8 @@ def max_pool(
     :func:`conv` takes it, each side smaller than the window; padded entries never win. The
     result is ``(N, *out, C)``, ``out = (spatial + low + high - window) // stride + 1``, in
     ``x``'s dtype (exact: a maximum rounds nothing). The gradient goes to the first maximum
-    of each window (as PyTorch's), where MLX's ``max`` shares it among equal maxima; there
-    are no second-order or forward-mode derivatives.
+    of each window (as PyTorch's), where MLX's ``max`` shares it among equal maxima; the
+    forward-mode derivative and the gradient's own gradients pick that same entry.
 
     >>> import mlx.core as mx
     >>> from fluxlike import native

@@ -129,9 +129,8 @@ class MaxPool(_WindowPool):
     window (``None``), giving non-overlapping windows. Runs in the input's dtype. On the CPU
     with fluxlike's native kernels, float32 and bfloat16 run oneDNN's max pooling
     (:func:`fluxlike.native.max_pool`): the same values; the gradient goes to the first
-    maximum of a window where MLX's would share it among equal maxima, and there is no
-    forward-mode (``mx.jvp``) or second-order derivative there (``FLUXLIKE_NATIVE=0`` gives
-    MLX's kernels).
+    maximum of a window where MLX's would share it among equal maxima
+    (``FLUXLIKE_NATIVE=0`` gives MLX's kernels).
 
     >>> import mlx.core as mx
     >>> from fluxlike import MaxPool

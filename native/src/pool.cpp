@@ -219,6 +219,45 @@ mx::array backward(const mx::array& dy, const mx::array& ws, const mx::Shape& x_
                    {mx::contiguous(dy, false, s), mx::contiguous(ws, false, s)});
 }
 
+// v (N, *spatial, C) at each window's maximum -> (N, *out, C): the workspace holds the
+// maximum's index within its window (row-major over the window's axes, as oneDNN's
+// reference pooling writes it). The forward-mode derivative of the pooling, and the
+// transpose of its backward pass, in MLX's ops (neither is a hot path).
+mx::array gather_at_max(const mx::array& v, const mx::array& ws, const PoolParams& p,
+                        mx::Stream s) {
+  int k = static_cast<int>(p.kernel.size());
+  std::vector<std::pair<int, int>> pads{{0, 0}};
+  for (int i = 0; i < k; ++i) pads.emplace_back(p.pad_lo[i], p.pad_hi[i]);
+  pads.emplace_back(0, 0);
+  auto vp = mx::contiguous(mx::pad(v, pads, mx::array(0, v.dtype()), "constant", s), false, s);
+  mx::Strides st(vp.ndim());
+  int64_t acc = 1;
+  for (int i = vp.ndim() - 1; i >= 0; --i) {
+    st[i] = acc;
+    acc *= vp.shape(i);
+  }
+  mx::Shape shape{ws.shape(0)}, flat{ws.shape(0)};
+  mx::Strides strides{st[0]};
+  int64_t window = 1;
+  for (int i = 0; i < k; ++i) {
+    shape.push_back(ws.shape(i + 1));
+    flat.push_back(ws.shape(i + 1));
+    strides.push_back(st[i + 1] * p.stride[i]);
+  }
+  for (int i = 0; i < k; ++i) {
+    shape.push_back(p.kernel[i]);
+    strides.push_back(st[i + 1]);
+    window *= p.kernel[i];
+  }
+  shape.push_back(vp.shape(-1));
+  strides.push_back(1);
+  flat.push_back(static_cast<int>(window));
+  flat.push_back(vp.shape(-1));
+  auto windows = mx::reshape(mx::as_strided(vp, shape, strides, 0, s), flat, s);
+  auto idx = mx::expand_dims(mx::astype(ws, mx::int32, s), -2, s);
+  return mx::squeeze(mx::take_along_axis(windows, idx, -2, s), -2, s);
+}
+
 } // namespace
 
 size_t pool_cache_size() {
@@ -314,11 +353,17 @@ std::vector<mx::array> MaxPool::vjp(
 }
 
 std::vector<mx::array> MaxPool::jvp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
     const std::vector<int>&) {
-  throw std::runtime_error(std::string(FN) + ": forward-mode derivatives (jvp) are not "
-                           "implemented; use MLX's max pooling (FLUXLIKE_NATIVE=0)");
+  // The tangent at each window's maximum (the workspace of a second forward pass).
+  auto& x = primals[0];
+  auto shape = pool_out_shape(x.shape(), p_);
+  auto outs = mx::array::make_arrays({shape, shape}, {x.dtype(), workspace_dtype(p_)},
+                                     std::make_shared<MaxPool>(stream(), p_), {x});
+  auto t = tangents[0].dtype() == x.dtype() ? tangents[0]
+                                            : mx::astype(tangents[0], x.dtype(), stream());
+  return {gather_at_max(t, outs[1], p_, stream())};
 }
 
 void MaxPoolBackward::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -355,20 +400,37 @@ bool MaxPoolBackward::is_equivalent(const mx::Primitive& other) const {
 }
 
 std::vector<mx::array> MaxPoolBackward::vjp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  throw std::runtime_error(std::string(FN) + ": second-order gradients of the native max "
-                           "pooling are not implemented; use MLX's (FLUXLIKE_NATIVE=0)");
+  // dx is linear in dy (a scatter to each window's maximum): its transpose is the gather.
+  auto& dy = primals[0];
+  auto c = cotangents[0].dtype() == dy.dtype() ? cotangents[0]
+                                               : mx::astype(cotangents[0], dy.dtype(), stream());
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    grads.push_back(arg == 0 ? gather_at_max(c, primals[1], p_, stream())
+                             : mx::zeros_like(primals[1], stream()));
+  }
+  return grads;
 }
 
 std::vector<mx::array> MaxPoolBackward::jvp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&) {
-  throw std::runtime_error(std::string(FN) + ": forward-mode derivatives of the native max "
-                           "pooling's gradient are not implemented");
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    if (argnums[i] == 0) {
+      auto& dy = primals[0];
+      auto t = tangents[i].dtype() == dy.dtype() ? tangents[i]
+                                                 : mx::astype(tangents[i], dy.dtype(), stream());
+      return {backward(t, primals[1], x_tail_, p_, stream())};
+    }
+  }
+  mx::Shape shape{primals[0].shape(0)};
+  shape.insert(shape.end(), x_tail_.begin(), x_tail_.end());
+  return {mx::zeros(shape, primals[0].dtype(), stream())};
 }
 
 } // namespace fluxlike_native
