@@ -6,7 +6,9 @@ current bfloat16 path and PyTorch, side by side in one run.
 Sections: one linear layer (512 x 2048 @ 2048 x 2048, bias, ReLU); the 4 x (2048 -> 2048)
 ReLU MLP at batch 512, inference and training step (loss and gradients of all weights,
 eager and compiled); 3x3 convolutions (padding 1, channels-last; the small CNN's two layers
-and a wider one), forward and forward+backward (gradients of input, weights, bias); causal
+and a wider one), forward and forward+backward (gradients of input, weights, bias); the small
+CNN's two 2x2 max pools (``mlx f32`` / ``fl bf16 emu``: fluxlike's MaxPool on MLX's ops, what
+it ran before the native kernel), forward and forward+backward; causal
 attention at the transformer LM's shape (batch 4, 8 heads, context 128, head 64; ``fl bf16
 today`` is MLX's bfloat16 ``scaled_dot_product_attention``, what autocast leaves today); and
 the crossover (where the native kernel starts to pay) over smaller
@@ -110,6 +112,20 @@ def native_conv(x, w, b):
     return native.conv(x, w, b, padding=1)
 
 
+def mlx_pool(x):  # fluxlike's MaxPool without the native kernel: MLX's ops
+    from fluxlike.layers.pooling import sliding_windows
+
+    return mx.max(sliding_windows(x, (2, 2), (2, 2)), axis=(-3, -2))
+
+
+def native_pool(x):
+    return native.max_pool(x, 2)
+
+
+POOLS = [(64, 28, 16), (64, 14, 32)]  # the small CNN's: batch, size, channels; 2x2 windows
+POOL_KERNELS = {"mlx f32": (mlx_pool, None), "fl bf16 emu": (mlx_pool, mx.bfloat16),
+                "native f32": (native_pool, None), "native bf16": (native_pool, mx.bfloat16)}
+
 CONV_KERNELS = {"mlx f32": (mlx_conv, None), "fl bf16 today": (today_conv, mx.bfloat16),
                 "native f32": (native_conv, None), "native bf16": (native_conv, mx.bfloat16)}
 
@@ -178,6 +194,17 @@ def mlx_rows(reps: int, quick: bool) -> dict[str, dict[str, tuple[float, float]]
             grad = mx.grad(lambda x, w, b, k=kernel: k(x, w, b).astype(mx.float32).sum(),
                            argnums=(0, 1, 2))
             record(f"{label} fwd+bwd", name, lambda g=grad, a=a: mx.eval(g(*a)))
+    for n, size, c in POOLS:
+        xs = mx.random.normal((n, size, size, c))
+        label = f"maxpool {n}x{size}x{size}x{c} 2x2"
+        for name, (kernel, dtype) in POOL_KERNELS.items():
+            if name.startswith("native") and not native.available():
+                continue
+            a = xs if dtype is None else xs.astype(dtype)
+            mx.eval(a)
+            record(f"{label} fwd", name, lambda k=kernel, a=a: mx.eval(k(a)))
+            grad = mx.grad(lambda x, k=kernel: k(x).astype(mx.float32).sum())
+            record(f"{label} fwd+bwd", name, lambda g=grad, a=a: mx.eval(g(a)))
     q, k, v = (mx.random.normal((4, 8, 128, 64)) for _ in range(3))
     sdpa = mx.fast.scaled_dot_product_attention
     attention = {"mlx f32": (sdpa, None), "fl bf16 today": (sdpa, mx.bfloat16),
@@ -215,7 +242,7 @@ def mlx_rows(reps: int, quick: bool) -> dict[str, dict[str, tuple[float, float]]
 TORCH_SCRIPT = r"""
 import json, sys, time
 import torch
-reps, quick, B, W, D, convs = json.loads(sys.argv[1])
+reps, quick, B, W, D, convs, pools = json.loads(sys.argv[1])
 torch.manual_seed(0)
 def timeit(fn):
     fn(); fn()
@@ -254,6 +281,18 @@ for name, ac in (("torch f32", False), ("torch bf16", True)):
                 y = cv(cxg)
             y.float().sum().backward()
         rec(f"{label} fwd+bwd", name, cstep)
+    for n, size, c in pools:
+        label = f"maxpool {n}x{size}x{size}x{c} 2x2"
+        px = torch.randn(n, c, size, size).contiguous(memory_format=torch.channels_last)
+        if ac:
+            px = px.bfloat16()  # pooling has no autocast: it runs in its input's dtype
+        with torch.no_grad():
+            rec(f"{label} fwd", name, lambda: torch.nn.functional.max_pool2d(px, 2))
+        pxg = px.clone().requires_grad_(True)
+        def pstep():
+            pxg.grad = None
+            torch.nn.functional.max_pool2d(pxg, 2).float().sum().backward()
+        rec(f"{label} fwd+bwd", name, pstep)
 print(json.dumps(out))
 """
 
@@ -269,7 +308,7 @@ def torch_python(choice: str | None) -> str | None:
 
 
 def torch_rows(python: str, reps: int, quick: bool) -> tuple[dict, str]:
-    args = json.dumps([reps, quick, BATCH, WIDTH, DEPTH, CONVS])
+    args = json.dumps([reps, quick, BATCH, WIDTH, DEPTH, CONVS, POOLS])
     done = subprocess.run([python, "-c", TORCH_SCRIPT, args], capture_output=True, text=True,
                           timeout=1800)
     if done.returncode != 0:
@@ -282,6 +321,8 @@ def torch_rows(python: str, reps: int, quick: bool) -> tuple[dict, str]:
 # ---------------------------------------------------------------------------------- table
 
 def flops(row: str) -> float | None:
+    if row.startswith("maxpool"):
+        return None
     if row.startswith("attention"):
         return 2.0 * 2 * 4 * 8 * 128 * 128 * 64 * (3 if "bwd" in row else 1)
     if row.startswith("conv"):
@@ -317,6 +358,8 @@ def table(rows: dict) -> None:
     print(head)
     for row, cols in rows.items():
         f = flops(row)
+        if f is None:
+            continue
         print(f"{row:30s}" + "".join(
             f"{f / cols[n][0] / 1e9:15.0f}" if n in cols else " " * 15 for n in names))
     print("\npeak memory, MiB (mx.get_peak_memory over one call; MLX variants only)")

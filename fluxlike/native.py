@@ -10,7 +10,8 @@ module finds it, checks it, and decides how it is used; fluxlike works without i
 - :func:`linear` (``act(x @ w.T + bias)``, ``w`` of shape ``(out, in)`` as in ``Dense``),
   :func:`matmul` (batched, transposed operands) and :func:`conv` (``mx.conv_general``'s
   channels-last convolution, 1-3 spatial axes, with its two gradients as oneDNN primitives)
-  build the primitives; :func:`attention` is ``mx.fast.scaled_dot_product_attention`` made
+  build the primitives; :func:`max_pool` is oneDNN's max pooling with its gradient;
+  :func:`attention` is ``mx.fast.scaled_dot_product_attention`` made
   of them (float32 scores and softmax, so no MLX half-precision kernel runs); :func:`softmax`
   is oneDNN's float32 softmax over the last axis (MLX's CPU softmax runs a scalar ``exp``
   on the Linux wheel, which is built without AVX); :func:`pays`
@@ -26,16 +27,19 @@ numerics - decided once, when the first op is built, never inside ``mx.eval``.
 
 Environment: ``FLUXLIKE_NATIVE=0`` (or ``off``) leaves the kernels unused;
 ``FLUXLIKE_NATIVE_BF16=float32`` runs bfloat16 in float32 kernels even where native ones
-exist. Both, like ``ONEDNN_MAX_CPU_ISA``, are read once, at the first use.
+exist. Both, like ``ONEDNN_MAX_CPU_ISA``, are read once, at the first use. oneDNN's OpenMP
+threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` while the companion loads, unless the
+environment sets it): spinning threads take the cores MLX's own kernels need.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -43,8 +47,8 @@ from typing import Any
 import mlx.core as mx
 
 __all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "bfloat16_native",
-           "conv", "conv_transpose", "linear", "matmul", "native_info", "pays", "provides",
-           "softmax"]
+           "conv", "conv_transpose", "linear", "matmul", "max_pool", "native_info", "pays",
+           "provides", "softmax"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -141,7 +145,8 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
                    f"--no-build-isolation ./native)", built_for=built_for, path=path,
         ), None, False
     try:
-        from fluxlike_native import _ext as ext
+        with _passive_openmp():
+            from fluxlike_native import _ext as ext
     except ImportError as error:
         return NativeInfo(False, f"fluxlike-native at {path} could not be loaded ({error}); "
                                  f"reinstall it with ./dev setup", built_for=built_for,
@@ -180,6 +185,25 @@ def provides(name: str) -> bool:
     return available() and hasattr(_ext, name)
 
 
+@contextlib.contextmanager
+def _passive_openmp() -> Iterator[None]:
+    """``OMP_WAIT_POLICY=PASSIVE`` while the companion loads oneDNN's OpenMP runtime (libgomp
+    reads it once, when it is loaded), unless the user set it; the environment is restored
+    afterwards, so child processes and other libraries do not inherit it. By default
+    libgomp's idle threads spin after each parallel region; on a CPU shared with MLX's own
+    threads (and OpenBLAS's) a spinning thread takes the core that the next kernel needs,
+    and a small convolution's parallel region then waits a scheduler tick for it
+    (bench/README.md)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+
+
 def _require(name: str) -> ModuleType:
     if _ext is None:
         info = native_info()
@@ -198,7 +222,8 @@ def _check_arrays(name: str, **arrays: mx.array | None) -> None:
                             f"{type(value).__name__}")
 
 
-def split_act(act: str | Callable | None) -> tuple[bool, Callable | None]:
+def split_act(act: str | Callable | None, name: str = "linear"
+              ) -> tuple[bool, Callable | None]:
     """``(fuse a ReLU, activation applied afterwards)`` for ``act`` in :func:`linear`:
     fluxlike's ``identity`` and ``relu`` say what they are (their ``_commutes_with_rounding``
     mark), as ``mlx.nn``'s ``relu`` does by being it. The answers for those are remembered
@@ -209,7 +234,7 @@ def split_act(act: str | Callable | None) -> tuple[bool, Callable | None]:
         known = None
     if known is not None:
         return known
-    split = _split_act_uncached(act)
+    split = _split_act_uncached(act, name)
     if split[1] is None:  # identity or a fused ReLU: finitely many such objects
         _KNOWN_ACTS[act] = split
     return split
@@ -218,13 +243,14 @@ def split_act(act: str | Callable | None) -> tuple[bool, Callable | None]:
 _KNOWN_ACTS: dict[Any, tuple[bool, Callable | None]] = {}
 
 
-def _split_act_uncached(act: str | Callable | None) -> tuple[bool, Callable | None]:
+def _split_act_uncached(act: str | Callable | None, name: str
+                        ) -> tuple[bool, Callable | None]:
     if act is None or (isinstance(act, str) and act == "identity"):
         return False, None
     if isinstance(act, str):
         if act == "relu":
             return True, None
-        raise ValueError(f"fluxlike.native.linear: act must be None, 'relu' or a function, "
+        raise ValueError(f"fluxlike.native.{name}: act must be None, 'relu' or a function, "
                          f"got {act!r}")
     mark = getattr(act, "_commutes_with_rounding", None)
     if mark == "identity":
@@ -438,11 +464,14 @@ def conv(
     padding: int | tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]] = 0,
     dilation: int | tuple[int, ...] = 1,
     groups: int = 1,
+    act: str | Callable[[mx.array], mx.array] | None = None,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array:
-    """``mx.conv_general(x, w, stride, padding, kernel_dilation=dilation, groups=groups) +
-    bias`` as oneDNN primitives (forward, and for its gradients backward-data and
-    backward-weights primitives, themselves differentiable).
+    """``act(mx.conv_general(x, w, stride, padding, kernel_dilation=dilation, groups=groups)
+    + bias)`` as oneDNN primitives (forward, and for its gradients backward-data and
+    backward-weights primitives, themselves differentiable). ``act`` as :func:`linear`
+    takes it: a ReLU is fused into the kernel (its gradient masks the cotangent by the kept
+    output in one pass), any other function is applied to the result.
 
     ``x``: ``(N, *spatial, C_in)`` with 1-3 spatial axes; ``w``: ``(C_out, *kernel, C_in //
     groups)``; ``bias``: ``(C_out,)``. ``padding``: an int, one int per axis, or ``(low,
@@ -471,16 +500,20 @@ def conv(
         hi = _per_axis("conv", padding[1], k, "padding")
     else:
         lo = hi = _per_axis("conv", padding, k, "padding")
+    fused, after = (False, None) if act is None else split_act(act, "conv")
     if x.size == 0 or w.size == 0:
         y = mx.conv_general(x, w, stride=strides, padding=(lo, hi), kernel_dilation=dilations,
                             groups=groups, stream=stream)
-        return y if bias is None else y + bias
-    try:
-        return ext.conv(x, w, bias, strides, lo, hi, dilations, groups, _bf16_native,
-                        stream=stream)
-    except ValueError as error:
-        raise ValueError(f"fluxlike.native.conv(x {x.shape} {x.dtype}, w {w.shape} "
-                         f"{w.dtype}): {error}") from None
+        y = y if bias is None else y + bias
+        y = mx.maximum(y, 0) if fused else y
+    else:
+        try:
+            y = ext.conv(x, w, bias, strides, lo, hi, dilations, groups, _bf16_native,
+                         relu=fused, stream=stream)
+        except ValueError as error:
+            raise ValueError(f"fluxlike.native.conv(x {x.shape} {x.dtype}, w {w.shape} "
+                             f"{w.dtype}): {error}") from None
+    return y if after is None else after(y)
 
 
 def conv_transpose(
@@ -546,6 +579,51 @@ def conv_transpose(
         raise ValueError(f"fluxlike.native.conv_transpose(x {x.shape} {x.dtype}, w {w.shape} "
                          f"{w.dtype}): {error}") from None
     return y if bias is None else y + bias.astype(y.dtype)
+
+
+def max_pool(
+    x: mx.array,
+    window: int | tuple[int, ...],
+    *,
+    stride: int | tuple[int, ...] | None = None,
+    padding: int | tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]] = 0,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """The maximum over each window of ``x`` (channels last), as oneDNN's max pooling, with
+    its gradient (oneDNN's backward pass on the workspace the forward pass wrote).
+
+    ``x``: ``(N, *spatial, C)`` with 1-3 spatial axes, float32 or bfloat16, not empty;
+    ``window`` and ``stride`` (default: the window) an int or one per axis; ``padding`` as
+    :func:`conv` takes it, each side smaller than the window; padded entries never win. The
+    result is ``(N, *out, C)``, ``out = (spatial + low + high - window) // stride + 1``, in
+    ``x``'s dtype (exact: a maximum rounds nothing). The gradient goes to the first maximum
+    of each window (as PyTorch's), where MLX's ``max`` shares it among equal maxima; the
+    forward-mode derivative and the gradient's own gradients pick that same entry.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> if native.available():
+    ...     y = native.max_pool(mx.arange(16.0).reshape(1, 4, 4, 1), 2)
+    ...     assert y[0, :, :, 0].tolist() == [[5.0, 7.0], [13.0, 15.0]]
+    """
+    ext = _require("max_pool")
+    _check_arrays("max_pool", x=x)
+    k = x.ndim - 2
+    if k < 1 or k > 3:
+        raise ValueError(f"fluxlike.native.max_pool: expected x (N, *spatial, C) with 1-3 "
+                         f"spatial axes, got {x.shape}")
+    kernel = _per_axis("max_pool", window, k, "window")
+    strides = kernel if stride is None else _per_axis("max_pool", stride, k, "stride")
+    if (isinstance(padding, (tuple, list)) and len(padding) == 2
+            and all(isinstance(p, (tuple, list)) for p in padding)):
+        lo = _per_axis("max_pool", padding[0], k, "padding")
+        hi = _per_axis("max_pool", padding[1], k, "padding")
+    else:
+        lo = hi = _per_axis("max_pool", padding, k, "padding")
+    try:
+        return ext.max_pool(x, kernel, strides, lo, hi, _bf16_native, stream=stream)
+    except ValueError as error:
+        raise ValueError(f"fluxlike.native.max_pool(x {x.shape} {x.dtype}): {error}") from None
 
 
 # Where the native kernel beats MLX's (float32: MLX on OpenBLAS; bfloat16: fluxlike's

@@ -75,7 +75,8 @@ def assert_close(y: mx.array, exact: np.ndarray, scale: np.ndarray, dtype) -> No
 
 def _subprocess(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items()
-            if k not in ("FLUXLIKE_NATIVE", "FLUXLIKE_NATIVE_BF16", "ONEDNN_MAX_CPU_ISA")}
+            if k not in ("FLUXLIKE_NATIVE", "FLUXLIKE_NATIVE_BF16", "ONEDNN_MAX_CPU_ISA",
+                         "OMP_WAIT_POLICY")}
     full.update(env, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full,
                           capture_output=True, text=True, timeout=300)
@@ -99,6 +100,11 @@ def test_fluxlike_works_without_native():
         y = Dense(3, 2)(mx.ones((4, 3)))
         mx.eval(y)
         assert y.shape == (4, 2)
+        from fluxlike import Chain, Conv, MaxPool, gradient, relu
+        cnn = Chain(Conv((3, 3), 1, 2, relu, padding=1), MaxPool((2, 2)))
+        for ac in (None, mx.bfloat16):
+            g, = gradient(lambda m: m(mx.ones((2, 8, 8, 1))).sum(), cnn, autocast=ac)
+            assert g["layers"][0]["weight"].dtype == mx.float32
         try:
             native.linear(mx.ones((2, 3)), mx.ones((4, 3)))
         except native.NativeUnavailable as error:
@@ -129,6 +135,24 @@ def test_mismatched_build_is_reported(tmp_path):
         print("ok")
     """)
     assert result.returncode == 0, result.stderr
+
+
+@needs_native
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_openmp_waits_passively_unless_told(given):
+    """oneDNN's OpenMP runtime is loaded with OMP_WAIT_POLICY=PASSIVE (libgomp's
+    OMP_DISPLAY_ENV shows what it read), a user's own setting is kept, and the environment
+    afterwards is what it was (child processes do not inherit the policy)."""
+    env = {"OMP_DISPLAY_ENV": "true"} | ({} if given is None else {"OMP_WAIT_POLICY": given})
+    result = _subprocess("""
+        import os
+        from fluxlike import native
+        assert native.native_info().available
+        print("after:", os.environ.get("OMP_WAIT_POLICY"))
+    """, **env)
+    assert result.returncode == 0, result.stderr
+    assert f"OMP_WAIT_POLICY = '{given or 'PASSIVE'}'" in result.stderr, result.stderr
+    assert f"after: {given}" in result.stdout
 
 
 @needs_native
@@ -1006,6 +1030,131 @@ def test_the_plain_float32_entry_computes_or_declines():
         kernel(np.ones((6, 5), np.float32), w, b, False)
 
 
+# ---- convolution with a fused ReLU -------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CONV_CASES[:4], ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
+def test_conv_fused_relu(dtype, case):
+    """act=relu is fused: max(conv + b, 0) as float64 gives it (one rounding), its
+    gradients and jvp as MLX's conv followed by a ReLU, its output dtype the operands'."""
+    xs, ws, stride, pad, dil, groups = case
+    x, w, b = rand(xs, dtype), rand(ws, dtype), rand((ws[0],), dtype)
+
+    def fused(x, w, b):
+        return native.conv(x, w, b, stride=stride, padding=pad, dilation=dil, groups=groups,
+                           act=relu)
+
+    def plain(x, w, b):
+        return nn.relu(_mlx_conv(x, w, b, stride, pad, dil, groups))
+
+    y = fused(x, w, b)
+    exact, scale = np_conv(x, w, stride, *pad, dil, groups)
+    exact, scale = np.maximum(exact + np64(b), 0), scale + np.abs(np64(b))
+    assert_close(y, exact, scale, dtype)
+    if dtype != mx.float32:
+        return
+    c = rand(y.shape)
+    mine = mx.grad(lambda *a: (fused(*a) * c).sum(), argnums=(0, 1, 2))(x, w, b)
+    theirs = mx.grad(lambda *a: (plain(*a) * c).sum(), argnums=(0, 1, 2))(x, w, b)
+    for g, h in zip(mine, theirs, strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(h), rtol=1e-4, atol=1e-4)
+    tangents = (rand(xs), rand(ws), rand((ws[0],)))
+    _, (jm,) = mx.jvp(fused, (x, w, b), tangents)
+    tx, tw, tb = tangents
+    lin = (_mlx_conv(tx, w, None, stride, pad, dil, groups)
+           + _mlx_conv(x, tw, None, stride, pad, dil, groups) + tb)
+    np.testing.assert_allclose(np.array(jm), np.array(lin * (y > 0)), rtol=1e-4, atol=1e-4)
+    other = native.conv(x, w, b, stride=stride, padding=pad, dilation=dil, groups=groups,
+                        act=mx.tanh)  # any other function: applied to the result
+    np.testing.assert_allclose(np.array(other), np.tanh(np.array(
+        _mlx_conv(x, w, b, stride, pad, dil, groups))), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("shapeless", [False, True])
+def test_conv_fused_relu_inside_compile_bfloat16(shapeless):
+    w, b = rand((4, 3, 3, 2), mx.bfloat16), rand((4,), mx.bfloat16)
+
+    def loss(w, b, x):
+        return native.conv(x, w, b, padding=1, act="relu").astype(mx.float32).sum()
+
+    step = mx.compile(mx.value_and_grad(loss, argnums=(0, 1)), shapeless=shapeless)
+    eager = mx.value_and_grad(loss, argnums=(0, 1))
+    for batch in (2, 3):
+        x = rand((batch, 6, 5, 2), mx.bfloat16)
+        (v, g), (v0, g0) = step(w, b, x), eager(w, b, x)
+        assert v.item() == pytest.approx(v0.item(), rel=1e-2)
+        for gi, hi in zip(g, g0, strict=True):
+            assert gi.dtype == mx.bfloat16 and gi.shape == hi.shape
+            np.testing.assert_array_equal(np64(gi), np64(hi))
+
+
+# ---- max pooling ------------------------------------------------------------------------------
+
+def np_max_pool(x, kernel, stride, lo, hi):
+    """float64 max pooling (channels last, padding never the maximum) and, per input entry,
+    how many outputs pick it as their window's first maximum (the gradient of a sum)."""
+    import itertools
+
+    x64 = np64(x)
+    padded = np.pad(x64, [(0, 0), *zip(lo, hi, strict=True), (0, 0)], constant_values=-np.inf)
+    k = x64.ndim - 2
+    out = [(padded.shape[i + 1] - kernel[i]) // stride[i] + 1 for i in range(k)]
+    y = np.full((x64.shape[0], *out, x64.shape[-1]), -np.inf)
+    for off in itertools.product(*(range(s) for s in kernel)):
+        window = tuple(slice(off[i], off[i] + (out[i] - 1) * stride[i] + 1, stride[i])
+                       for i in range(k))
+        y = np.maximum(y, padded[(slice(None), *window, slice(None))])
+    return y
+
+
+def _pool_grad_first_max(x, c, kernel, stride, lo, hi):
+    """The gradient of ``sum(max_pool(x) * c)`` when each window's cotangent goes to its
+    first maximum (in window order), in float64."""
+    import itertools
+
+    x64 = np64(x)
+    padded = np.pad(x64, [(0, 0), *zip(lo, hi, strict=True), (0, 0)], constant_values=-np.inf)
+    k = x64.ndim - 2
+    c64 = np64(c)
+    grad = np.zeros_like(padded)
+    for n in range(x64.shape[0]):
+        for o in itertools.product(*(range(s) for s in c64.shape[1:-1])):
+            for ch in range(x64.shape[-1]):
+                best, where = -np.inf, None
+                for off in itertools.product(*(range(s) for s in kernel)):
+                    pos = tuple(o[i] * stride[i] + off[i] for i in range(k))
+                    v = padded[(n, *pos, ch)]
+                    if v > best:
+                        best, where = v, pos
+                grad[(n, *where, ch)] += c64[(n, *o, ch)]
+    crop = tuple(slice(lo[i], lo[i] + x64.shape[i + 1]) for i in range(k))
+    return grad[(slice(None), *crop, slice(None))]
+
+
+# A gradient entry is its windows' cotangents summed in float32 (rounded once to bfloat16).
+POOL_GRAD_TOL = {mx.float32: {"rtol": 1e-5, "atol": 1e-6},
+                 mx.bfloat16: {"rtol": BF16_HALF_ULP * 1.01, "atol": 1e-5}}
+
+POOL_CASES = [  # x shape, window, stride, (lo, hi)
+    ((2, 8, 8, 3), (2, 2), (2, 2), ((0, 0), (0, 0))),
+    ((2, 9, 7, 4), (3, 3), (2, 1), ((1, 0), (1, 2))),
+    ((3, 11, 5), (3,), (2,), ((1,), (1,))),
+    ((1, 5, 6, 7, 2), (2, 3, 2), (1, 2, 2), ((1, 0, 1), (0, 1, 0))),
+    ((2, 7, 7, 16), (2, 2), (2, 2), ((0, 0), (0, 0))),  # ragged end: the last row dropped
+]
+
+
+def _mlx_pool(x, window, stride, pad):
+    """MLX's (fluxlike's pure-MLX) max pooling on the same arguments."""
+    from fluxlike.layers.pooling import sliding_windows
+
+    padded = mx.pad(x, [(0, 0), *zip(*pad, strict=True), (0, 0)], constant_values=-np.inf)
+    return mx.max(sliding_windows(padded, window, stride),
+                  axis=tuple(range(-len(window) - 1, -1)))
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_operands_of_any_strides_are_gathered_when_the_kernel_runs(dtype):
@@ -1094,3 +1243,304 @@ def test_softmax_inside_compile_and_errors():
             native.softmax(bad)
     with pytest.raises(TypeError, match=r"fluxlike.native.softmax: expected x"):
         native.softmax(np.ones(3))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"{c[0]}/{c[1]}s{c[2]}")
+def test_max_pool_against_float64_and_mlx(dtype, case):
+    xs, window, stride, pad = case
+    x = rand(xs, dtype)
+    y = native.max_pool(x, window, stride=stride, padding=pad)
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(np64(y), np_max_pool(x, window, stride, *pad))
+    theirs = _mlx_pool(x, window, stride, pad)
+    assert theirs.dtype == y.dtype and theirs.shape == y.shape
+    np.testing.assert_array_equal(np64(y), np64(theirs))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"{c[0]}/{c[1]}s{c[2]}")
+def test_max_pool_gradient(dtype, case):
+    """The gradient goes to each window's first maximum (exactly, in the input's dtype); on
+    inputs without ties it equals MLX's."""
+    xs, window, stride, pad = case
+    x = rand(xs, dtype)
+    c = rand(native.max_pool(x, window, stride=stride, padding=pad).shape, dtype)
+    g = mx.grad(lambda v: (native.max_pool(v, window, stride=stride, padding=pad) * c)
+                .astype(mx.float32).sum())(x)
+    assert g.dtype == dtype and g.shape == x.shape
+    np.testing.assert_allclose(np64(g), _pool_grad_first_max(x, c, window, stride, *pad),
+                               **POOL_GRAD_TOL[dtype])
+    x32 = rand(xs)  # float32 normals: no ties
+    c32 = rand(c.shape)
+    mine = mx.vjp(lambda v: native.max_pool(v, window, stride=stride, padding=pad), [x32],
+                  [c32])[1][0]
+    theirs = mx.vjp(lambda v: _mlx_pool(v, window, stride, pad), [x32], [c32])[1][0]
+    # (overlapping windows add their cotangents in another order: float32 rounding apart)
+    np.testing.assert_allclose(np.array(mine), np.array(theirs), rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"{c[0]}/{c[1]}s{c[2]}")
+def test_max_pool_jvp_and_second_order_against_mlx(case):
+    """The forward-mode derivative (the tangent at each window's maximum) and the gradient's
+    own gradients equal MLX's on inputs without ties."""
+    xs, window, stride, pad = case
+    x, t = rand(xs), rand(xs)
+
+    def pool(v):
+        return native.max_pool(v, window, stride=stride, padding=pad)
+
+    def theirs(v):
+        return _mlx_pool(v, window, stride, pad)
+
+    _, (jm,) = mx.jvp(pool, [x], [t])
+    _, (jt,) = mx.jvp(theirs, [x], [t])
+    np.testing.assert_array_equal(np.array(jm), np.array(jt))
+    c = rand(pool(x).shape)
+
+    def second(f):  # d/dc and d/dx of |grad_x sum(f(x * x) * c)|^2
+        def inner(v, c):
+            g = mx.grad(lambda u: (f(u * u) * c).sum())(v)
+            return (g * g).sum()
+        return mx.grad(inner, argnums=(0, 1))(x, c)
+
+    for g, h in zip(second(pool), second(theirs), strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(h), rtol=1e-5, atol=1e-5)
+    _, (jb,) = mx.jvp(lambda d: mx.vjp(pool, [x], [d])[1][0], [c], [c])
+    np.testing.assert_allclose(np.array(jb), np.array(mx.vjp(theirs, [x], [c])[1][0]),
+                               rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_max_pool_gradient_by_finite_differences():
+    xs, window, stride, pad = POOL_CASES[1]
+    # distinct values 1 apart: a step of 1e-2 never changes which entry is a window's maximum
+    x = mx.array(np.random.default_rng(0).permutation(int(np.prod(xs))).reshape(xs) * 1.0,
+                 dtype=mx.float32)
+    c = rand(native.max_pool(x, window, stride=stride, padding=pad).shape)
+
+    def f(v):
+        return (native.max_pool(v, window, stride=stride, padding=pad) * c).sum()
+
+    def f64(v):  # the pooling is exact: sum in float64, so only the step is rounded
+        return float((np64(native.max_pool(v, window, stride=stride, padding=pad))
+                      * np64(c)).sum())
+
+    g = mx.grad(f)(x)
+    for seed in range(3):
+        d = mx.random.normal(xs, key=mx.random.key(seed))
+        numeric = (f64(x + 1e-2 * d) - f64(x - 1e-2 * d)) / 2e-2
+        analytic = (g * d).sum().item()
+        assert abs(numeric - analytic) <= 1e-2 * (1 + abs(analytic)), (numeric, analytic)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(k=st.integers(1, 3), n=st.integers(1, 3), size=st.integers(1, 9),
+       window=st.integers(1, 3), stride=st.integers(1, 3), lo=st.integers(0, 2),
+       hi=st.integers(0, 2), channels=st.integers(1, 5), layout=st.sampled_from(LAYOUTS[:3]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_max_pool_random_shapes_and_layouts(k, n, size, window, stride, lo, hi, channels,
+                                            layout, dtype, seed):
+    mx.random.seed(seed)
+    if lo >= window or hi >= window or size + lo + hi < window:
+        return
+    xs = (n, *([size] * k), channels)
+    x = rand(xs, dtype)
+    if layout == "transposed":  # the same values through a transposed view
+        x = rand(xs[::-1], dtype).transpose(*range(x.ndim - 1, -1, -1))
+    elif layout == "sliced rows":
+        x = rand((n, *([size] * k), channels + 2), dtype)[..., 1:-1]
+    args = ((window,) * k, (stride,) * k, ((lo,) * k, (hi,) * k))
+    y = native.max_pool(x, args[0], stride=args[1], padding=args[2])
+    np.testing.assert_array_equal(np64(y), np_max_pool(x, *args[:2], *args[2]))
+    c = rand(y.shape, dtype)
+    g = mx.vjp(lambda v: native.max_pool(v, args[0], stride=args[1], padding=args[2]), [x],
+               [c])[1][0]
+    np.testing.assert_allclose(np64(g), _pool_grad_first_max(x, c, *args[:2], *args[2]),
+                               **POOL_GRAD_TOL[dtype])
+
+
+@needs_native
+@pytest.mark.parametrize("shapeless", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_pool_inside_compile(shapeless, dtype):
+    def loss(x, c):
+        return (native.max_pool(x, 2) * c).astype(mx.float32).sum()
+
+    step = mx.compile(mx.value_and_grad(loss), shapeless=shapeless)
+    eager = mx.value_and_grad(loss)
+    # (a shapeless trace replays at other batch sizes; the gradient's spatial size is fixed,
+    # as the convolution's is)
+    for batch, size in ((2, 8), (3, 8), (1, 8)):
+        x = rand((batch, size, size, 3), dtype)
+        c = rand((batch, size // 2, size // 2, 3), dtype)
+        (v, g), (v0, g0) = step(x, c), eager(x, c)
+        assert v.item() == pytest.approx(v0.item(), rel=1e-6)
+        assert g.dtype == dtype and g.shape == x.shape
+        np.testing.assert_array_equal(np64(g), np64(g0))
+
+
+@needs_native
+def test_max_pool_from_several_threads_and_cache():
+    from fluxlike_native import _ext
+
+    failures: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            dtype = DTYPES[k % 2]
+            for _ in range(4):
+                x = rand((2, 8 + 2 * k, 8, 3), dtype)
+                y = native.max_pool(x, 2)
+                g = mx.grad(lambda v: native.max_pool(v, 2).astype(mx.float32).sum())(x)
+                mx.eval(y, g)
+                np.testing.assert_array_equal(np64(y), np_max_pool(x, (2, 2), (2, 2),
+                                                                   (0, 0), (0, 0)))
+                assert g.dtype == dtype and float(g.astype(mx.float32).sum()) == y.size
+        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
+            failures.append(error)
+
+    _ext.clear_cache()
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert _ext.pool_cache_size() == 4 * 2  # one forward and one backward per shape
+    assert sum(count for _, count in _ext.pool_cache_impls()) == 8
+
+
+@needs_native
+def test_max_pool_errors():
+    x = mx.ones((1, 5, 5, 4))
+    with pytest.raises(ValueError, match=r"fluxlike\.native\.max_pool.*float32 or bfloat16"):
+        native.max_pool(x.astype(mx.float16), 2)
+    with pytest.raises(ValueError, match=r"larger than the padded input"):
+        native.max_pool(x, 7)
+    with pytest.raises(ValueError, match=r"smaller than the kernel"):
+        native.max_pool(x, 2, padding=2)
+    with pytest.raises(ValueError, match=r"window must be an int or 2 ints"):
+        native.max_pool(x, (2, 2, 2))
+    with pytest.raises(ValueError, match=r"1-3 spatial axes"):
+        native.max_pool(mx.ones((2, 3)), 2)
+    with pytest.raises(ValueError, match=r"empty input"):
+        native.max_pool(mx.ones((0, 4, 4, 1)), 2)
+
+
+# ---- the layers' routing -------------------------------------------------------------------------
+
+def _cnn():
+    import fluxlike as fl
+
+    mx.random.seed(3)
+    return fl.Chain(fl.Conv((3, 3), 1, 8, relu, padding=1), fl.MaxPool((2, 2)),
+                    fl.Conv((3, 3), 8, 16, relu, padding=1), fl.MaxPool((2, 2)), fl.flatten,
+                    fl.Dense(16 * 7 * 7, 3))
+
+
+def _without_native(fn):
+    """``fn()`` with the native kernels switched off in-process (as FLUXLIKE_NATIVE=0)."""
+    from fluxlike.precision import ops
+
+    saved = native.available, native.bfloat16_native
+    native.available = native.bfloat16_native = lambda: False
+    ops._native_in_use.cache_clear()
+    try:
+        return fn()
+    finally:
+        native.available, native.bfloat16_native = saved
+        ops._native_in_use.cache_clear()
+
+
+@needs_native
+@pytest.mark.parametrize("ac", [None, mx.bfloat16], ids=["float32", "autocast"])
+def test_cnn_layers_run_native_kernels_in_training(ac, monkeypatch):
+    """Conv (with its ReLU fused) and MaxPool run the native kernels in a training step, in
+    float32 and under autocast (bfloat16 convolutions, forward and backward); the loss and
+    float32 gradients agree with MLX's kernels (FLUXLIKE_NATIVE=0's path)."""
+    from fluxlike import withgradient
+    from fluxlike.losses import logitcrossentropy
+
+    model = _cnn()
+    x = mx.random.normal((16, 28, 28, 1), key=mx.random.key(0))
+    y = mx.eye(3)[mx.arange(16) % 3]
+
+    def step():
+        loss, (g,) = withgradient(lambda m: logitcrossentropy(m(x), y), model, autocast=ac)
+        mx.eval(loss, g)
+        return loss, g
+
+    calls: dict[str, list] = {"conv": [], "max_pool": []}
+    for name in calls:
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _k=kernel, _n=name, **kw: (
+            calls[_n].append((a[0].dtype, kw.get("act"))), _k(*a, **kw))[1])
+    loss, g = step()
+    monkeypatch.undo()
+    want = mx.float32 if ac is None else mx.bfloat16
+    # (bfloat16 training convolutions need oneDNN's bfloat16 kernels, else the emulation)
+    convs = [want, want] if ac is None or native.bfloat16_native() else []
+    assert [d for d, _ in calls["conv"]] == convs and all(a is relu for _, a in calls["conv"])
+    assert [d for d, _ in calls["max_pool"]] == [want, want]
+    from mlx.utils import tree_flatten
+
+    if ac is None:  # float32: MLX's kernels give the same step
+        loss0, g0 = _without_native(step)
+        assert loss.item() == pytest.approx(loss0.item(), rel=1e-5)
+        for (name, a), (_, b) in zip(tree_flatten(g), tree_flatten(g0), strict=True):
+            assert a.dtype == mx.float32 == b.dtype, name
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4,
+                                       atol=1e-5 * float(mx.abs(b).max()), err_msg=name)
+        return
+    # bfloat16: as far from float32's step as the float32-kernel emulation is (bfloat16
+    # activations both; the roundings fall elsewhere, and ties in a pool go to the first)
+    ac = None
+    loss32, g32 = _without_native(step)
+    ac = mx.bfloat16
+    loss_emu, g_emu = _without_native(step)
+    assert abs(loss.item() - loss32.item()) <= 2 * abs(loss_emu.item() - loss32.item()) + 1e-3
+    for (name, a), (_, b), (_, r) in zip(tree_flatten(g), tree_flatten(g_emu),
+                                         tree_flatten(g32), strict=True):
+        assert a.dtype == mx.float32, name
+        scale = float(mx.abs(r).max())
+        mine, theirs = (float(mx.abs(v - r).max()) / scale for v in (a, b))
+        assert mine <= 1.5 * theirs + 0.01, (name, mine, theirs)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_convolutions_fused_relu_keeps_nan(dtype):
+    """As the matmul's: relu(NaN) is NaN (oneDNN's ReLU post-op would give 0)."""
+    x = mx.ones((1, 4, 4, 2), dtype)
+    x[0, 1, 1, 0] = float("nan")
+    w = mx.ones((3, 3, 3, 2), dtype)
+    y = np64(native.conv(x, w, mx.zeros((3,), dtype), padding=1, act="relu"))
+    reached = np.zeros((4, 4), bool)
+    reached[0:3, 0:3] = True  # the outputs whose 3x3 window holds x[1, 1]
+    assert np.isnan(y[0]).any(axis=-1).tolist() == reached.tolist()
+    assert (y[0][~reached] > 0).all()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_pool_keeps_nan_as_mlx_does(dtype):
+    """A window holding NaN has a NaN maximum, as MLX's max and PyTorch's pooling give it
+    (oneDNN's pooling alone drops it): overlapping windows, padding, 1-3 spatial axes."""
+    for shape, window, stride, padding in [((1, 4, 4, 2), 2, 2, 0), ((2, 5, 5, 3), 3, 1, 1),
+                                           ((1, 7, 2), 3, 2, 1), ((1, 3, 4, 4, 1), 2, 1, 0)]:
+        x = np.ones(shape, np.float32)
+        x.reshape(-1)[[1, x.size // 2, x.size - 1]] = np.nan
+        xm = mx.array(x).astype(dtype)
+        mine = np64(native.max_pool(xm, window, stride=stride, padding=padding))
+        k = len(shape) - 2
+        # reference: -inf padding, then MLX's max over the strided windows (NaN-propagating)
+        pad = [(0, 0)] + [(padding, padding)] * k + [(0, 0)]
+        xp = mx.array(np.pad(x, pad, constant_values=-np.inf)).astype(dtype)
+        theirs = np64(getattr(nn, f"MaxPool{k}d")(window, stride)(xp))
+        np.testing.assert_array_equal(np.isnan(mine), np.isnan(theirs))
+        np.testing.assert_array_equal(np.nan_to_num(mine), np.nan_to_num(theirs))

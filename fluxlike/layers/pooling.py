@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import workarounds
+from ..precision import ops
 from ..precision.state import HALF
 from .base import Layer
 from .conv import (
@@ -92,14 +93,20 @@ class _WindowPool(Layer):
                 f"on each side"
             )
 
-    def _windows(self, x: Any) -> mx.array:
-        """The windows of ``x`` (padded), ``(N, *out, *window, C)``."""
+    def _check(self, x: Any) -> None:
+        """Raise unless ``x`` is an input this pool takes."""
         name = type(self).__name__
         # By item: self.window would go through nn.Module.__getattr__, which is slow.
         window, padding = self["window"], self["padding"]
         check_input(x, len(window), name, "pool")
         check_nonempty(x, name)
         check_fits(x, window, padding, name, "window")
+
+    def _windows(self, x: Any, checked: bool = False) -> mx.array:
+        """The windows of ``x`` (padded), ``(N, *out, *window, C)``."""
+        if not checked:
+            self._check(x)
+        window, padding = self["window"], self["padding"]
         if any(lo or hi for lo, hi in padding):
             x = mx.pad(x, [(0, 0), *padding, (0, 0)], constant_values=self.pad_value(x.dtype))
         return sliding_windows(x, window, self["stride"])
@@ -119,7 +126,11 @@ class MaxPool(_WindowPool):
     """The maximum over each window: ``MaxPool(window, *, stride=window, padding=0)``.
 
     ``window`` is a tuple (its length chooses 1-, 2- or 3-D); ``stride`` defaults to the
-    window (``None``), giving non-overlapping windows. Runs in the input's dtype.
+    window (``None``), giving non-overlapping windows. Runs in the input's dtype. On the CPU
+    with fluxlike's native kernels, float32 and bfloat16 run oneDNN's max pooling
+    (:func:`fluxlike.native.max_pool`): the same values; the gradient goes to the first
+    maximum of a window where MLX's would share it among equal maxima
+    (``FLUXLIKE_NATIVE=0`` gives MLX's kernels).
 
     >>> import mlx.core as mx
     >>> from fluxlike import MaxPool
@@ -140,7 +151,11 @@ class MaxPool(_WindowPool):
         return mx.iinfo(dtype).min if dtype != mx.bool_ else False
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.max(self._windows(x), axis=self._axes())
+        self._check(x)
+        y = ops.max_pool(x, self["window"], self["stride"], self["padding"])
+        if y is not None:  # the native kernel (oneDNN's pooling) on the CPU
+            return y
+        return mx.max(self._windows(x, checked=True), axis=self._axes())
 
 
 class MeanPool(_WindowPool):

@@ -26,12 +26,14 @@ Inference reuses the kept float32 upcasts of the weights instead (:func:`castcac
 
 Native kernels on the CPU (:mod:`fluxlike.native`, where ``./dev`` built them): float32
 linear layers, and float32 convolutions whose implicit GEMM pays, run oneDNN's kernels forward
-and backward (their weight gradients come back row-major); bfloat16 linear layers (inference
-on kept weights, and training) and bfloat16 matmuls (:func:`matmul`: attention's scores and
-weighted sums) run oneDNN's bfloat16 kernels where it has them, with the same numerics
-(bfloat16 operands, float32 accumulation, one rounding), and :func:`softmax` (attention's
-float32 scores under CPU half precision) runs oneDNN's. float16, and bfloat16 convolutions in
-training, stay on the emulation above.
+and backward (their weight gradients come back row-major); bfloat16 linear layers and
+convolutions run oneDNN's bfloat16 kernels where the CPU has them, in inference and training,
+with the same numerics (bfloat16 operands, float32 accumulation, one rounding, bfloat16
+activations kept for the backward pass); a ReLU is fused into them. bfloat16 matmuls
+(:func:`matmul`: attention's scores and weighted sums) run oneDNN's bfloat16 kernels too, and
+:func:`softmax` (attention's float32 scores under CPU half precision) runs oneDNN's.
+``MaxPool`` runs oneDNN's pooling (:func:`max_pool`). float16 (and bfloat16 training without
+those kernels) stays on the emulation above.
 
 Memory: what the graph retains is about half of float32's for an activation-heavy MLP.
 MLX's CPU scheduler, though, allocates each op's output when it queues the op, up to about a
@@ -559,9 +561,8 @@ def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | N
     x, weight, bias = operands(x, weight, bias, layer=options[0])
     if options[0] == "conv" and _native_convolves(x, weight, bias, *options[1:]):
         stride, padding, dilation, groups = options[1:]
-        y = native.conv(x, weight, bias, stride=stride, padding=padding, dilation=dilation,
-                        groups=groups)
-        return y if act is None else act(y)
+        return native.conv(x, weight, bias, stride=stride, padding=padding,
+                           dilation=dilation, groups=groups, act=act)
     if emulates(x, weight, bias):
         return _emulated(options, act, x, weight, *(() if bias is None else (bias,)))
     y = _kernel(*options)(x, weight)
@@ -574,13 +575,16 @@ def _native_convolves(x: mx.array, weight: mx.array, bias: mx.array | None,
                       stride: tuple[int, ...], padding: Padding, dilation: tuple[int, ...],
                       groups: int) -> bool:
     """Whether the native kernel computes this convolution: on the CPU, operands of one
-    dtype, float32 forward and backward, or bfloat16 outside fluxlike's differentiation
-    (half training stays on the emulation, as for :func:`linear`), where
-    :func:`fluxlike.native.pays` says its implicit GEMM beats MLX's."""
+    dtype, float32, or bfloat16 (in training only where oneDNN has bfloat16 kernels, as for
+    :func:`linear`; elsewhere training stays on the emulation), where
+    :func:`fluxlike.native.pays` says its implicit GEMM beats MLX's (for bfloat16: always).
+    The backward pass computes only the gradients asked for: not the input's of a first
+    layer."""
     dtype = x.dtype
     if dtype != weight.dtype or (bias is not None and bias.dtype != dtype):
         return False
-    if not (dtype == _F32 or (dtype == _BF16 and not _state().differentiating)):
+    if not (dtype == _F32 or (dtype == _BF16 and (native.bfloat16_native()
+                                                   or not _state().differentiating))):
         return False
     if not _native_cpu() or x.ndim < 3 or x.ndim > 5:
         return False
@@ -591,6 +595,19 @@ def _native_convolves(x: mx.array, weight: mx.array, bias: mx.array | None,
         rows *= max(0, (n + a + b - d * (k - 1) - 1) // s + 1)
     inner = weight.size // weight.shape[0]
     return native.pays(rows, inner, weight.shape[0], dtype)
+
+
+def max_pool(x: mx.array, window: tuple[int, ...], stride: tuple[int, ...],
+             padding: tuple[tuple[int, int], ...]) -> mx.array | None:
+    """``MaxPool``'s native kernel (:func:`fluxlike.native.max_pool`, oneDNN's pooling) where
+    it runs: the CPU with the native kernels in use, a float32 or bfloat16 input that is not
+    empty; ``None`` elsewhere (the layer then runs MLX's ops). ``padding`` is ``(low, high)``
+    per spatial axis."""
+    dtype = x.dtype
+    if (dtype != _F32 and dtype != _BF16) or x.size == 0 or not _native_cpu():
+        return None
+    lo, hi = zip(*padding, strict=True)
+    return native.max_pool(x, window, stride=stride, padding=(lo, hi))
 
 
 def _emulated(options: tuple, act: Callable | None, x: mx.array, weight: mx.array,

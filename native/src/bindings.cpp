@@ -8,6 +8,7 @@
 
 #include "conv.h"
 #include "matmul.h"
+#include "pool.h"
 #include "softmax.h"
 #include "mlx/version.h"
 
@@ -36,7 +37,8 @@ NB_MODULE(_ext, m) {
     fluxlike_native::clear_cache();
     fluxlike_native::conv_clear_cache();
     fluxlike_native::softmax_clear_cache();
-  }, "Drop the cached oneDNN primitives (matmul, convolution and softmax).");
+    fluxlike_native::pool_clear_cache();
+  }, "Drop the cached oneDNN primitives (matmul, convolution, softmax and pooling).");
   m.def("cache_impls", &fluxlike_native::cache_impls,
         "(oneDNN implementation name, count) of the cached matmul primitives.");
   m.def("conv_cache_size", &fluxlike_native::conv_cache_size,
@@ -98,13 +100,14 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       "conv",
       [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
          std::vector<int> stride, std::vector<int> pad_lo, std::vector<int> pad_hi,
-         std::vector<int> dilation, int groups, bool native_bf16, mx::StreamOrDevice s) {
+         std::vector<int> dilation, int groups, bool native_bf16, bool relu,
+         mx::StreamOrDevice s) {
         fluxlike_native::ConvParams p{std::move(stride), std::move(pad_lo), std::move(pad_hi),
                                       std::move(dilation), groups};
-        return fluxlike_native::conv(x, w, bias, p, native_bf16, s);
+        return fluxlike_native::conv(x, w, bias, p, native_bf16, relu, s);
       },
       "x"_a, "w"_a, "bias"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "dilation"_a, "groups"_a,
-      "native_bf16"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "native_bf16"_a, nb::kw_only(), "relu"_a = false, "stream"_a = nb::none(),
       R"(mx.conv_general's convolution (channels-last) on oneDNN (see conv.h).)");
 
   m.def(
@@ -120,4 +123,22 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       "dy"_a, "w"_a, "x_tail"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "dilation"_a,
       "groups"_a, "native_bf16"_a, nb::kw_only(), "stream"_a = nb::none(),
       R"(The input gradient of conv (a transposed convolution) on oneDNN (see conv.h).)");
+
+  m.def("pool_cache_size", &fluxlike_native::pool_cache_size,
+        "Cached oneDNN pooling primitives.");
+  m.def("pool_cache_impls", &fluxlike_native::pool_cache_impls,
+        "(oneDNN implementation name, count) of the cached pooling primitives.");
+
+  m.def(
+      "max_pool",
+      [](const mx::array& x, std::vector<int> kernel, std::vector<int> stride,
+         std::vector<int> pad_lo, std::vector<int> pad_hi, bool native_bf16,
+         mx::StreamOrDevice s) {
+        fluxlike_native::PoolParams p{std::move(kernel), std::move(stride), std::move(pad_lo),
+                                      std::move(pad_hi)};
+        return fluxlike_native::max_pool(x, p, native_bf16, s);
+      },
+      "x"_a, "kernel"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "native_bf16"_a, nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(The maximum over each window (channels-last) on oneDNN, with its gradient (see pool.h).)");
 }

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "cache.h"
 #include "matmul.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -106,19 +107,7 @@ struct Entry {
   std::string impl;
 };
 
-struct KeyHash {
-  size_t operator()(const std::vector<int64_t>& k) const {
-    size_t h = 1469598103934665603ull;
-    for (auto v : k) {
-      h ^= static_cast<size_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-    }
-    return h;
-  }
-};
-
-std::mutex cache_mutex;
-std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash> cache;
-constexpr size_t MAX_CACHE = 1024;
+PrimitiveCache<Entry> cache(1024);
 
 dims to_dims(const std::vector<int>& v, int minus = 0) {
   dims d;
@@ -134,9 +123,11 @@ std::shared_ptr<Entry> lookup(
     const mx::Shape& ws,
     const mx::Shape& ys,
     mx::Dtype dt,
-    std::optional<mx::Dtype> bias_dt) {
+    std::optional<mx::Dtype> bias_dt,
+    bool relu) {
   std::vector<int64_t> key{static_cast<int64_t>(kind), static_cast<int64_t>(dt.val()),
-                           bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1, p.groups};
+                           bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1, p.groups,
+                           relu};
   for (auto* s : {&xs, &ws, &ys}) {
     key.push_back(static_cast<int64_t>(s->size()));
     key.insert(key.end(), s->begin(), s->end());
@@ -144,11 +135,7 @@ std::shared_ptr<Entry> lookup(
   for (auto* v : {&p.stride, &p.pad_lo, &p.pad_hi, &p.dilation}) {
     key.insert(key.end(), v->begin(), v->end());
   }
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
+  if (auto hit = cache.find(key)) return hit;
   auto e = std::make_shared<Entry>();
   e->x_md = act_md(xs, dt);
   e->y_md = act_md(ys, dt);
@@ -213,10 +200,7 @@ std::shared_ptr<Entry> lookup(
         ")");
   }
   e->scratch_bytes = e->scratch_md.get_size();
-  std::lock_guard<std::mutex> lock(cache_mutex);
-  if (cache.size() >= MAX_CACHE) cache.clear();
-  auto [it, inserted] = cache.emplace(std::move(key), e);
-  return it->second;
+  return cache.insert(std::move(key), e);
 }
 
 struct Buffer {  // an aligned temporary, freed on scope exit
@@ -324,13 +308,14 @@ mx::array make(
     const std::optional<mx::array>& bias,
     mx::Shape shape,
     mx::Shape fixed,
-    mx::Stream s) {
+    mx::Stream s,
+    bool relu = false) {
   std::vector<mx::array> inputs{mx::contiguous(in0, false, s), mx::contiguous(in1, false, s)};
   if (bias) inputs.push_back(mx::contiguous(*bias, false, s));
   auto dt = in0.dtype();
   return mx::array(
       std::move(shape), dt,
-      std::make_shared<Conv>(s, kind, p, bias.has_value(), std::move(fixed)),
+      std::make_shared<Conv>(s, kind, p, bias.has_value(), std::move(fixed), relu),
       std::move(inputs));
 }
 
@@ -352,29 +337,23 @@ mx::array backward_weights(const mx::array& x, const mx::array& dy, const mx::Sh
 }
 
 mx::array forward(const mx::array& x, const mx::array& w, const std::optional<mx::array>& b,
-                  const ConvParams& p, mx::Stream s) {
-  return make(ConvKind::Forward, p, x, w, b, conv_out_shape(x.shape(), w.shape(), p), {}, s);
+                  const ConvParams& p, mx::Stream s, bool relu = false) {
+  return make(ConvKind::Forward, p, x, w, b, conv_out_shape(x.shape(), w.shape(), p), {}, s,
+              relu);
 }
 
 } // namespace
 
 size_t conv_cache_size() {
-  std::lock_guard<std::mutex> lock(cache_mutex);
   return cache.size();
 }
 
 void conv_clear_cache() {
-  std::lock_guard<std::mutex> lock(cache_mutex);
   cache.clear();
 }
 
 std::vector<std::pair<std::string, int>> conv_cache_impls() {
-  std::map<std::string, int> counts;
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    for (auto& [k, e] : cache) counts[e->impl] += 1;
-  }
-  return {counts.begin(), counts.end()};
+  return cache.impls();
 }
 
 mx::array conv(
@@ -383,6 +362,7 @@ mx::array conv(
     const std::optional<mx::array>& bias,
     const ConvParams& p,
     bool native_bf16,
+    bool relu,
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
@@ -412,7 +392,7 @@ mx::array conv(
     std::optional<mx::array> b32;
     if (bias) b32 = mx::astype(*bias, mx::float32, stream);
     auto y = conv(mx::astype(x, mx::float32, stream), mx::astype(w, mx::float32, stream), b32,
-                  p, false, stream);
+                  p, false, relu, stream);
     return mx::astype(y, dt, stream);
   }
   if (dt == mx::bfloat16 && !isa_has_bf16()) {
@@ -425,7 +405,7 @@ mx::array conv(
                                 shape_str(x.shape()) + ", w " + shape_str(w.shape()) +
                                 "); use mx.conv_general");
   }
-  return forward(x, w, bias, p, stream);
+  return forward(x, w, bias, p, stream, relu);
 }
 
 mx::array conv_backward_data(
@@ -489,14 +469,19 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   std::optional<mx::Dtype> bias_dt;
   if (has_bias_) bias_dt = inputs[2].dtype();
-  auto entry = lookup(kind_, p_, *xs, *ws, *ys, in0.dtype(), bias_dt);
+  auto entry = lookup(kind_, p_, *xs, *ws, *ys, in0.dtype(), bias_dt, relu_);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
   encoder.dispatch([entry, kind = kind_, p0 = const_cast<void*>(in0.data<void>()),
-                    p1 = const_cast<void*>(in1.data<void>()), pbias,
-                    po = out.data<void>()]() { run(*entry, kind, p0, p1, pbias, po); });
+                    p1 = const_cast<void*>(in1.data<void>()), pbias, po = out.data<void>(),
+                    relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size()]() {
+    run(*entry, kind, p0, p1, pbias, po);
+    if (relu) {  // after the kernel, keeping NaN (see relu_keeping_nan)
+      relu_keeping_nan(po, n, bf16);
+    }
+  });
 }
 
 void Conv::eval_gpu(const std::vector<mx::array>&, mx::array&) {
@@ -517,19 +502,22 @@ std::vector<mx::Shape> Conv::output_shapes(const std::vector<mx::array>& inputs)
 
 bool Conv::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Conv&>(other);
-  return kind_ == o.kind_ && p_ == o.p_ && has_bias_ == o.has_bias_ && fixed_ == o.fixed_;
+  return kind_ == o.kind_ && p_ == o.p_ && has_bias_ == o.has_bias_ && relu_ == o.relu_ &&
+      fixed_ == o.fixed_;
 }
 
 std::vector<mx::array> Conv::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
-    const std::vector<mx::array>&) {
+    const std::vector<mx::array>& outputs) {
   auto s = stream();
   auto& a = primals[0];
   auto& b = primals[1];
   auto dt = a.dtype();
-  auto c = cotangents[0].dtype() == dt ? cotangents[0] : mx::astype(cotangents[0], dt, s);
+  // A fused ReLU: relu'(y) is y > 0 on the kept output, one pass (as Matmul::vjp).
+  auto g = relu_ ? relu_grad(cotangents[0], outputs[0], s) : cotangents[0];
+  auto c = g.dtype() == dt ? g : mx::astype(g, dt, s);
   std::vector<mx::array> grads;
   for (int arg : argnums) {
     if (kind_ == ConvKind::Forward) {  // y = conv(x, w) + bias
@@ -541,7 +529,6 @@ std::vector<mx::array> Conv::vjp(
         std::vector<int> axes;
         for (int i = 0; i + 1 < c.ndim(); ++i) axes.push_back(i);
         // MLX's CPU sum of bfloat16 accumulates in float32 (see Matmul::vjp).
-        auto& g = cotangents[0];
         auto bdt = primals[2].dtype();
         auto gb = bdt == g.dtype() ? mx::sum(g, axes, false, s)
                                    : mx::sum(mx::astype(g, mx::float32, s), axes, false, s);
@@ -587,7 +574,12 @@ std::vector<mx::array> Conv::jvp(
     }
     t = t ? mx::add(*t, ti, s) : ti;
   }
-  return {mx::astype(*t, dt, s)};
+  auto out = mx::astype(*t, dt, s);
+  if (relu_) {  // the tangent of max(y, 0): masked by the output, recomputed here
+    out = relu_grad(out, forward(a, b, has_bias_ ? std::optional<mx::array>(primals[2])
+                                                  : std::nullopt, p_, s, true), s);
+  }
+  return {out};
 }
 
 } // namespace fluxlike_native

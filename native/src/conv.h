@@ -25,12 +25,15 @@ struct ConvParams {
 // The convolution mx.conv_general computes (no input dilation, no flip): x (N, *spatial,
 // C_in), w (C_out, *kernel, C_in / groups), bias (C_out,) -> (N, *out_spatial, C_out).
 // float32 or bfloat16 (native_bf16 == false: bfloat16 in float32 kernels).
+// relu == true: max(y, 0), fused into the primitive (oneDNN post-op; the backward pass masks
+// the cotangent by the kept output, ReluGrad).
 mx::array conv(
     const mx::array& x,
     const mx::array& w,
     const std::optional<mx::array>& bias,
     const ConvParams& p,
     bool native_bf16,
+    bool relu = false,
     mx::StreamOrDevice s = {});
 
 // The input gradient of that convolution (a transposed convolution): dy (N, *out_spatial,
@@ -54,11 +57,13 @@ enum class ConvKind { Forward, BackwardData, BackwardWeights };
 // (and channels) is fixed at construction. BackwardWeights: (x, dy) -> dw of fixed shape.
 class Conv : public mx::UnaryPrimitive {
  public:
-  Conv(mx::Stream stream, ConvKind kind, ConvParams p, bool has_bias, mx::Shape fixed)
+  Conv(mx::Stream stream, ConvKind kind, ConvParams p, bool has_bias, mx::Shape fixed,
+       bool relu = false)
       : mx::UnaryPrimitive(stream),
         kind_(kind),
         p_(std::move(p)),
         has_bias_(has_bias),
+        relu_(relu),
         fixed_(std::move(fixed)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -89,6 +94,7 @@ class Conv : public mx::UnaryPrimitive {
   ConvKind kind_;
   ConvParams p_;
   bool has_bias_;
+  bool relu_;  // Forward only: a fused ReLU
   mx::Shape fixed_;  // BackwardData: dx's shape without the batch; BackwardWeights: dw's
 };
 

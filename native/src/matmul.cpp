@@ -9,6 +9,8 @@
 
 #include "matmul.h"
 
+#include "cache.h"
+
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -166,20 +168,7 @@ struct Entry {
   std::string impl;
 };
 
-struct KeyHash {
-  size_t operator()(const std::vector<int64_t>& k) const {
-    size_t h = 1469598103934665603ull;
-    for (auto v : k) {
-      h ^= static_cast<size_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-    }
-    return h;
-  }
-};
-
-constexpr size_t MAX_CACHE = 4096;
-
-std::mutex cache_mutex;
-std::unordered_map<std::vector<int64_t>, std::shared_ptr<Entry>, KeyHash> cache;
+PrimitiveCache<Entry> cache(4096);
 
 struct View {
   dnnl::memory::dims dims, strides;
@@ -240,14 +229,10 @@ std::shared_ptr<Entry> lookup(
   for (auto* part : {&a.dims, &a.strides, &b.dims, &b.strides, &dst_dims}) {
     key.insert(key.end(), part->begin(), part->end());
   }
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    auto it = cache.find(key);
-    if (it != cache.end()) {
-      return it->second;
-    }
+  if (auto hit = cache.find(key)) {
+    return hit;
   }
-  // Created outside the lock: two threads may both create one; the first stored wins.
+  // Created outside the cache's lock: two threads may both create one; the first stored wins.
   auto e = std::make_shared<Entry>();
   auto dt = dnnl_type(in_dt);
   e->a_md = dnnl::memory::desc(a.dims, dt, a.strides);
@@ -276,12 +261,7 @@ std::shared_ptr<Entry> lookup(
   e->scratch_bytes = e->scratch_md.get_size();
   e->impl = pd.impl_info_str();
   e->prim = dnnl::matmul(pd);
-  std::lock_guard<std::mutex> lock(cache_mutex);
-  if (cache.size() >= MAX_CACHE) {
-    cache.clear();
-  }
-  auto [it, inserted] = cache.emplace(std::move(key), e);
-  return it->second;
+  return cache.insert(std::move(key), e);
 }
 
 void run(const Entry& e, void* a, void* b, void* bias, void* dst) {
@@ -391,24 +371,15 @@ std::string onednn_version() {
 }
 
 size_t cache_size() {
-  std::lock_guard<std::mutex> lock(cache_mutex);
   return cache.size();
 }
 
 void clear_cache() {
-  std::lock_guard<std::mutex> lock(cache_mutex);
   cache.clear();
 }
 
 std::vector<std::pair<std::string, int>> cache_impls() {
-  std::map<std::string, int> counts;
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    for (auto& [k, e] : cache) {
-      counts[e->impl] += 1;
-    }
-  }
-  return {counts.begin(), counts.end()};
+  return cache.impls();
 }
 
 // ---- the op -------------------------------------------------------------------------------
@@ -573,6 +544,14 @@ mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder& encod
 
 } // namespace
 
+void relu_keeping_nan(void* y, size_t n, bool bf16) {
+  if (bf16) {
+    relu_in_place(static_cast<uint16_t*>(y), n);
+  } else {
+    relu_in_place(static_cast<uint32_t*>(y), n);
+  }
+}
+
 void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
@@ -618,10 +597,8 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     bf16 = out.dtype() == mx::bfloat16,
                     n = out.size()]() {
     run(*entry, pa, pb, pbias, pdst);
-    if (relu && bf16) {
-      relu_in_place(static_cast<uint16_t*>(pdst), n);
-    } else if (relu) {
-      relu_in_place(static_cast<uint32_t*>(pdst), n);
+    if (relu) {
+      relu_keeping_nan(pdst, n, bf16);
     }
   });
 }

@@ -118,6 +118,11 @@ class Matmul : public mx::UnaryPrimitive {
   mx::Dtype out_dtype_;
 };
 
+// max(y, 0) in place on n float32 (or bfloat16) values, as MLX's maximum computes it: NaN
+// stays NaN. The primitives apply their fused ReLU with it after oneDNN's kernel, not as
+// oneDNN's ReLU post-op, a vmaxps that returns 0 for NaN (a diverged layer would look finite).
+void relu_keeping_nan(void* y, size_t n, bool bf16);
+
 // relu'(y) * g: `g` where `y > 0`, else 0, in one pass (g and y of one shape, float32 or
 // bfloat16 each; the result has g's dtype). The backward pass of a fused ReLU.
 mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s = {});

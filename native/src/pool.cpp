@@ -1,0 +1,506 @@
+// fluxlike-native: oneDNN max pooling as MLX primitives (forward with its workspace, and
+// backward), channels-last activations.
+//
+// As in conv.cpp: eval_cpu looks up (or creates) a cached oneDNN primitive for the exact
+// shapes, dtype and parameters, on the evaluating thread, and dispatches its execution to
+// MLX's CPU stream. The forward pass writes oneDNN's workspace (where each window's maximum
+// is) as a second output, which the backward pass reads: the gradient is one scatter of the
+// cotangent, instead of MLX's strided view, comparison and division.
+
+#include "pool.h"
+
+#include <cstdlib>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "cache.h"
+#include "matmul.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace fluxlike_native {
+
+namespace {
+
+const char* FN = "fluxlike_native.max_pool";
+using dims = dnnl::memory::dims;
+
+dnnl::engine& engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    os << s[i] << (s.size() == 1 ? "," : (i + 1 < s.size() ? ", " : ""));
+  }
+  os << ")";
+  return os.str();
+}
+
+std::string vec_str(const std::vector<int>& v) {
+  return shape_str(mx::Shape(v.begin(), v.end()));
+}
+
+// (N, *spatial, C) channels-last, as oneDNN's (N, C, *spatial) with strides.
+dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
+  int k = static_cast<int>(s.size()) - 2;
+  int64_t c = s.back();
+  dims d{s[0], c}, st{0, 1};
+  int64_t acc = c;
+  std::vector<int64_t> sp(k);
+  for (int i = k - 1; i >= 0; --i) {
+    sp[i] = acc;
+    acc *= s[i + 1];
+  }
+  st[0] = acc;
+  for (int i = 0; i < k; ++i) {
+    d.push_back(s[i + 1]);
+    st.push_back(sp[i]);
+  }
+  auto t = dt == mx::bfloat16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
+  return dnnl::memory::desc(d, t, st);
+}
+
+// The workspace's dtype: oneDNN keeps a window offset per output, in one byte for windows of
+// fewer than 256 entries.
+mx::Dtype workspace_dtype(const PoolParams& p) {
+  int64_t n = 1;
+  for (int k : p.kernel) n *= k;
+  return n < 256 ? mx::uint8 : mx::int32;
+}
+
+struct Entry {
+  dnnl::primitive prim;
+  dnnl::memory::desc x_md, y_md, ws_md, scratch_md;
+  size_t scratch_bytes = 0;
+  std::string impl;
+};
+
+PrimitiveCache<Entry> cache(1024);
+
+dims to_dims(const std::vector<int>& v) {
+  return dims(v.begin(), v.end());
+}
+
+std::shared_ptr<Entry> lookup(bool backward, const PoolParams& p, const mx::Shape& xs,
+                              const mx::Shape& ys, mx::Dtype dt) {
+  CacheKey key{backward, static_cast<int64_t>(dt.val()), static_cast<int64_t>(xs.size())};
+  key.insert(key.end(), xs.begin(), xs.end());
+  key.insert(key.end(), ys.begin(), ys.end());
+  for (auto* v : {&p.kernel, &p.stride, &p.pad_lo, &p.pad_hi}) {
+    key.insert(key.end(), v->begin(), v->end());
+  }
+  if (auto hit = cache.find(key)) return hit;
+  auto e = std::make_shared<Entry>();
+  e->x_md = act_md(xs, dt);
+  e->y_md = act_md(ys, dt);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto& eng = engine();
+  auto kernel = to_dims(p.kernel), strides = to_dims(p.stride);
+  auto pl = to_dims(p.pad_lo), pr = to_dims(p.pad_hi);
+  dims dil(kernel.size(), 0);
+  double work = 1;
+  for (auto d : ys) work *= d;
+  for (int k : p.kernel) work *= k;
+  OneThread one(work < SINGLE_THREAD_MACS);
+  try {
+    auto fwd = dnnl::pooling_forward::primitive_desc(
+        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, e->x_md, e->y_md,
+        strides, kernel, dil, pl, pr, attr);
+    e->ws_md = fwd.workspace_desc();
+    if (backward) {
+      auto pd = dnnl::pooling_backward::primitive_desc(
+          eng, dnnl::algorithm::pooling_max, e->x_md, e->y_md, strides, kernel, dil, pl, pr,
+          fwd, attr);
+      e->scratch_md = pd.scratchpad_desc();
+      e->impl = pd.impl_info_str();
+      e->prim = dnnl::pooling_backward(pd);
+    } else {
+      e->scratch_md = fwd.scratchpad_desc();
+      e->impl = fwd.impl_info_str();
+      e->prim = dnnl::pooling_forward(fwd);
+    }
+  } catch (const dnnl::error& err) {
+    throw std::runtime_error(std::string(FN) + ": oneDNN has no max pooling for these operands (" +
+                             err.what() + ")");
+  }
+  // The workspace travels as an MLX array of y's shape (workspace_dtype): check that oneDNN's
+  // is exactly that big.
+  size_t ws_bytes = 1;
+  for (auto d : ys) ws_bytes *= d;
+  ws_bytes *= workspace_dtype(p).size();
+  if (e->ws_md.get_size() != ws_bytes) {
+    throw std::runtime_error(std::string(FN) + ": internal error: oneDNN's workspace (" +
+                             std::to_string(e->ws_md.get_size()) + " bytes) is not one " +
+                             "entry per output (" + std::to_string(ws_bytes) + " bytes)");
+  }
+  e->scratch_bytes = e->scratch_md.get_size();
+  return cache.insert(std::move(key), e);
+}
+
+void run(const Entry& e, bool backward, void* in0, void* ws, void* out) {
+  auto& eng = engine();
+  dnnl::stream strm(eng);
+  void* scratch = nullptr;
+  std::unordered_map<int, dnnl::memory> args;
+  if (e.scratch_bytes > 0) {
+    scratch = std::aligned_alloc(64, (e.scratch_bytes + 63) / 64 * 64);
+    if (scratch == nullptr) throw std::runtime_error(std::string(FN) + ": out of memory");
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch));
+  }
+  args.emplace(DNNL_ARG_WORKSPACE, dnnl::memory(e.ws_md, eng, ws));
+  if (backward) {
+    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.y_md, eng, in0));
+    args.emplace(DNNL_ARG_DIFF_SRC, dnnl::memory(e.x_md, eng, out));
+  } else {
+    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.x_md, eng, in0));
+    args.emplace(DNNL_ARG_DST, dnnl::memory(e.y_md, eng, out));
+  }
+  try {
+    e.prim.execute(strm, args);
+    strm.wait();
+  } catch (...) {
+    std::free(scratch);
+    throw;
+  }
+  std::free(scratch);
+}
+
+// NaN in a window makes its maximum NaN, as MLX's max and PyTorch's max pooling give it;
+// oneDNN's pooling compares with vmaxps, which drops NaN (a diverged activation would vanish).
+// After the kernel: one vectorisable pass looks for NaN in x, and only where there is one
+// are the outputs whose windows hold it set to NaN. U: the dtype's bits (float32, bfloat16).
+template <typename U>
+bool any_nan(const U* x, size_t n, U magnitude, U inf) {
+  U found = 0;
+  for (size_t i = 0; i < n; ++i) {
+    found |= static_cast<U>((x[i] & magnitude) > inf);
+  }
+  return found != 0;
+}
+
+template <typename U>
+void nan_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
+                 const PoolParams& p, U magnitude, U inf, U quiet_nan) {
+  int k = static_cast<int>(xs.size()) - 2;
+  size_t n = 1;
+  for (auto d : xs) n *= static_cast<size_t>(d);
+  std::vector<int64_t> at(xs.size()), lo(k), hi(k), o(k);
+  for (size_t i = 0; i < n; ++i) {
+    if ((x[i] & magnitude) <= inf) continue;
+    int64_t rest = static_cast<int64_t>(i);
+    for (int d = static_cast<int>(xs.size()) - 1; d >= 0; --d) {
+      at[d] = rest % xs[d];
+      rest /= xs[d];
+    }
+    bool none = false;
+    for (int a = 0; a < k; ++a) {  // the outputs o with o * stride - pad_lo <= at < + kernel
+      int64_t s = at[a + 1] + p.pad_lo[a], first = s - p.kernel[a] + 1;
+      lo[a] = first <= 0 ? 0 : (first + p.stride[a] - 1) / p.stride[a];
+      hi[a] = std::min<int64_t>(s / p.stride[a], ys[a + 1] - 1);
+      none = none || lo[a] > hi[a];
+    }
+    if (none) continue;
+    o = lo;
+    for (;;) {
+      int64_t off = at[0];
+      for (int a = 0; a < k; ++a) off = off * ys[a + 1] + o[a];
+      y[off * ys.back() + at.back()] = quiet_nan;
+      int a = k - 1;
+      while (a >= 0 && ++o[a] > hi[a]) {
+        o[a] = lo[a];
+        --a;
+      }
+      if (a < 0) break;
+    }
+  }
+}
+
+void keep_nan(const void* x, void* y, const mx::Shape& xs, const mx::Shape& ys,
+              const PoolParams& p, bool bf16, size_t n) {
+  if (bf16) {
+    auto* bits = static_cast<const uint16_t*>(x);
+    if (any_nan<uint16_t>(bits, n, 0x7FFF, 0x7F80)) {
+      nan_windows<uint16_t>(bits, static_cast<uint16_t*>(y), xs, ys, p, 0x7FFF, 0x7F80, 0x7FC0);
+    }
+  } else {
+    auto* bits = static_cast<const uint32_t*>(x);
+    if (any_nan<uint32_t>(bits, n, 0x7FFFFFFFu, 0x7F800000u)) {
+      nan_windows<uint32_t>(bits, static_cast<uint32_t*>(y), xs, ys, p, 0x7FFFFFFFu,
+                            0x7F800000u, 0x7FC00000u);
+    }
+  }
+}
+
+mx::Shape pool_out_shape(const mx::Shape& xs, const PoolParams& p) {
+  std::ostringstream err;
+  err << FN << ": ";
+  int k = static_cast<int>(xs.size()) - 2;
+  if (k < 1 || k > 3) {
+    err << "expected x (N, *spatial, C) with 1-3 spatial axes, got " << shape_str(xs);
+    throw std::invalid_argument(err.str());
+  }
+  for (auto* v : {&p.kernel, &p.stride, &p.pad_lo, &p.pad_hi}) {
+    if (static_cast<int>(v->size()) != k) {
+      err << "kernel, stride and padding need " << k << " values each (x " << shape_str(xs)
+          << "), got " << vec_str(*v);
+      throw std::invalid_argument(err.str());
+    }
+  }
+  mx::Shape out{xs[0]};
+  for (int i = 0; i < k; ++i) {
+    if (p.kernel[i] < 1 || p.stride[i] < 1 || p.pad_lo[i] < 0 || p.pad_hi[i] < 0 ||
+        p.pad_lo[i] >= p.kernel[i] || p.pad_hi[i] >= p.kernel[i]) {
+      err << "kernel and stride must be >= 1 and padding >= 0 and smaller than the kernel, "
+             "got kernel "
+          << vec_str(p.kernel) << ", stride " << vec_str(p.stride) << ", padding "
+          << vec_str(p.pad_lo) << " / " << vec_str(p.pad_hi);
+      throw std::invalid_argument(err.str());
+    }
+    int span = xs[i + 1] + p.pad_lo[i] + p.pad_hi[i] - p.kernel[i];
+    if (span < 0) {
+      err << "the window " << vec_str(p.kernel) << " is larger than the padded input "
+          << shape_str(xs) << " on spatial axis " << i;
+      throw std::invalid_argument(err.str());
+    }
+    out.push_back(span / p.stride[i] + 1);
+  }
+  out.push_back(xs.back());
+  return out;
+}
+
+mx::array backward(const mx::array& dy, const mx::array& ws, const mx::Shape& x_tail,
+                   const PoolParams& p, mx::Stream s) {
+  mx::Shape shape{dy.shape(0)};
+  shape.insert(shape.end(), x_tail.begin(), x_tail.end());
+  return mx::array(std::move(shape), dy.dtype(),
+                   std::make_shared<MaxPoolBackward>(s, p, x_tail),
+                   {mx::contiguous(dy, false, s), mx::contiguous(ws, false, s)});
+}
+
+// v (N, *spatial, C) at each window's maximum -> (N, *out, C): the workspace holds the
+// maximum's index within its window (row-major over the window's axes, as oneDNN's
+// reference pooling writes it). The forward-mode derivative of the pooling, and the
+// transpose of its backward pass, in MLX's ops (neither is a hot path).
+mx::array gather_at_max(const mx::array& v, const mx::array& ws, const PoolParams& p,
+                        mx::Stream s) {
+  int k = static_cast<int>(p.kernel.size());
+  std::vector<std::pair<int, int>> pads{{0, 0}};
+  for (int i = 0; i < k; ++i) pads.emplace_back(p.pad_lo[i], p.pad_hi[i]);
+  pads.emplace_back(0, 0);
+  auto vp = mx::contiguous(mx::pad(v, pads, mx::array(0, v.dtype()), "constant", s), false, s);
+  mx::Strides st(vp.ndim());
+  int64_t acc = 1;
+  for (int i = vp.ndim() - 1; i >= 0; --i) {
+    st[i] = acc;
+    acc *= vp.shape(i);
+  }
+  mx::Shape shape{ws.shape(0)}, flat{ws.shape(0)};
+  mx::Strides strides{st[0]};
+  int64_t window = 1;
+  for (int i = 0; i < k; ++i) {
+    shape.push_back(ws.shape(i + 1));
+    flat.push_back(ws.shape(i + 1));
+    strides.push_back(st[i + 1] * p.stride[i]);
+  }
+  for (int i = 0; i < k; ++i) {
+    shape.push_back(p.kernel[i]);
+    strides.push_back(st[i + 1]);
+    window *= p.kernel[i];
+  }
+  shape.push_back(vp.shape(-1));
+  strides.push_back(1);
+  flat.push_back(static_cast<int>(window));
+  flat.push_back(vp.shape(-1));
+  auto windows = mx::reshape(mx::as_strided(vp, shape, strides, 0, s), flat, s);
+  auto idx = mx::expand_dims(mx::astype(ws, mx::int32, s), -2, s);
+  return mx::squeeze(mx::take_along_axis(windows, idx, -2, s), -2, s);
+}
+
+} // namespace
+
+size_t pool_cache_size() {
+  return cache.size();
+}
+
+void pool_clear_cache() {
+  cache.clear();
+}
+
+std::vector<std::pair<std::string, int>> pool_cache_impls() {
+  return cache.impls();
+}
+
+mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
+                   mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(FN) +
+                                ": oneDNN kernels run on the CPU, the stream is on the GPU");
+  }
+  auto dt = x.dtype();
+  if (dt != mx::float32 && dt != mx::bfloat16) {
+    std::ostringstream os;
+    os << FN << ": x must be float32 or bfloat16, got " << dt;
+    throw std::invalid_argument(os.str());
+  }
+  auto shape = pool_out_shape(x.shape(), p);
+  if (x.size() == 0) {
+    throw std::invalid_argument(std::string(FN) + ": empty input " + shape_str(x.shape()));
+  }
+  if (dt == mx::bfloat16 && (!native_bf16 || !isa_has_bf16())) {
+    // The maximum is exact in any dtype: through float32 kernels, rounded back exactly.
+    return mx::astype(max_pool(mx::astype(x, mx::float32, stream), p, false, stream), dt,
+                      stream);
+  }
+  auto outs = mx::array::make_arrays(
+      {shape, shape}, {dt, workspace_dtype(p)}, std::make_shared<MaxPool>(stream, p),
+      {mx::contiguous(x, false, stream)});
+  return outs[0];
+}
+
+void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& x = inputs[0];
+  auto& y = outputs[0];
+  auto& ws = outputs[1];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  ws.set_data(mx::allocator::malloc(ws.nbytes()));
+  if (y.size() == 0) return;
+  if (!x.flags().row_contiguous) {
+    throw std::runtime_error(std::string(FN) + ": internal error: input not contiguous");
+  }
+  auto entry = lookup(false, p_, x.shape(), y.shape(), x.dtype());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_output_array(y);
+  encoder.set_output_array(ws);
+  encoder.dispatch([entry, px = const_cast<void*>(x.data<void>()), py = y.data<void>(),
+                    pw = ws.data<void>(), xs = x.shape(), ys = y.shape(), p = p_,
+                    bf16 = x.dtype() == mx::bfloat16, n = x.size()]() {
+    run(*entry, false, px, pw, py);
+    keep_nan(px, py, xs, ys, p, bf16, n);
+  });
+}
+
+void MaxPool::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("fluxlike_native.max_pool has no GPU kernel: build it on a CPU stream");
+}
+
+std::vector<mx::Shape> MaxPool::output_shapes(const std::vector<mx::array>& inputs) {
+  auto s = pool_out_shape(inputs[0].shape(), p_);
+  return {s, s};
+}
+
+bool MaxPool::is_equivalent(const mx::Primitive& other) const {
+  return p_ == static_cast<const MaxPool&>(other).p_;
+}
+
+std::vector<mx::array> MaxPool::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>&,
+    const std::vector<mx::array>& outputs) {
+  auto& x = primals[0];
+  auto c = cotangents[0].dtype() == x.dtype() ? cotangents[0]
+                                              : mx::astype(cotangents[0], x.dtype(), stream());
+  mx::Shape tail(x.shape().begin() + 1, x.shape().end());
+  bool overlap = false;
+  for (size_t i = 0; i < p_.kernel.size(); ++i) overlap |= p_.stride[i] < p_.kernel[i];
+  if (overlap && x.dtype() == mx::bfloat16) {
+    // Overlapping windows add cotangents: oneDNN's bfloat16 backward pass would round each
+    // sum; in float32 they are accumulated and rounded once (the workspace is the same).
+    auto dx = backward(mx::astype(c, mx::float32, stream()), outputs[1], tail, p_, stream());
+    return {mx::astype(dx, mx::bfloat16, stream())};
+  }
+  return {backward(c, outputs[1], tail, p_, stream())};
+}
+
+std::vector<mx::array> MaxPool::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>&) {
+  // The tangent at each window's maximum (the workspace of a second forward pass).
+  auto& x = primals[0];
+  auto shape = pool_out_shape(x.shape(), p_);
+  auto outs = mx::array::make_arrays({shape, shape}, {x.dtype(), workspace_dtype(p_)},
+                                     std::make_shared<MaxPool>(stream(), p_), {x});
+  auto t = tangents[0].dtype() == x.dtype() ? tangents[0]
+                                            : mx::astype(tangents[0], x.dtype(), stream());
+  return {gather_at_max(t, outs[1], p_, stream())};
+}
+
+void MaxPoolBackward::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& dy = inputs[0];
+  auto& ws = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  if (!dy.flags().row_contiguous || !ws.flags().row_contiguous) {
+    throw std::runtime_error(std::string(FN) + ": internal error: operand not contiguous");
+  }
+  auto entry = lookup(true, p_, out.shape(), dy.shape(), dy.dtype());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(dy);
+  encoder.set_input_array(ws);
+  encoder.set_output_array(out);
+  encoder.dispatch([entry, pd = const_cast<void*>(dy.data<void>()),
+                    pw = const_cast<void*>(ws.data<void>()),
+                    po = out.data<void>()]() { run(*entry, true, pd, pw, po); });
+}
+
+void MaxPoolBackward::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("fluxlike_native.max_pool has no GPU kernel: build it on a CPU stream");
+}
+
+std::vector<mx::Shape> MaxPoolBackward::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape s{inputs[0].shape(0)};
+  s.insert(s.end(), x_tail_.begin(), x_tail_.end());
+  return {s};
+}
+
+bool MaxPoolBackward::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const MaxPoolBackward&>(other);
+  return p_ == o.p_ && x_tail_ == o.x_tail_;
+}
+
+std::vector<mx::array> MaxPoolBackward::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  // dx is linear in dy (a scatter to each window's maximum): its transpose is the gather.
+  auto& dy = primals[0];
+  auto c = cotangents[0].dtype() == dy.dtype() ? cotangents[0]
+                                               : mx::astype(cotangents[0], dy.dtype(), stream());
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    grads.push_back(arg == 0 ? gather_at_max(c, primals[1], p_, stream())
+                             : mx::zeros_like(primals[1], stream()));
+  }
+  return grads;
+}
+
+std::vector<mx::array> MaxPoolBackward::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    if (argnums[i] == 0) {
+      auto& dy = primals[0];
+      auto t = tangents[i].dtype() == dy.dtype() ? tangents[i]
+                                                 : mx::astype(tangents[i], dy.dtype(), stream());
+      return {backward(t, primals[1], x_tail_, p_, stream())};
+    }
+  }
+  mx::Shape shape{primals[0].shape(0)};
+  shape.insert(shape.end(), x_tail_.begin(), x_tail_.end());
+  return {mx::zeros(shape, primals[0].dtype(), stream())};
+}
+
+} // namespace fluxlike_native
