@@ -78,17 +78,13 @@ def without_native(fn: Callable[[], object]) -> Callable[[], object]:
                  if hasattr(native, name)}
         for name in saved:
             setattr(native, name, lambda: False)
-        forget = (ops._native_in_use.cache_clear, ops._plain_kernel.cache_clear,
-                  ops._native_softmax.cache_clear)
-        for clear in forget:  # ops asks once per process: ask again, and after
-            clear()
+        ops.forget_native()  # ops asks once per process: ask again, and after
         try:
             return fn()
         finally:
             for name, value in saved.items():
                 setattr(native, name, value)
-            for clear in forget:
-                clear()
+            ops.forget_native()
 
     return run
 

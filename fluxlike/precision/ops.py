@@ -499,6 +499,14 @@ def _native_softmax() -> bool:
     return _native_in_use() and native.provides("softmax")
 
 
+def forget_native() -> None:
+    """Have the routing ask :mod:`fluxlike.native` again whether its kernels are in use (it
+    asks once per process): for code that switches them off in-process, as bench/run.py's
+    ``-native`` columns and the tests do."""
+    for decided in (_native_in_use, _plain_kernel, _native_softmax):
+        decided.cache_clear()
+
+
 def _native_softmax_cpu() -> bool:
     return _native_softmax() and mx.default_device().type is mx.cpu
 

@@ -484,22 +484,7 @@ inline bool positive(uint32_t bits) {
 inline bool positive(uint16_t bits) {
   return static_cast<uint16_t>(bits - 1u) < 0x7F80u;
 }
-inline bool nan(uint32_t bits) {
-  return (bits & 0x7FFFFFFFu) > 0x7F800000u;
-}
-inline bool nan(uint16_t bits) {
-  return (bits & 0x7FFFu) > 0x7F80u;
-}
 
-// relu(y) as MLX's maximum(y, 0) computes it, in place on the float32 / bfloat16 bits: NaN
-// stays NaN, -0 becomes 0. oneDNN's ReLU post-op is a vmaxps that returns 0 for NaN, which
-// would make a layer that diverged look finite. Branch-free, so that it vectorises.
-template <typename T>
-void relu_in_place(T* y, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    y[i] &= static_cast<T>(T(0) - static_cast<T>(positive(y[i]) || nan(y[i])));
-  }
-}
 
 // dst[i] = the i-th element of a strided array in row-major order (any strides, negative or
 // zero too; MLX does not export its CPU copy to extensions).
@@ -544,11 +529,31 @@ mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder& encod
 
 } // namespace
 
+// relu(y) as MLX's maximum(y, 0) computes it, in place: NaN stays NaN, -0 becomes 0 (oneDNN's
+// ReLU post-op is a vmaxps that returns 0 for NaN, which would make a layer that diverged look
+// finite). Branch-free, and built for AVX-512 and AVX2 as well, picked at load time: the pass
+// runs after a GEMM, on one thread, over its whole output.
+FLN_VECTOR_CLONES void relu_float32(float* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    float v = y[i];
+    y[i] = ((v > 0.f) | (v != v)) ? v : 0.f;
+  }
+}
+
+FLN_VECTOR_CLONES void relu_bfloat16(uint16_t* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t b = y[i];
+    uint16_t keep = static_cast<uint16_t>(static_cast<uint16_t>(b - 1u) < 0x7F80u) |
+        static_cast<uint16_t>((b & 0x7FFFu) > 0x7F80u);
+    y[i] = static_cast<uint16_t>(b & static_cast<uint16_t>(0u - keep));
+  }
+}
+
 void relu_keeping_nan(void* y, size_t n, bool bf16) {
   if (bf16) {
-    relu_in_place(static_cast<uint16_t*>(y), n);
+    relu_bfloat16(static_cast<uint16_t*>(y), n);
   } else {
-    relu_in_place(static_cast<uint32_t*>(y), n);
+    relu_float32(static_cast<float*>(y), n);
   }
 }
 
@@ -601,6 +606,68 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       relu_keeping_nan(pdst, n, bf16);
     }
   });
+}
+
+// mx.vmap: the vmapped axis of each operand moves to the front. Only the first operand
+// mapped (per-sample inputs through shared weights): the same kernel, the axis one more
+// leading row axis. Otherwise MLX's ops in float32 (the same numerics: exact upcasts, float32
+// accumulation, one rounding), which broadcast the mapped axis.
+std::pair<std::vector<mx::array>, std::vector<int>> Matmul::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  auto front = [&](int i) {
+    return axes[i] >= 0 ? mx::moveaxis(inputs[i], axes[i], 0, s) : inputs[i];
+  };
+  bool a_only = axes[0] >= 0 && axes[1] < 0 && (!has_bias_ || axes[2] < 0);
+  if (a_only && !batched_ && !trans_a_) {
+    std::optional<mx::array> bias;
+    if (has_bias_) {
+      bias = inputs[2];
+    }
+    bool native = inputs[0].dtype() == mx::bfloat16;
+    return {{matmul(front(0), inputs[1], bias, false, trans_b_, relu_, out_dtype_, false,
+                    native, s)},
+            {0}};
+  }
+  int mapped = -1;  // the size of the mapped axis
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      mapped = inputs[i].shape(axes[i]);
+    }
+  }
+  auto operand = [&](int i, bool trans) {
+    auto x = mx::astype(front(i), mx::float32, s);
+    if (axes[i] < 0) {
+      x = mx::expand_dims(x, 0, s);  // broadcast over the mapped axis
+    }
+    if (!batched_ && x.ndim() > 3) {  // unbatched: the rows' leading axes as one
+      auto shape = x.shape();
+      x = mx::reshape(x, {shape[0], -1, shape.back()}, s);
+    }
+    return trans ? mx::swapaxes(x, -1, -2, s) : x;
+  };
+  auto y = mx::matmul(operand(0, trans_a_), operand(1, trans_b_), s);
+  if (has_bias_) {
+    auto bias = mx::astype(front(2), mx::float32, s);
+    mx::Shape shape(y.ndim(), 1);
+    shape[0] = axes[2] >= 0 ? mapped : 1;
+    shape.back() = bias.shape(-1);
+    y = mx::add(y, mx::reshape(bias, shape, s), s);
+  }
+  if (relu_) {
+    y = mx::maximum(y, mx::array(0.0f), s);
+  }
+  auto unmapped = [&](int i) {  // operand i's shape without the mapped axis
+    auto shape = inputs[i].shape();
+    if (axes[i] >= 0) {
+      shape.erase(shape.begin() + axes[i]);
+    }
+    return shape;
+  };
+  mx::Shape out = out_shape(unmapped(0), unmapped(1), trans_a_, trans_b_, batched_);
+  out.insert(out.begin(), mapped);  // y's rows are (mapped, rows...) in that order
+  return {{mx::astype(mx::reshape(y, out, s), out_dtype_, s)}, {0}};
 }
 
 void Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
@@ -804,6 +871,22 @@ void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                      static_cast<uint32_t*>(po), n);
     }
   });
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> ReluGrad::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  // Elementwise: both operands with the mapped axis in front, broadcast where one lacks it.
+  auto s = stream();
+  auto g = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, s) : inputs[0];
+  auto y = axes[1] >= 0 ? mx::moveaxis(inputs[1], axes[1], 0, s) : inputs[1];
+  if (axes[0] < 0) {
+    g = mx::broadcast_to(mx::expand_dims(g, 0, s), y.shape(), s);
+  }
+  if (axes[1] < 0) {
+    y = mx::broadcast_to(mx::expand_dims(y, 0, s), g.shape(), s);
+  }
+  return {{relu_grad(g, y, s)}, {0}};
 }
 
 void ReluGrad::eval_gpu(const std::vector<mx::array>&, mx::array&) {

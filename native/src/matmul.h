@@ -100,6 +100,10 @@ class Matmul : public mx::UnaryPrimitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
 
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
 
@@ -122,6 +126,10 @@ class Matmul : public mx::UnaryPrimitive {
 // stays NaN. The primitives apply their fused ReLU with it after oneDNN's kernel, not as
 // oneDNN's ReLU post-op, a vmaxps that returns 0 for NaN (a diverged layer would look finite).
 void relu_keeping_nan(void* y, size_t n, bool bf16);
+
+// Elementwise passes are built for AVX-512 and AVX2 too (GCC picks one when the module loads):
+// the module itself targets the baseline x86-64.
+#define FLN_VECTOR_CLONES __attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
 
 // relu'(y) * g: `g` where `y > 0`, else 0, in one pass (g and y of one shape, float32 or
 // bfloat16 each; the result has g's dtype). The backward pass of a fused ReLU.
@@ -149,6 +157,10 @@ class ReluGrad : public mx::UnaryPrimitive {
       const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
 
   const char* name() const override {
     return "FluxlikeNativeReluGrad";

@@ -360,7 +360,7 @@ def test_a_build_without_softmax_keeps_mlxs(monkeypatch):
 
     original = native._ext
     monkeypatch.setattr(native, "_ext", Older())
-    ops._native_softmax.cache_clear()
+    ops.forget_native()
     try:
         assert not native.provides("softmax") and native.provides("matmul")
         with pytest.raises(native.NativeUnavailable, match=r"rebuild it with ./dev setup"):
@@ -370,4 +370,22 @@ def test_a_build_without_softmax_keeps_mlxs(monkeypatch):
         np.testing.assert_allclose(np64(weights), _np_attention(q, k, v, SCALE, "causal")[1],
                                    atol=2e-2)
     finally:
-        ops._native_softmax.cache_clear()
+        ops.forget_native()
+
+
+def test_a_float32_layer_under_vmap_and_per_sample_gradients(calls):
+    layer, x = Dense(3, 4, relu), mx.random.normal((5, 2, 3))
+    y = mx.vmap(layer)(x)
+    assert calls and y.shape == (5, 2, 4)
+    np.testing.assert_allclose(np64(y), np64(_mlx(layer, x)), rtol=1e-5, atol=1e-6)
+
+    def loss(w, x):
+        layer.weight = w
+        return layer(x).sum()
+
+    w = layer.weight
+    per_sample = mx.vmap(mx.grad(loss), in_axes=(None, 0))(w, x)
+    expected = mx.vmap(mx.grad(lambda w, x: relu(mx.addmm(layer.bias, x, w.T)).sum()),
+                       in_axes=(None, 0))(w, x)
+    layer.weight = w
+    np.testing.assert_allclose(np64(per_sample), np64(expected), rtol=1e-5, atol=1e-6)
