@@ -1580,3 +1580,40 @@ def test_matmul_and_relu_grad_under_vmap(dtype):
                          in_axes=(None, 0))(w32, xs)
     expected = mx.vmap(mx.grad(lambda w, x: ref(x, w, b32).sum()), in_axes=(None, 0))(w32, xs)
     np.testing.assert_allclose(np64(per_sample), np64(expected), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_softmax_rows_with_nan_or_inf_are_nan_as_mlx():
+    """A row holding NaN or +inf, or all -inf, is all NaN, as MLX's softmax gives it (oneDNN's
+    alone leaves finite probabilities there); other rows are untouched."""
+    inf, nan = float("inf"), float("nan")
+    x = mx.array([[1, nan, 2, 0], [inf, 1, 2, 0], [-inf] * 4, [-inf, 0, 1, 2], [1, 2, 3, 4]])
+    mine, theirs = np64(native.softmax(x)), np64(mx.softmax(x, axis=-1))
+    np.testing.assert_array_equal(np.isnan(mine), np.isnan(theirs))
+    np.testing.assert_allclose(np.nan_to_num(mine), np.nan_to_num(theirs), rtol=1e-6)
+    assert np.isnan(mine[:3]).all() and not np.isnan(mine[3:]).any()
+
+
+@needs_native
+def test_softmax_under_vmap():
+    x, c = rand((3, 4, 5)), rand((3, 4, 5))
+    for axis in (0, 1, 2):
+        xs = mx.moveaxis(x, 0, axis)
+        np.testing.assert_allclose(np64(mx.vmap(native.softmax, in_axes=axis)(xs)),
+                                   np64(mx.softmax(x, axis=-1)), rtol=1e-6, atol=1e-7)
+    grads = mx.vmap(mx.grad(lambda a, c: (native.softmax(a) * c).sum()))(x, c)
+    expected = mx.vmap(mx.grad(lambda a, c: (mx.softmax(a, axis=-1) * c).sum()))(x, c)
+    np.testing.assert_allclose(np64(grads), np64(expected), rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_pool_of_minus_inf_windows_is_minus_inf(dtype):
+    """A window of -inf has maximum -inf, as MLX's max gives it (oneDNN starts from the
+    lowest finite value); a real lowest finite value stays."""
+    inf, low = float("inf"), float(mx.finfo(dtype).min)
+    x = mx.array([[-inf, -inf], [1, 2], [-inf, -inf], [low, -inf], [-inf, 5]], dtype)
+    y = native.max_pool(x.reshape(1, 10, 1), 2)
+    assert np64(y).reshape(-1).tolist() == [-inf, 2, -inf, low, 5]
+    z = native.max_pool(mx.full((1, 3, 3, 1), -inf, dtype), 3, stride=1, padding=1)
+    assert (np64(z) == -inf).all()

@@ -223,6 +223,50 @@ void nan_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
   }
 }
 
+// oneDNN starts each maximum at the dtype's lowest finite value: a window of -inf (float32)
+// comes out as -FLT_MAX where MLX's max gives -inf. Outputs equal to the lowest value whose
+// window does not hold it are set to -inf (a scan of y first; windows only where it is).
+template <typename U>
+void lowest_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
+                    const PoolParams& p, U lowest, U neg_inf) {
+  size_t m = 1;
+  for (auto d : ys) m *= static_cast<size_t>(d);
+  U seen = 0;
+  for (size_t i = 0; i < m; ++i) {
+    seen |= static_cast<U>(y[i] == lowest);
+  }
+  if (!seen) return;
+  int k = static_cast<int>(xs.size()) - 2;
+  std::vector<int64_t> at(ys.size()), lo(k), hi(k), pos(k);
+  for (size_t i = 0; i < m; ++i) {
+    if (y[i] != lowest) continue;
+    int64_t rest = static_cast<int64_t>(i);
+    for (int d = static_cast<int>(ys.size()) - 1; d >= 0; --d) {
+      at[d] = rest % ys[d];
+      rest /= ys[d];
+    }
+    for (int a = 0; a < k; ++a) {  // the window in x, padding left out
+      int64_t first = at[a + 1] * p.stride[a] - p.pad_lo[a];
+      lo[a] = std::max<int64_t>(first, 0);
+      hi[a] = std::min<int64_t>(first + p.kernel[a] - 1, xs[a + 1] - 1);
+    }
+    bool held = false;
+    pos = lo;
+    for (;;) {
+      int64_t off = at[0];
+      for (int a = 0; a < k; ++a) off = off * xs[a + 1] + pos[a];
+      held = held || x[off * xs.back() + at.back()] == lowest;
+      int a = k - 1;
+      while (a >= 0 && ++pos[a] > hi[a]) {
+        pos[a] = lo[a];
+        --a;
+      }
+      if (a < 0 || held) break;
+    }
+    if (!held) y[i] = neg_inf;
+  }
+}
+
 void keep_nan(const void* x, void* y, const mx::Shape& xs, const mx::Shape& ys,
               const PoolParams& p, bool bf16, size_t n) {
   if (bf16) {
@@ -230,12 +274,15 @@ void keep_nan(const void* x, void* y, const mx::Shape& xs, const mx::Shape& ys,
     if (any_nan<uint16_t>(bits, n, 0x7FFF, 0x7F80)) {
       nan_windows<uint16_t>(bits, static_cast<uint16_t*>(y), xs, ys, p, 0x7FFF, 0x7F80, 0x7FC0);
     }
+    lowest_windows<uint16_t>(bits, static_cast<uint16_t*>(y), xs, ys, p, 0xFF7F, 0xFF80);
   } else {
     auto* bits = static_cast<const uint32_t*>(x);
     if (any_nan<uint32_t>(bits, n, 0x7FFFFFFFu, 0x7F800000u)) {
       nan_windows<uint32_t>(bits, static_cast<uint32_t*>(y), xs, ys, p, 0x7FFFFFFFu,
                             0x7F800000u, 0x7FC00000u);
     }
+    lowest_windows<uint32_t>(bits, static_cast<uint32_t*>(y), xs, ys, p, 0xFF7FFFFFu,
+                             0xFF800000u);
   }
 }
 

@@ -4,6 +4,9 @@
 
 #include "softmax.h"
 
+#include "matmul.h"  // FLN_VECTOR_CLONES
+
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -114,6 +117,37 @@ mx::array grad_ops(const mx::array& g, const mx::array& y, mx::Stream s) {
   return mx::multiply(y, mx::subtract(g, gy, s), s);
 }
 
+// Rows that MLX's softmax makes all NaN: one holding NaN or +inf (inf - inf), or all -inf.
+// oneDNN's max ignores NaN (vmaxps) and leaves finite probabilities in such a row, which
+// would hide a diverged score. One pass over x after the kernel; such rows are set to NaN.
+FLN_VECTOR_CLONES bool row_is_nan(const uint32_t* x, int64_t cols) {
+  uint32_t bad = 0, all_neg_inf = 1;
+  for (int64_t j = 0; j < cols; ++j) {
+    uint32_t b = x[j];
+    bad |= static_cast<uint32_t>((b & 0x7FFFFFFFu) > 0x7F800000u) |
+        static_cast<uint32_t>(b == 0x7F800000u);
+    all_neg_inf &= static_cast<uint32_t>(b == 0xFF800000u);
+  }
+  return (bad | all_neg_inf) != 0;
+}
+
+void nan_rows(const void* x, void* y, int64_t rows, int64_t cols) {
+  auto* in = static_cast<const uint32_t*>(x);
+  auto* out = static_cast<uint32_t*>(y);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (row_is_nan(in + r * cols, cols)) {
+      std::fill(out + r * cols, out + (r + 1) * cols, 0x7FC00000u);
+    }
+  }
+}
+
+void on_the_cpu(const mx::Stream& stream) {
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(FN) + ": oneDNN kernels run on the CPU, the stream "
+                                "is on the GPU; use MLX's own softmax there (mx.softmax)");
+  }
+}
+
 } // namespace
 
 size_t softmax_cache_size() {
@@ -129,6 +163,7 @@ void softmax_clear_cache() {
 mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
   check(x, "x");
   auto stream = mx::to_stream(s);
+  on_the_cpu(stream);
   return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream, false),
                    {mx::contiguous(x, false, stream)});
 }
@@ -140,6 +175,7 @@ mx::array softmax_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevic
     throw std::invalid_argument(std::string(FN) + "_grad: g and y must have one shape");
   }
   auto stream = mx::to_stream(s);
+  on_the_cpu(stream);
   return mx::array(g.shape(), mx::float32, std::make_shared<Softmax>(stream, true),
                    {mx::contiguous(g, false, stream), mx::contiguous(y, false, stream)});
 }
@@ -159,7 +195,37 @@ void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.set_output_array(out);
   void* in1 = backward_ ? const_cast<void*>(inputs[1].data<void>()) : nullptr;
   encoder.dispatch([entry, backward = backward_, in0 = const_cast<void*>(inputs[0].data<void>()),
-                    in1, dst = out.data<void>()]() { run(*entry, backward, in0, in1, dst); });
+                    in1, dst = out.data<void>(), rows, cols]() {
+    run(*entry, backward, in0, in1, dst);
+    if (!backward) {
+      nan_rows(in0, dst, rows, cols);
+    }
+  });
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> Softmax::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  // Over the last axis: a mapped axis elsewhere is one more leading axis, and stays where it
+  // is; the last one moves to the front. The backward pass's two operands are aligned first.
+  auto s = stream();
+  int ndim = static_cast<int>(inputs[0].ndim());
+  if (!backward_) {
+    if (axes[0] == ndim - 1) {
+      return {{softmax(mx::moveaxis(inputs[0], axes[0], 0, s), s)}, {0}};
+    }
+    return {{softmax(inputs[0], s)}, {axes[0]}};
+  }
+  auto front = [&](int i, const mx::array& other, int other_axis) {
+    if (axes[i] >= 0) {
+      return mx::moveaxis(inputs[i], axes[i], 0, s);
+    }
+    auto shape = mx::moveaxis(other, other_axis, 0, s).shape();
+    return mx::broadcast_to(mx::expand_dims(inputs[i], 0, s), shape, s);
+  };
+  auto g = front(0, inputs[1], axes[1]);
+  auto y = front(1, inputs[0], axes[0]);
+  return {{softmax_grad(g, y, s)}, {0}};
 }
 
 void Softmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {

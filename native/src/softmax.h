@@ -41,6 +41,10 @@ class Softmax : public mx::UnaryPrimitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
 
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
