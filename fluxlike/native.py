@@ -1,10 +1,12 @@
-"""Optional native kernels for the CPU: oneDNN matrix multiplication inside MLX's graph.
+"""Optional native kernels for the CPU: oneDNN's matmul, convolution, max pooling and softmax
+inside MLX's graph.
 
 The companion package ``fluxlike-native`` (built from ``native/`` by ``./dev setup`` on
-Linux x86-64) holds an MLX primitive whose CPU evaluation runs a cached oneDNN matmul on
-MLX's CPU stream, with bias and ReLU fused as oneDNN post-ops, ``vjp``/``jvp`` and
-``output_shapes`` (so ``mx.grad``, ``mx.jvp`` and ``mx.compile``, shapeless too, work). This
-module finds it, checks it, and decides how it is used; fluxlike works without it.
+Linux x86-64) holds MLX primitives whose CPU evaluation runs a cached oneDNN primitive on
+MLX's CPU stream (a bias fused into the kernel, a ReLU applied in the same task, keeping NaN
+as MLX does), with ``vjp``/``jvp`` and ``output_shapes`` (so ``mx.grad``, ``mx.jvp`` and
+``mx.compile``, shapeless too, work). This module finds it, checks it, and decides how it
+is used; fluxlike works without it.
 
 - :func:`native_info` says whether the kernels are in use, and why (or why not).
 - :func:`linear` (``act(x @ w.T + bias)``, ``w`` of shape ``(out, in)`` as in ``Dense``),
@@ -28,18 +30,17 @@ numerics - decided once, when the first op is built, never inside ``mx.eval``.
 Environment: ``FLUXLIKE_NATIVE=0`` (or ``off``) leaves the kernels unused;
 ``FLUXLIKE_NATIVE_BF16=float32`` runs bfloat16 in float32 kernels even where native ones
 exist. Both, like ``ONEDNN_MAX_CPU_ISA``, are read once, at the first use. oneDNN's OpenMP
-threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` while the companion loads, unless the
-environment sets it): spinning threads take the cores MLX's own kernels need.
+threads keep libgomp's default (spin briefly after a parallel region, then sleep), or what
+``OMP_WAIT_POLICY`` says (bench/README.md has the measurements).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -145,8 +146,7 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
                    f"--no-build-isolation ./native)", built_for=built_for, path=path,
         ), None, False
     try:
-        with _passive_openmp():
-            from fluxlike_native import _ext as ext
+        from fluxlike_native import _ext as ext
     except ImportError as error:
         return NativeInfo(False, f"fluxlike-native at {path} could not be loaded ({error}); "
                                  f"reinstall it with ./dev setup", built_for=built_for,
@@ -168,7 +168,8 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
                                        f"AVX512_CORE_BF16")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     limit = f", ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
-    reason = (f"oneDNN {ext.onednn_version()} matmul and convolution in use: float32 on "
+    reason = (f"oneDNN {ext.onednn_version()} matmul, convolution, pooling and softmax in use: "
+              f"float32 on "
               f"{isa}{limit}; {why}")
     return NativeInfo(True, reason, isa, how, mx.__version__, built_for,  # type: ignore[attr-defined]  # not in MLX's stub
                       ext.onednn_version(), path), ext, bf16
@@ -183,25 +184,6 @@ def provides(name: str) -> bool:
     True
     """
     return available() and hasattr(_ext, name)
-
-
-@contextlib.contextmanager
-def _passive_openmp() -> Iterator[None]:
-    """``OMP_WAIT_POLICY=PASSIVE`` while the companion loads oneDNN's OpenMP runtime (libgomp
-    reads it once, when it is loaded), unless the user set it; the environment is restored
-    afterwards, so child processes and other libraries do not inherit it. By default
-    libgomp's idle threads spin after each parallel region; on a CPU shared with MLX's own
-    threads (and OpenBLAS's) a spinning thread takes the core that the next kernel needs,
-    and a small convolution's parallel region then waits a scheduler tick for it
-    (bench/README.md)."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _require(name: str) -> ModuleType:
@@ -280,9 +262,9 @@ def linear(
     ``x``: ``(..., in)``, any leading axes; ``w``, ``x`` (and ``bias``, shape ``(out,)``,
     also allowed float32 for bfloat16 operands) float32 or bfloat16, one dtype. ``act``:
     ``None``, ``"relu"`` or fluxlike's/``mlx.nn``'s ``relu`` are fused into the kernel
-    (oneDNN post-op); any other function is applied to the result. The result is
-    ``(..., out)`` in the operands' dtype (or ``out_dtype=mx.float32``); its gradients with
-    respect to ``w`` are row-major, in ``w``'s dtype.
+    (applied in the kernel's task, NaN kept); any other function is applied to the result.
+    The result is ``(..., out)`` in the operands' dtype (or ``out_dtype=mx.float32``); its
+    gradients with respect to ``w`` are row-major, in ``w``'s dtype.
 
     >>> import mlx.core as mx
     >>> from fluxlike import native
@@ -626,11 +608,10 @@ def max_pool(
         raise ValueError(f"fluxlike.native.max_pool(x {x.shape} {x.dtype}): {error}") from None
 
 
-# Where the native kernel beats MLX's (float32: MLX on OpenBLAS; bfloat16: fluxlike's
-# float32 emulation, i.e. ``precision.ops``), measured by bench/native.py on two shared
-# cores (forward and gradients): bfloat16 pays at every size (0.5-0.7x at 2**12
-# multiply-adds, 0.13-0.45x from 2**19 up); float32 from about 2**17 (0.24-0.7x above;
-# near 1x, within noise, below).
+# Where the native convolution beats MLX's (float32: MLX's own; bfloat16: fluxlike's float32
+# emulation, i.e. ``precision.ops``), measured by bench/native.py on two shared cores (forward
+# and gradients): bfloat16 pays at every size; float32 from about 2**17 multiply-adds. (Linear
+# layers go native at every size: bench/README.md.)
 PAYS_MIN_MACS = {mx.float32: 2**17, mx.bfloat16: 0}
 
 

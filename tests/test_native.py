@@ -138,24 +138,6 @@ def test_mismatched_build_is_reported(tmp_path):
 
 
 @needs_native
-@pytest.mark.parametrize("given", [None, "ACTIVE"])
-def test_openmp_waits_passively_unless_told(given):
-    """oneDNN's OpenMP runtime is loaded with OMP_WAIT_POLICY=PASSIVE (libgomp's
-    OMP_DISPLAY_ENV shows what it read), a user's own setting is kept, and the environment
-    afterwards is what it was (child processes do not inherit the policy)."""
-    env = {"OMP_DISPLAY_ENV": "true"} | ({} if given is None else {"OMP_WAIT_POLICY": given})
-    result = _subprocess("""
-        import os
-        from fluxlike import native
-        assert native.native_info().available
-        print("after:", os.environ.get("OMP_WAIT_POLICY"))
-    """, **env)
-    assert result.returncode == 0, result.stderr
-    assert f"OMP_WAIT_POLICY = '{given or 'PASSIVE'}'" in result.stderr, result.stderr
-    assert f"after: {given}" in result.stdout
-
-
-@needs_native
 def test_native_info_in_use():
     assert INFO.available and INFO.isa and INFO.onednn
     assert INFO.built_for == mx.__version__ == INFO.mlx

@@ -25,7 +25,8 @@ struct ConvParams {
 // The convolution mx.conv_general computes (no input dilation, no flip): x (N, *spatial,
 // C_in), w (C_out, *kernel, C_in / groups), bias (C_out,) -> (N, *out_spatial, C_out).
 // float32 or bfloat16 (native_bf16 == false: bfloat16 in float32 kernels).
-// relu == true: max(y, 0), fused into the primitive (oneDNN post-op; the backward pass masks
+// relu == true: max(y, 0), fused into the primitive (a pass after oneDNN's kernel that keeps
+// NaN, relu_keeping_nan; the backward pass masks
 // the cotangent by the kept output, ReluGrad).
 mx::array conv(
     const mx::array& x,
