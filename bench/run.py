@@ -114,11 +114,23 @@ def kernels_used(fn: Callable[[], object]) -> str:
 
     for name, kernel in saved.items():
         setattr(native, name, counting(name, kernel))
+    # The everyday float32 layer call goes to the kernel's C++ entry, not native.linear.
+    entry = ops._plain_kernel
+    if entry() is not None:
+        def counted(x: mx.array, w: mx.array, b: mx.array | None, relu: bool) -> object:
+            plain = entry()  # None while a -native variant has the kernels switched off
+            y = None if plain is None else plain(x, w, b, relu)
+            if y is not None and depth[0] == 0:
+                seen["linear float32"] = seen.get("linear float32", 0) + 1
+            return y
+
+        ops._plain_kernel = lambda: counted  # type: ignore[assignment]
     try:
         fn()
     finally:
         for name, kernel in saved.items():
             setattr(native, name, kernel)
+        ops._plain_kernel = entry
     return ", ".join(f"{k} x{n}" for k, n in seen.items()) or "MLX"
 
 

@@ -503,8 +503,11 @@ def forget_native() -> None:
     """Have the routing ask :mod:`fluxlike.native` again whether its kernels are in use (it
     asks once per process): for code that switches them off in-process, as bench/run.py's
     ``-native`` columns and the tests do."""
-    for decided in (_native_in_use, _plain_kernel, _native_softmax):
+    for decided in _DECISIONS:
         decided.cache_clear()
+
+
+_DECISIONS = (_native_in_use, _plain_kernel, _native_softmax)  # as defined, even if patched
 
 
 def _native_softmax_cpu() -> bool:
