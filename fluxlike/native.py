@@ -49,7 +49,7 @@ import mlx.core as mx
 
 __all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "bfloat16_native",
            "conv", "conv_transpose", "linear", "matmul", "max_pool", "native_info", "pays",
-           "provides", "softmax"]
+           "plain_linear_kernel", "provides", "softmax", "split_act"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -426,6 +426,17 @@ def softmax(x: mx.array, *, stream: mx.Stream | mx.Device | None = None) -> mx.a
     return ext.softmax(x, stream=stream)
 
 
+def _padding(name: str, padding: int | Sequence[Any], k: int) -> tuple[list[int], list[int]]:
+    """``(low, high)`` padding per spatial axis from an int, one per axis, or a pair of those
+    (low, high)."""
+    if (isinstance(padding, (tuple, list)) and len(padding) == 2
+            and all(isinstance(p, (tuple, list)) for p in padding)):
+        return (_per_axis(name, padding[0], k, "padding"),
+                _per_axis(name, padding[1], k, "padding"))
+    both = _per_axis(name, padding, k, "padding")
+    return both, both
+
+
 def _per_axis(name: str, value: int | Sequence[Any], k: int,
               what: str) -> list[int]:
     if isinstance(value, int):
@@ -476,12 +487,7 @@ def conv(
                          f"got x {x.shape} and w {w.shape}")
     strides = _per_axis("conv", stride, k, "stride")
     dilations = _per_axis("conv", dilation, k, "dilation")
-    if (isinstance(padding, (tuple, list)) and len(padding) == 2
-            and all(isinstance(p, (tuple, list)) for p in padding)):
-        lo = _per_axis("conv", padding[0], k, "padding")
-        hi = _per_axis("conv", padding[1], k, "padding")
-    else:
-        lo = hi = _per_axis("conv", padding, k, "padding")
+    lo, hi = _padding("conv", padding, k)
     fused, after = (False, None) if act is None else split_act(act, "conv")
     if x.size == 0 or w.size == 0:
         y = mx.conv_general(x, w, stride=strides, padding=(lo, hi), kernel_dilation=dilations,
@@ -596,12 +602,7 @@ def max_pool(
                          f"spatial axes, got {x.shape}")
     kernel = _per_axis("max_pool", window, k, "window")
     strides = kernel if stride is None else _per_axis("max_pool", stride, k, "stride")
-    if (isinstance(padding, (tuple, list)) and len(padding) == 2
-            and all(isinstance(p, (tuple, list)) for p in padding)):
-        lo = _per_axis("max_pool", padding[0], k, "padding")
-        hi = _per_axis("max_pool", padding[1], k, "padding")
-    else:
-        lo = hi = _per_axis("max_pool", padding, k, "padding")
+    lo, hi = _padding("max_pool", padding, k)
     try:
         return ext.max_pool(x, kernel, strides, lo, hi, _bf16_native, stream=stream)
     except ValueError as error:

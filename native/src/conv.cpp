@@ -123,11 +123,10 @@ std::shared_ptr<Entry> lookup(
     const mx::Shape& ws,
     const mx::Shape& ys,
     mx::Dtype dt,
-    std::optional<mx::Dtype> bias_dt,
-    bool relu) {
+    std::optional<mx::Dtype> bias_dt) {
+  // (A fused ReLU runs after the kernel: one primitive serves both.)
   std::vector<int64_t> key{static_cast<int64_t>(kind), static_cast<int64_t>(dt.val()),
-                           bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1, p.groups,
-                           relu};
+                           bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1, p.groups};
   for (auto* s : {&xs, &ws, &ys}) {
     key.push_back(static_cast<int64_t>(s->size()));
     key.insert(key.end(), s->begin(), s->end());
@@ -469,7 +468,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   std::optional<mx::Dtype> bias_dt;
   if (has_bias_) bias_dt = inputs[2].dtype();
-  auto entry = lookup(kind_, p_, *xs, *ws, *ys, in0.dtype(), bias_dt, relu_);
+  auto entry = lookup(kind_, p_, *xs, *ws, *ys, in0.dtype(), bias_dt);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
