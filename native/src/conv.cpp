@@ -7,6 +7,7 @@
 // into it (or, for the weights gradient, out of it) inside the same task.
 
 #include "conv.h"
+#include "common.h"
 
 #include <cstdlib>
 #include <map>
@@ -28,25 +29,6 @@ namespace {
 
 const char* FN = "fluxlike_native.conv";
 using dims = dnnl::memory::dims;
-
-dnnl::engine& engine() {
-  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
-  return eng;
-}
-
-std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) {
-    os << s[i] << (s.size() == 1 ? "," : (i + 1 < s.size() ? ", " : ""));
-  }
-  os << ")";
-  return os.str();
-}
-
-std::string vec_str(const std::vector<int>& v) {
-  return shape_str(mx::Shape(v.begin(), v.end()));
-}
 
 dnnl::memory::data_type dnnl_type(mx::Dtype d) {
   return d == mx::bfloat16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
@@ -202,23 +184,12 @@ std::shared_ptr<Entry> lookup(
   return cache.insert(std::move(key), e);
 }
 
-struct Buffer {  // an aligned temporary, freed on scope exit
-  void* p = nullptr;
-  explicit Buffer(size_t bytes) {
-    if (bytes > 0) {
-      p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-      if (p == nullptr) throw std::runtime_error(std::string(FN) + ": out of memory");
-    }
-  }
-  ~Buffer() { std::free(p); }
-};
-
 // in0/in1/out as the primitive's inputs and output; see Conv's comment.
 void run(const Entry& e, ConvKind kind, void* in0, void* in1, void* bias, void* out) {
   auto& eng = engine();
   dnnl::stream strm(eng);
-  Buffer scratch(e.scratch_bytes);
-  Buffer wtmp(e.reorder_w ? e.w_prim_md.get_size() : 0);
+  Buffer scratch(e.scratch_bytes, FN);
+  Buffer wtmp(e.reorder_w ? e.w_prim_md.get_size() : 0, FN, "the reordered weights");
   std::unordered_map<int, dnnl::memory> args;
   if (scratch.p) args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch.p));
   if (kind == ConvKind::BackwardWeights) {

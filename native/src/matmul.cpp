@@ -8,6 +8,7 @@
 // may run from several threads at once.
 
 #include "matmul.h"
+#include "common.h"
 
 #include "cache.h"
 
@@ -32,21 +33,6 @@ namespace fluxlike_native {
 namespace {
 
 const char* FN = "fluxlike_native.matmul";
-
-dnnl::engine& engine() {
-  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
-  return eng;
-}
-
-std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) {
-    os << s[i] << (s.size() == 1 ? "," : (i + 1 < s.size() ? ", " : ""));
-  }
-  os << ")";
-  return os.str();
-}
 
 std::string dtype_str(mx::Dtype d) {
   if (d == mx::float32) return "float32";
@@ -274,23 +260,12 @@ void run(const Entry& e, void* a, void* b, void* bias, void* dst) {
   if (bias != nullptr) {
     args.emplace(DNNL_ARG_BIAS, dnnl::memory(e.bias_md, eng, bias));
   }
-  void* scratch = nullptr;
-  if (e.scratch_bytes > 0) {
-    size_t bytes = (e.scratch_bytes + 63) / 64 * 64;
-    scratch = std::aligned_alloc(64, bytes);
-    if (scratch == nullptr) {
-      throw std::runtime_error(std::string(FN) + ": out of memory for oneDNN's scratchpad");
-    }
-    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch));
+  Buffer scratch(e.scratch_bytes, FN);
+  if (scratch.p) {
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch.p));
   }
-  try {
-    e.prim.execute(strm, args);
-    strm.wait();
-  } catch (...) {
-    std::free(scratch);
-    throw;
-  }
-  std::free(scratch);
+  e.prim.execute(strm, args);
+  strm.wait();
 }
 
 mx::array reduce_to(const mx::array& x, const mx::Shape& shape, mx::StreamOrDevice s) {

@@ -127,10 +127,6 @@ class Matmul : public mx::UnaryPrimitive {
 // oneDNN's ReLU post-op, a vmaxps that returns 0 for NaN (a diverged layer would look finite).
 void relu_keeping_nan(void* y, size_t n, bool bf16);
 
-// Elementwise passes are built for AVX-512 and AVX2 too (GCC picks one when the module loads):
-// the module itself targets the baseline x86-64.
-#define FLN_VECTOR_CLONES __attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
-
 // relu'(y) * g: `g` where `y > 0`, else 0, in one pass (g and y of one shape, float32 or
 // bfloat16 each; the result has g's dtype). The backward pass of a fused ReLU.
 mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s = {});

@@ -8,6 +8,7 @@
 // cotangent, instead of MLX's strided view, comparison and division.
 
 #include "pool.h"
+#include "common.h"
 
 #include <cstdlib>
 #include <memory>
@@ -27,25 +28,6 @@ namespace {
 
 const char* FN = "fluxlike_native.max_pool";
 using dims = dnnl::memory::dims;
-
-dnnl::engine& engine() {
-  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
-  return eng;
-}
-
-std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) {
-    os << s[i] << (s.size() == 1 ? "," : (i + 1 < s.size() ? ", " : ""));
-  }
-  os << ")";
-  return os.str();
-}
-
-std::string vec_str(const std::vector<int>& v) {
-  return shape_str(mx::Shape(v.begin(), v.end()));
-}
 
 // (N, *spatial, C) channels-last, as oneDNN's (N, C, *spatial) with strides.
 dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
@@ -148,13 +130,9 @@ std::shared_ptr<Entry> lookup(bool backward, const PoolParams& p, const mx::Shap
 void run(const Entry& e, bool backward, void* in0, void* ws, void* out) {
   auto& eng = engine();
   dnnl::stream strm(eng);
-  void* scratch = nullptr;
+  Buffer scratch(e.scratch_bytes, FN);
   std::unordered_map<int, dnnl::memory> args;
-  if (e.scratch_bytes > 0) {
-    scratch = std::aligned_alloc(64, (e.scratch_bytes + 63) / 64 * 64);
-    if (scratch == nullptr) throw std::runtime_error(std::string(FN) + ": out of memory");
-    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch));
-  }
+  if (scratch.p) args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch.p));
   args.emplace(DNNL_ARG_WORKSPACE, dnnl::memory(e.ws_md, eng, ws));
   if (backward) {
     args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.y_md, eng, in0));
@@ -163,14 +141,8 @@ void run(const Entry& e, bool backward, void* in0, void* ws, void* out) {
     args.emplace(DNNL_ARG_SRC, dnnl::memory(e.x_md, eng, in0));
     args.emplace(DNNL_ARG_DST, dnnl::memory(e.y_md, eng, out));
   }
-  try {
-    e.prim.execute(strm, args);
-    strm.wait();
-  } catch (...) {
-    std::free(scratch);
-    throw;
-  }
-  std::free(scratch);
+  e.prim.execute(strm, args);
+  strm.wait();
 }
 
 // NaN in a window makes its maximum NaN, as MLX's max and PyTorch's max pooling give it;

@@ -3,8 +3,9 @@
 // mutex-guarded cache, and executed on MLX's CPU stream with its own scratchpad.
 
 #include "softmax.h"
+#include "cache.h"
+#include "common.h"
 
-#include "matmul.h"  // FLN_VECTOR_CLONES
 
 #include <algorithm>
 #include <cstdint>
@@ -28,27 +29,18 @@ namespace {
 
 const char* FN = "fluxlike_native.softmax";
 
-dnnl::engine& engine() {
-  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
-  return eng;
-}
-
 struct Entry {
   dnnl::primitive prim;
   dnnl::memory::desc md, scratch_md;
   size_t scratch_bytes;
+  std::string impl;
 };
 
-std::mutex cache_mutex;
-std::map<std::tuple<bool, int64_t, int64_t>, std::shared_ptr<Entry>> cache;
+PrimitiveCache<Entry> cache(1024);
 
 std::shared_ptr<Entry> lookup(bool backward, int64_t rows, int64_t cols) {
-  auto key = std::make_tuple(backward, rows, cols);
-  std::lock_guard<std::mutex> lock(cache_mutex);
-  auto it = cache.find(key);
-  if (it != cache.end()) {
-    return it->second;
-  }
+  CacheKey key{backward, rows, cols};
+  if (auto hit = cache.find(key)) return hit;
   auto& eng = engine();
   auto e = std::make_shared<Entry>();
   e->md = dnnl::memory::desc({rows, cols}, dnnl::memory::data_type::f32, {cols, 1});
@@ -62,16 +54,14 @@ std::shared_ptr<Entry> lookup(bool backward, int64_t rows, int64_t cols) {
         eng, dnnl::algorithm::softmax_accurate, e->md, e->md, e->md, 1, fwd, attr);
     e->prim = dnnl::softmax_backward(bwd);
     e->scratch_md = bwd.scratchpad_desc();
+    e->impl = bwd.impl_info_str();
   } else {
     e->prim = dnnl::softmax_forward(fwd);
     e->scratch_md = fwd.scratchpad_desc();
+    e->impl = fwd.impl_info_str();
   }
   e->scratch_bytes = e->scratch_md.get_size();
-  if (cache.size() >= 1024) {
-    cache.clear();
-  }
-  cache.emplace(key, e);
-  return e;
+  return cache.insert(std::move(key), e);
 }
 
 void run(const Entry& e, bool backward, void* in0, void* in1, void* dst) {
@@ -86,22 +76,12 @@ void run(const Entry& e, bool backward, void* in0, void* in1, void* dst) {
     args.emplace(DNNL_ARG_SRC, dnnl::memory(e.md, eng, in0));
     args.emplace(DNNL_ARG_DST, dnnl::memory(e.md, eng, dst));
   }
-  void* scratch = nullptr;
-  if (e.scratch_bytes > 0) {
-    scratch = std::aligned_alloc(64, (e.scratch_bytes + 63) / 64 * 64);
-    if (scratch == nullptr) {
-      throw std::runtime_error(std::string(FN) + ": out of memory for oneDNN's scratchpad");
-    }
-    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch));
+  Buffer scratch(e.scratch_bytes, FN);
+  if (scratch.p) {
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch.p));
   }
-  try {
-    e.prim.execute(strm, args);
-    strm.wait();
-  } catch (...) {
-    std::free(scratch);
-    throw;
-  }
-  std::free(scratch);
+  e.prim.execute(strm, args);
+  strm.wait();
 }
 
 void check(const mx::array& x, const char* what) {
@@ -151,12 +131,10 @@ void on_the_cpu(const mx::Stream& stream) {
 } // namespace
 
 size_t softmax_cache_size() {
-  std::lock_guard<std::mutex> lock(cache_mutex);
   return cache.size();
 }
 
 void softmax_clear_cache() {
-  std::lock_guard<std::mutex> lock(cache_mutex);
   cache.clear();
 }
 
