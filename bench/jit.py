@@ -10,8 +10,11 @@ leaves two kinds of those loops scalar:
   aliasing with at most ``--param vect-max-version-for-alias-checks=10`` run-time tests, and
   Adam's kernel (``w``, ``m``, ``v``, ``g`` in; ``w``, ``m``, ``v`` out) needs 15.
 
-fluxlike's ``update`` runs the optimiser step as one such kernel per parameter, so the whole of
-Adam is scalar code. This script measures what ``-fno-math-errno --param
+Without the native companion, fluxlike's ``update`` runs the optimiser step as one such kernel
+per parameter, so the whole of Adam is scalar code (with it, fluxlike's Adam and AdamW update
+float32 parameters in the companion's vectorised kernel instead: ``fluxlike.native.
+adam_kernel``). This script measures MLX's own kernels, so its processes run with
+``FLUXLIKE_NATIVE=0``: it measures what ``-fno-math-errno --param
 vect-max-version-for-alias-checks=64`` would give, with nothing else changed: each variant runs
 in a fresh process whose ``TMPDIR`` holds either the kernels MLX built or the same sources
 rebuilt with those flags (MLX loads a kernel library it finds there instead of building it).
@@ -74,7 +77,7 @@ def measure(model: str, rounds: int) -> dict[str, float]:
 
 
 def run_child(tmpdir: str, model: str, rounds: int) -> dict[str, float]:
-    env = dict(os.environ, TMPDIR=tmpdir)
+    env = dict(os.environ, TMPDIR=tmpdir, FLUXLIKE_NATIVE="0")  # MLX's kernels: see above
     out = subprocess.run([sys.executable, __file__, "--child", "--model", model,
                           "--rounds", str(rounds)], env=env, check=True,
                          capture_output=True, text=True).stdout

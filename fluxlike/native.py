@@ -47,7 +47,8 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["NativeInfo", "NativeUnavailable", "attention", "available", "bfloat16_native",
+__all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "attention", "available",
+           "bfloat16_native",
            "conv", "conv_transpose", "linear", "matmul", "max_pool", "native_info", "pays",
            "plain_linear_kernel", "provides", "softmax", "split_act"]
 
@@ -168,9 +169,9 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
                                        f"AVX512_CORE_BF16")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     limit = f", ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
-    reason = (f"oneDNN {ext.onednn_version()} matmul, convolution, pooling and softmax in use: "
-              f"float32 on "
-              f"{isa}{limit}; {why}")
+    adam = ", with a native Adam update" if hasattr(ext, "adam_step") else ""
+    reason = (f"oneDNN {ext.onednn_version()} matmul, convolution, pooling and softmax in use"
+              f"{adam}: float32 on {isa}{limit}; {why}")
     return NativeInfo(True, reason, isa, how, mx.__version__, built_for,  # type: ignore[attr-defined]  # not in MLX's stub
                       ext.onednn_version(), path), ext, bf16
 
@@ -299,6 +300,28 @@ def plain_linear_kernel() -> Callable[[mx.array, mx.array, mx.array | None, bool
     ``None`` for anything else; it checks in C++ what :func:`linear` checks in Python. ``None``
     where the kernels are not in use (or a build predates the entry)."""
     return getattr(_ext, "plain_linear", None) if available() else None
+
+
+def adam_kernel() -> Callable[..., tuple[mx.array, mx.array, mx.array]] | None:
+    """The companion's Adam update of one float32 parameter,
+    ``kernel(p, g, m, v, c1, c2, decay, b1, b2, eps) -> (p', m', v')``: one vectorised pass
+    (threaded for a large parameter) computing what ``mlx.optimizers.Adam``'s bias-corrected
+    update computes, bit for bit, with ``c1 = lr / (1 - b1**step)`` and
+    ``c2 = rsqrt(1 - b2**step)`` as float32 scalars and ``decay = 1 - lr * weight_decay``
+    (AdamW) or ``None``; CPU only. fluxlike's :class:`~fluxlike.Adam` and
+    :class:`~fluxlike.AdamW` use it for float32 parameters on the CPU. ``None`` where the
+    kernels are not in use (or a build predates the entry).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> kernel = native.adam_kernel()
+    >>> if kernel is not None:
+    ...     one = mx.array(1.0)
+    ...     p, m, v = kernel(mx.ones(2), mx.full(2, 2.0), mx.zeros(2), mx.zeros(2), one, one,
+    ...                      None, 0.9, 0.999, 1e-8)
+    ...     assert mx.allclose(m, mx.full(2, 0.2)).item() and mx.allclose(v, mx.full(2, 0.004))
+    """
+    return getattr(_ext, "adam_step", None) if available() else None
 
 
 def matmul(

@@ -39,6 +39,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
+from .precision import ops
+
 LearningRate = float | Callable[[mx.array], mx.array]
 Tree = Any
 
@@ -147,11 +149,43 @@ class _HalfEps:
             self.eps = eps
 
 
-class _Adam(_HalfEps, optim.Adam):
+class _NativeAdam:
+    """For mlx's Adam and AdamW (bias-corrected): on the CPU, a float32 parameter's update is
+    one pass of the native companion's kernel (:func:`fluxlike.native.adam_kernel`), which
+    computes MLX's arithmetic bit for bit; MLX's own CPU kernel for it is scalar
+    (``bench/README.md``). Anything else takes MLX's update."""
+
+    betas: list[float]
+    eps: float
+    bias_correction: bool
+    step: mx.array
+    learning_rate: mx.array
+    weight_decay: float  # AdamW's
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        kernel = ops.adam_kernel()
+        m, v = state.get("m"), state.get("v")
+        if (kernel is None or not self.bias_correction or m is None or v is None
+                or parameter.dtype != mx.float32 or gradient.dtype != mx.float32
+                or m.dtype != mx.float32 or v.dtype != mx.float32
+                or mx.default_device() != mx.cpu):
+            return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
+        # The scalars as MLX's Adam.apply_single (and AdamW's) compute them.
+        lr = self.learning_rate.astype(mx.float32)
+        b1, b2 = self.betas
+        c1 = (lr / (1 - b1**self.step)).astype(mx.float32)
+        c2 = mx.rsqrt(1 - b2**self.step).astype(mx.float32)
+        decay = 1 - lr * self.weight_decay if isinstance(self, optim.AdamW) else None
+        new, state["m"], state["v"] = kernel(parameter, gradient, m, v, c1, c2, decay, b1, b2,
+                                             self.eps)
+        return new
+
+
+class _Adam(_HalfEps, _NativeAdam, optim.Adam):
     pass
 
 
-class _AdamW(_HalfEps, optim.AdamW):
+class _AdamW(_HalfEps, _NativeAdam, optim.AdamW):
     pass
 
 

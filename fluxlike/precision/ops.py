@@ -507,7 +507,14 @@ def forget_native() -> None:
         decided.cache_clear()
 
 
-_DECISIONS = (_native_in_use, _plain_kernel, _native_softmax)  # as defined, even if patched
+@functools.cache
+def adam_kernel() -> Callable[..., tuple[mx.array, mx.array, mx.array]] | None:
+    """:func:`fluxlike.native.adam_kernel` where the kernels are in use, asked once per
+    process (fluxlike's Adam and AdamW update float32 parameters on the CPU with it)."""
+    return native.adam_kernel() if _native_in_use() else None
+
+
+_DECISIONS = (_native_in_use, _plain_kernel, _native_softmax, adam_kernel)  # as defined
 
 
 def _native_softmax_cpu() -> bool:

@@ -3,9 +3,11 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "adam.h"
 #include "conv.h"
 #include "matmul.h"
 #include "pool.h"
@@ -123,6 +125,19 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       "dy"_a, "w"_a, "x_tail"_a, "stride"_a, "pad_lo"_a, "pad_hi"_a, "dilation"_a,
       "groups"_a, "native_bf16"_a, nb::kw_only(), "stream"_a = nb::none(),
       R"(The input gradient of conv (a transposed convolution) on oneDNN (see conv.h).)");
+
+  m.def(
+      "adam_step",
+      [](const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
+         const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
+         double b1, double b2, double eps, mx::StreamOrDevice s) {
+        auto out = fluxlike_native::adam_step(p, g, m, v, c1, c2, decay, b1, b2, eps, s);
+        return std::make_tuple(out[0], out[1], out[2]);
+      },
+      "p"_a, "g"_a, "m"_a, "v"_a, "c1"_a, "c2"_a, "decay"_a.none(), "b1"_a, "b2"_a, "eps"_a,
+      nb::kw_only(), "stream"_a = nb::none(),
+      R"((p', m', v'): mlx.optimizers.Adam's bias-corrected update of a float32 parameter in
+one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see adam.h).)");
 
   m.def("pool_cache_size", &fluxlike_native::pool_cache_size,
         "Cached oneDNN pooling primitives.");

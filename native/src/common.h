@@ -1,5 +1,6 @@
-// fluxlike-native: what every op's file uses - oneDNN's CPU engine, shapes in messages, and
-// an aligned temporary buffer for a primitive's scratchpad (or reordered operands).
+// fluxlike-native: what every op's file uses - oneDNN's CPU engine, shapes in messages, an
+// aligned temporary buffer for a primitive's scratchpad (or reordered operands), and a
+// row-contiguous copy of a strided operand.
 #pragma once
 
 #include <cstdlib>
@@ -8,7 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace mx = mlx::core;
@@ -56,5 +59,46 @@ struct Buffer {
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 };
+
+// dst[i] = the i-th element of a strided array in row-major order (any strides, negative or
+// zero too; MLX does not export its CPU copy to extensions).
+template <typename T>
+inline void gather(const T* src, T* dst, const mx::Shape& shape, const mx::Strides& strides) {
+  size_t n = 1;
+  for (auto d : shape) {
+    n *= static_cast<size_t>(d);
+  }
+  int nd = static_cast<int>(shape.size());
+  std::vector<int64_t> index(nd, 0);
+  int64_t offset = 0;
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = src[offset];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++index[d] < shape[d]) {
+        offset += strides[d];
+        break;
+      }
+      offset -= strides[d] * (shape[d] - 1);
+      index[d] = 0;
+    }
+  }
+}
+
+// x's elements in a new row-contiguous array, copied by a task queued on the encoder before
+// the kernel that reads it (and kept alive until then as a temporary); float32 or bfloat16.
+inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
+  mx::array copy(x.shape(), x.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  encoder.add_temporary(copy);
+  encoder.dispatch([src = x.data<void>(), dst = copy.data<void>(), shape = x.shape(),
+                    strides = x.strides(), two = x.itemsize() == 2]() {
+    if (two) {
+      gather(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), shape, strides);
+    } else {
+      gather(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), shape, strides);
+    }
+  });
+  return copy;
+}
 
 } // namespace fluxlike_native

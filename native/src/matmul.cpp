@@ -461,47 +461,6 @@ inline bool positive(uint16_t bits) {
 }
 
 
-// dst[i] = the i-th element of a strided array in row-major order (any strides, negative or
-// zero too; MLX does not export its CPU copy to extensions).
-template <typename T>
-void gather(const T* src, T* dst, const mx::Shape& shape, const mx::Strides& strides) {
-  size_t n = 1;
-  for (auto d : shape) {
-    n *= static_cast<size_t>(d);
-  }
-  int nd = static_cast<int>(shape.size());
-  std::vector<int64_t> index(nd, 0);
-  int64_t offset = 0;
-  for (size_t i = 0; i < n; ++i) {
-    dst[i] = src[offset];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++index[d] < shape[d]) {
-        offset += strides[d];
-        break;
-      }
-      offset -= strides[d] * (shape[d] - 1);
-      index[d] = 0;
-    }
-  }
-}
-
-// x's elements in a new row-contiguous array, copied by a task queued on the encoder before
-// the kernel that reads it (and kept alive until then as a temporary); float32 or bfloat16.
-mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
-  mx::array copy(x.shape(), x.dtype(), nullptr, {});
-  copy.set_data(mx::allocator::malloc(copy.nbytes()));
-  encoder.add_temporary(copy);
-  encoder.dispatch([src = x.data<void>(), dst = copy.data<void>(), shape = x.shape(),
-                    strides = x.strides(), two = x.itemsize() == 2]() {
-    if (two) {
-      gather(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), shape, strides);
-    } else {
-      gather(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), shape, strides);
-    }
-  });
-  return copy;
-}
-
 } // namespace
 
 // relu(y) as MLX's maximum(y, 0) computes it, in place: NaN stays NaN, -0 becomes 0 (oneDNN's

@@ -1,0 +1,77 @@
+// fluxlike-native: the Adam (and AdamW) update of one float32 parameter as one MLX primitive
+// (CPU): one vectorised, threaded pass over the parameter, its gradient and both moments.
+// MLX's CPU kernel compiler leaves the same arithmetic scalar (see bench/jit.py), and eagerly
+// it is about ten ops, each a pass over memory.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace fluxlike_native {
+
+// What mlx.optimizers.Adam(bias_correction=True).apply_single computes, bit for bit (each
+// operation rounded to float32 in its order, no fused multiply-add):
+//
+//   p  = p * decay                       (AdamW: decay = 1 - lr * weight_decay; else none)
+//   m' = b1 * m + (1 - b1) * g
+//   v' = b2 * v + (1 - b2) * g * g
+//   p' = p - (c1 * m') / (sqrt(v') * c2 + eps)
+//
+// with c1 = lr / (1 - b1^t) and c2 = rsqrt(1 - b2^t) given as float32 scalars (arrays of one
+// element, computed in the graph: a schedule's learning rate and the step count change them).
+// b1, b2 and eps are the optimiser's Python floats; 1 - b1 and 1 - b2 are taken in double, as
+// Python does, and all are then rounded to float32. p, g, m and v are float32 arrays of one
+// shape. Returns {p', m', v'}; a output reuses its input's buffer where MLX lets it donate.
+std::vector<mx::array> adam_step(
+    const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
+    const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
+    double b1, double b2, double eps, mx::StreamOrDevice s = {});
+
+// inputs: {p, g, m, v, c1, c2} or {p, g, m, v, c1, c2, decay}; outputs {p', m', v'}.
+class AdamStep : public mx::Primitive {
+ public:
+  AdamStep(mx::Stream stream, float b1, float one_minus_b1, float b2, float one_minus_b2,
+           float eps)
+      : mx::Primitive(stream), b1_(b1), omb1_(one_minus_b1), b2_(b2), omb2_(one_minus_b2),
+        eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  // The derivatives are those of the same formula in MLX's ops (an update differentiated
+  // through, as in meta-learning, gets MLX's derivatives).
+  std::vector<mx::array> jvp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& tangents,
+      const std::vector<int>& argnums) override;
+
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mx::array>& outputs) override;
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[0].shape(), inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "FluxlikeNativeAdamStep";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+  // The same update in MLX's ops (what the derivatives are taken of, and the reference the
+  // tests hold the kernel to).
+  std::vector<mx::array> reference(const std::vector<mx::array>& inputs);
+
+ private:
+  float b1_, omb1_, b2_, omb2_, eps_;
+};
+
+} // namespace fluxlike_native

@@ -1,0 +1,310 @@
+"""The native Adam update (fluxlike.native.adam_kernel): bit for bit what
+``mlx.optimizers.Adam`` / ``AdamW`` compute, eagerly and inside ``mx.compile``, for random
+shapes, layouts, hyperparameters and gradients (NaN and infinities too), from several
+threads, differentiable as MLX's update is; and fluxlike's Adam/AdamW take it for float32
+parameters on the CPU, with the same trained model as MLX's update gives.
+
+Without the companion every test here skips except the last, which checks that fluxlike's
+Adam then runs MLX's update."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx.utils import tree_flatten
+
+import fluxlike
+from fluxlike import native
+from fluxlike.precision import ops
+
+KERNEL = native.adam_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native Adam update is not in use: "
+                                  f"{native.native_info().reason}")
+
+
+def bits(x: mx.array) -> np.ndarray:
+    return np.array(x).view(np.uint32)
+
+
+def same(a: mx.array, b: mx.array) -> bool:
+    """Bit for bit (NaN payloads and the sign of zero included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(bits(a), bits(b))
+
+
+def kernel_step(opt: optim.Adam, g: mx.array, p: mx.array, m: mx.array, v: mx.array):
+    """One update through the kernel with the scalars MLX's Adam derives for ``opt``'s step
+    (``opt.step`` already counts this step)."""
+    lr = opt.learning_rate.astype(mx.float32)
+    b1, b2 = opt.betas
+    c1 = (lr / (1 - b1**opt.step)).astype(mx.float32)
+    c2 = mx.rsqrt(1 - b2**opt.step).astype(mx.float32)
+    decay = 1 - lr * opt.weight_decay if isinstance(opt, optim.AdamW) else None
+    assert KERNEL is not None
+    return KERNEL(p, g, m, v, c1, c2, decay, b1, b2, opt.eps)
+
+
+def mlx_optimizer(weight_decay: float | None, lr, betas, eps) -> optim.Adam:
+    if weight_decay is None:
+        return optim.Adam(lr, betas=list(betas), eps=eps, bias_correction=True)
+    return optim.AdamW(lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
+                       bias_correction=True)
+
+
+def run_both(shape, steps, weight_decay, lr, betas, eps, scale, transpose, seed=0):
+    """``steps`` updates of one parameter by MLX's optimiser and by the kernel; asserts they
+    agree bit for bit after each."""
+    key = mx.random.key(seed)
+    p = mx.random.normal(shape, key=key)
+    opt = mlx_optimizer(weight_decay, lr, betas, eps)
+    opt.init({"w": p})
+    pk, mk, vk = p, mx.zeros(shape), mx.zeros(shape)
+    for t in range(steps):
+        g = scale * mx.random.normal(shape[::-1] if transpose else shape,
+                                     key=mx.random.key(seed + 1 + t))
+        if transpose:
+            g = g.T  # a strided gradient
+        p = opt.apply_gradients({"w": g}, {"w": p})["w"]
+        pk, mk, vk = kernel_step(opt, g, pk, mk, vk)
+        mx.eval(p, pk, mk, vk, opt.state)
+        state = opt.state["w"]
+        assert same(pk, p), f"parameter differs after step {t + 1}"
+        assert same(mk, state["m"]) and same(vk, state["v"]), f"moments differ at {t + 1}"
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
+    steps=st.integers(1, 4),
+    weight_decay=st.one_of(st.none(), st.floats(0.0, 0.5)),
+    lr=st.floats(1e-5, 1.0),
+    b1=st.floats(0.0, 0.99),
+    b2=st.floats(0.5, 0.9999),
+    eps=st.sampled_from([1e-8, 1e-6, 1e-3, 0.0]),
+    scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e6]),
+    transpose=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_kernel_is_mlx_adam_bit_for_bit(shape, steps, weight_decay, lr, b1, b2, eps, scale,
+                                        transpose, seed):
+    run_both(shape, steps, weight_decay, lr, (b1, b2), eps, scale, transpose and len(shape) == 2,
+             seed)
+
+
+@needs_kernel
+@pytest.mark.parametrize("weight_decay", [None, 0.01])
+def test_large_parameter_is_shared_out_and_still_exact(weight_decay):
+    """Above 2**16 elements the pass is split over OpenMP's threads: the same bits."""
+    run_both((300, 301), 3, weight_decay, 1e-3, (0.9, 0.999), 1e-8, 1.0, False)
+    run_both((301, 300), 2, weight_decay, 1e-3, (0.9, 0.999), 1e-8, 1.0, True)
+
+
+@needs_kernel
+def test_non_finite_gradients_propagate_as_in_mlx():
+    g = mx.array([0.0, 1.0, float("nan"), float("inf"), -float("inf"), 1e38, -0.0, 3e-45])
+    p = mx.array([1.0, -1.0, 2.0, 0.0, -0.0, 5.0, 0.0, 1.0])
+    for weight_decay in (None, 0.1):
+        opt = mlx_optimizer(weight_decay, 1e-2, (0.9, 0.999), 1e-8)
+        opt.init({"w": p})
+        new = opt.apply_gradients({"w": g}, {"w": p})["w"]
+        pk, mk, vk = kernel_step(opt, g, p, mx.zeros_like(p), mx.zeros_like(p))
+        mx.eval(new, pk, mk, vk)
+        assert same(pk, new) and same(mk, opt.state["w"]["m"]) and same(vk, opt.state["w"]["v"])
+        assert np.isnan(np.array(pk)[2:5]).all()  # NaN and ±inf gradients: NaN parameters
+
+
+@needs_kernel
+def test_inside_compile_and_a_schedule():
+    """A compiled step (as fluxlike.update's) with a scheduled learning rate: the same bits as
+    MLX's eager update, step after step."""
+    schedule = optim.cosine_decay(1e-2, 10)
+    ref = optim.AdamW(schedule, weight_decay=0.05, bias_correction=True)
+    p0 = mx.random.normal((33, 17), key=mx.random.key(3))
+    ref.init({"w": p0})
+    mine = optim.AdamW(schedule, weight_decay=0.05, bias_correction=True)
+    mine.init({"w": p0})
+    state = [mine.state]
+
+    def update(g, p):
+        mine.state["learning_rate"] = schedule(mine.step)  # as apply_gradients: then the step
+        mine.state["step"] = mine.step + 1
+        s = mine.state["w"]
+        new, s["m"], s["v"] = kernel_step(mine, g, p, s["m"], s["v"])
+        return new
+
+    step = mx.compile(update, inputs=state, outputs=state)
+    p_ref = p_mine = p0
+    for t in range(5):
+        g = mx.random.normal((33, 17), key=mx.random.key(10 + t))
+        p_ref = ref.apply_gradients({"w": g}, {"w": p_ref})["w"]
+        p_mine = step(g, p_mine)
+        mx.eval(p_ref, p_mine, ref.state, mine.state)
+        assert same(p_mine, p_ref), f"step {t + 1}"
+        assert same(mine.state["w"]["v"], ref.state["w"]["v"])
+
+
+@needs_kernel
+def test_from_several_threads():
+    results: dict[int, bool] = {}
+
+    def work(i: int) -> None:
+        with mx.stream(mx.new_stream(mx.cpu)):
+            try:
+                run_both((70, 1000), 2, 0.01 if i % 2 else None, 1e-3, (0.9, 0.999), 1e-8, 1.0,
+                         False, seed=i)
+                results[i] = True
+            except AssertionError:
+                results[i] = False
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: True for i in range(4)}
+
+
+@needs_kernel
+def test_differentiable_as_mlx_update():
+    """The update differentiated through (as in meta-learning): the gradients with respect to
+    the gradient, the parameter and the learning rate are MLX's (the kernel's derivatives are
+    those of the same formula in MLX's ops), and forward-mode agrees too."""
+    p = mx.random.normal((4, 5), key=mx.random.key(0))
+    g = mx.random.normal((4, 5), key=mx.random.key(1))
+    m = 0.1 * mx.random.normal((4, 5), key=mx.random.key(2))
+    v = mx.abs(mx.random.normal((4, 5), key=mx.random.key(3)))
+    c2 = mx.array(1.3)
+
+    def through_kernel(g, p, c1):
+        new, m2, v2 = KERNEL(p, g, m, v, c1, c2, mx.array(0.99), 0.9, 0.999, 1e-8)
+        return (new * new).sum() + m2.sum() + (v2 * v2).sum()
+
+    def through_mlx(g, p, c1):
+        p = p * mx.array(0.99)
+        m2 = 0.9 * m + (1 - 0.9) * g
+        v2 = 0.999 * v + (1 - 0.999) * mx.square(g)
+        new = p - (c1 * m2) / (mx.sqrt(v2) * c2 + 1e-8)
+        return (new * new).sum() + m2.sum() + (v2 * v2).sum()
+
+    c1 = mx.array(0.01)
+    mine = mx.grad(through_kernel, argnums=(0, 1, 2))(g, p, c1)
+    ref = mx.grad(through_mlx, argnums=(0, 1, 2))(g, p, c1)
+    for a, b in zip(mine, ref, strict=True):
+        assert mx.allclose(a, b, rtol=1e-6, atol=1e-7).item()
+    tangent = mx.random.normal((4, 5), key=mx.random.key(4))
+    jk = mx.jvp(lambda g: KERNEL(p, g, m, v, c1, c2, None, 0.9, 0.999, 1e-8)[0], [g], [tangent])
+    jm = mx.jvp(lambda g: p - (c1 * (0.9 * m + (1 - 0.9) * g))
+                / (mx.sqrt(0.999 * v + (1 - 0.999) * mx.square(g)) * c2 + 1e-8),
+                [g], [tangent])
+    assert mx.allclose(jk[1][0], jm[1][0], rtol=1e-6, atol=1e-7).item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad, message", [
+    (dict(g=mx.zeros((3, 2))), r"the gradient has shape \(3, 2\), the parameter \(2, 3\)"),
+    (dict(m=mx.zeros((2, 3), mx.bfloat16)), "expected m to be float32"),
+    (dict(p=mx.zeros((2, 3), mx.float16), g=mx.zeros((2, 3), mx.float16)),
+     "expected the parameter to be float32"),
+    (dict(c1=mx.zeros((2,))), "expected c1 to be a float32 array of one element"),
+])
+def test_bad_operands_are_refused_when_the_graph_is_built(bad, message):
+    args = dict(p=mx.zeros((2, 3)), g=mx.zeros((2, 3)), m=mx.zeros((2, 3)), v=mx.zeros((2, 3)),
+                c1=mx.array(1.0), c2=mx.array(1.0))
+    args.update(bad)
+    with pytest.raises(ValueError, match=message):
+        KERNEL(args["p"], args["g"], args["m"], args["v"], args["c1"], args["c2"], None, 0.9,
+               0.999, 1e-8)
+
+
+def train(rule, steps: int = 4, dtype=mx.float32):
+    """A small MLP trained ``steps`` steps with ``fluxlike.update``; its parameters."""
+    mx.random.seed(0)
+    model = fluxlike.Chain(fluxlike.Dense(6, 16, fluxlike.relu), fluxlike.Dense(16, 3))
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    state = fluxlike.setup(rule, model)
+    x = mx.random.normal((8, 6), key=mx.random.key(1)).astype(dtype)
+    y = mx.eye(3)[mx.arange(8) % 3]
+    for _ in range(steps):
+        grads = fluxlike.gradient(
+            lambda m: fluxlike.losses.logitcrossentropy(m(x).astype(mx.float32), y), model)[0]
+        fluxlike.update(state, model, grads)
+        mx.eval(model.parameters(), state.optimizer.state)
+    return dict(tree_flatten(model.parameters()))
+
+
+def counting_kernel(monkeypatch) -> list[int]:
+    calls = [0]
+    kernel = ops.adam_kernel()
+
+    def counted(*args):
+        calls[0] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(ops, "adam_kernel", lambda: counted if kernel is not None else None)
+    return calls
+
+
+def without_native(fn):
+    saved = native.available, native.bfloat16_native
+    native.available = native.bfloat16_native = lambda: False
+    ops.forget_native()
+    try:
+        return fn()
+    finally:
+        native.available, native.bfloat16_native = saved
+        ops.forget_native()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rule", [
+    fluxlike.Adam(1e-2), fluxlike.AdamW(1e-2, weight_decay=0.1),
+    fluxlike.OptimiserChain(fluxlike.ClipNorm(0.5), fluxlike.Adam(optim.cosine_decay(1e-2, 5))),
+], ids=["Adam", "AdamW", "chain-schedule"])
+def test_fluxlike_adam_takes_the_kernel_and_trains_as_mlx_update(rule, monkeypatch):
+    calls = counting_kernel(monkeypatch)
+    mine = train(rule)
+    assert calls[0] >= 4  # the four parameters, traced once (update compiles the step)
+    monkeypatch.undo()
+    ref = without_native(lambda: train(rule))
+    assert mine.keys() == ref.keys()
+    for name in mine:
+        assert same(mine[name], ref[name]), name
+
+
+@needs_kernel
+def test_half_precision_parameters_keep_mlx_update(monkeypatch):
+    """bfloat16 parameters (a bf16 model) are updated by MLX's arithmetic, in bfloat16."""
+    calls = counting_kernel(monkeypatch)
+    params = train(fluxlike.Adam(1e-2), steps=2, dtype=mx.bfloat16)
+    assert calls[0] == 0
+    assert all(p.dtype == mx.bfloat16 for p in params.values())
+
+
+def test_without_the_kernel_adam_is_mlx_update():
+    """Where the companion is absent (or switched off) fluxlike's Adam is MLX's: the same
+    training, bit for bit, as a stock mlx.optimizers.Adam with bias correction."""
+
+    def stock():
+        mx.random.seed(0)
+        model = fluxlike.Chain(fluxlike.Dense(6, 16, fluxlike.relu), fluxlike.Dense(16, 3))
+        opt = optim.Adam(1e-2, bias_correction=True)
+        x = mx.random.normal((8, 6), key=mx.random.key(1))
+        y = mx.eye(3)[mx.arange(8) % 3]
+        for _ in range(4):
+            grads = fluxlike.gradient(
+                lambda m: fluxlike.losses.logitcrossentropy(m(x), y), model)[0]
+            opt.update(model, grads)
+            mx.eval(model.parameters(), opt.state)
+        return dict(tree_flatten(model.parameters()))
+
+    mine = without_native(lambda: train(fluxlike.Adam(1e-2)))
+    ref = without_native(stock)
+    for name in mine:
+        assert same(mine[name], ref[name]), name
