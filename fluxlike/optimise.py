@@ -150,10 +150,11 @@ class _HalfEps:
 
 
 class _NativeAdam:
-    """For mlx's Adam and AdamW (bias-corrected): on the CPU, a float32 parameter's update is
-    one pass of the native companion's kernel (:func:`fluxlike.native.adam_kernel`), which
-    computes MLX's arithmetic bit for bit; MLX's own CPU kernel for it is scalar
-    (``bench/README.md``). Anything else takes MLX's update."""
+    """For mlx's Adam and AdamW (bias-corrected): on the CPU, the update of a float32 or
+    bfloat16 parameter (gradient and moments of its dtype) is one pass of the native
+    companion's kernel (:func:`fluxlike.native.adam_kernel`), which computes MLX's arithmetic
+    bit for bit; MLX's own CPU kernels for it are scalar (``bench/README.md``). Anything else
+    takes MLX's update."""
 
     betas: list[float]
     eps: float
@@ -164,21 +165,24 @@ class _NativeAdam:
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
         kernel = ops.adam_kernel()
-        m, v = state.get("m"), state.get("v")
+        m, v, dtype = state.get("m"), state.get("v"), parameter.dtype
         if (kernel is None or not self.bias_correction or m is None or v is None
-                or parameter.dtype != mx.float32 or gradient.dtype != mx.float32
-                or m.dtype != mx.float32 or v.dtype != mx.float32
+                or dtype not in _NATIVE_ADAM_DTYPES
+                or not gradient.dtype == m.dtype == v.dtype == dtype
                 or mx.default_device() != mx.cpu):
             return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
         # The scalars as MLX's Adam.apply_single (and AdamW's) compute them.
-        lr = self.learning_rate.astype(mx.float32)
+        lr = self.learning_rate.astype(dtype)
         b1, b2 = self.betas
-        c1 = (lr / (1 - b1**self.step)).astype(mx.float32)
-        c2 = mx.rsqrt(1 - b2**self.step).astype(mx.float32)
+        c1 = (lr / (1 - b1**self.step)).astype(dtype)
+        c2 = mx.rsqrt(1 - b2**self.step).astype(dtype)
         decay = 1 - lr * self.weight_decay if isinstance(self, optim.AdamW) else None
         new, state["m"], state["v"] = kernel(parameter, gradient, m, v, c1, c2, decay, b1, b2,
                                              self.eps)
         return new
+
+
+_NATIVE_ADAM_DTYPES = (mx.float32, mx.bfloat16)
 
 
 class _Adam(_HalfEps, _NativeAdam, optim.Adam):

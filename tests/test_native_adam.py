@@ -1,8 +1,9 @@
 """The native Adam update (fluxlike.native.adam_kernel): bit for bit what
-``mlx.optimizers.Adam`` / ``AdamW`` compute, eagerly and inside ``mx.compile``, for random
-shapes, layouts, hyperparameters and gradients (NaN and infinities too), from several
-threads, differentiable as MLX's update is; and fluxlike's Adam/AdamW take it for float32
-parameters on the CPU, with the same trained model as MLX's update gives.
+``mlx.optimizers.Adam`` / ``AdamW`` compute, in float32 and bfloat16, eagerly and inside
+``mx.compile``, for random shapes, layouts, hyperparameters and gradients (NaN and infinities
+too), from several threads, differentiable as MLX's update is; and fluxlike's Adam/AdamW take
+it for float32 and bfloat16 parameters on the CPU, with the same trained model as MLX's
+update gives.
 
 Without the companion every test here skips except the last, which checks that fluxlike's
 Adam then runs MLX's update."""
@@ -29,6 +30,8 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native Adam update
 
 
 def bits(x: mx.array) -> np.ndarray:
+    if x.dtype == mx.bfloat16:
+        return np.array(x.view(mx.uint16))
     return np.array(x).view(np.uint32)
 
 
@@ -40,10 +43,10 @@ def same(a: mx.array, b: mx.array) -> bool:
 def kernel_step(opt: optim.Adam, g: mx.array, p: mx.array, m: mx.array, v: mx.array):
     """One update through the kernel with the scalars MLX's Adam derives for ``opt``'s step
     (``opt.step`` already counts this step)."""
-    lr = opt.learning_rate.astype(mx.float32)
+    lr = opt.learning_rate.astype(p.dtype)
     b1, b2 = opt.betas
-    c1 = (lr / (1 - b1**opt.step)).astype(mx.float32)
-    c2 = mx.rsqrt(1 - b2**opt.step).astype(mx.float32)
+    c1 = (lr / (1 - b1**opt.step)).astype(p.dtype)
+    c2 = mx.rsqrt(1 - b2**opt.step).astype(p.dtype)
     decay = 1 - lr * opt.weight_decay if isinstance(opt, optim.AdamW) else None
     assert KERNEL is not None
     return KERNEL(p, g, m, v, c1, c2, decay, b1, b2, opt.eps)
@@ -56,17 +59,18 @@ def mlx_optimizer(weight_decay: float | None, lr, betas, eps) -> optim.Adam:
                        bias_correction=True)
 
 
-def run_both(shape, steps, weight_decay, lr, betas, eps, scale, transpose, seed=0):
-    """``steps`` updates of one parameter by MLX's optimiser and by the kernel; asserts they
-    agree bit for bit after each."""
+def run_both(shape, steps, weight_decay, lr, betas, eps, scale, transpose, seed=0,
+             dtype=mx.float32):
+    """``steps`` updates of one parameter of ``dtype`` by MLX's optimiser and by the kernel;
+    asserts they agree bit for bit after each."""
     key = mx.random.key(seed)
-    p = mx.random.normal(shape, key=key)
+    p = mx.random.normal(shape, key=key).astype(dtype)
     opt = mlx_optimizer(weight_decay, lr, betas, eps)
     opt.init({"w": p})
-    pk, mk, vk = p, mx.zeros(shape), mx.zeros(shape)
+    pk, mk, vk = p, mx.zeros(shape, dtype), mx.zeros(shape, dtype)
     for t in range(steps):
-        g = scale * mx.random.normal(shape[::-1] if transpose else shape,
-                                     key=mx.random.key(seed + 1 + t))
+        g = (scale * mx.random.normal(shape[::-1] if transpose else shape,
+                                      key=mx.random.key(seed + 1 + t))).astype(dtype)
         if transpose:
             g = g.T  # a strided gradient
         p = opt.apply_gradients({"w": g}, {"w": p})["w"]
@@ -90,25 +94,29 @@ def run_both(shape, steps, weight_decay, lr, betas, eps, scale, transpose, seed=
     scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e6]),
     transpose=st.booleans(),
     seed=st.integers(0, 1000),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
 )
 def test_kernel_is_mlx_adam_bit_for_bit(shape, steps, weight_decay, lr, b1, b2, eps, scale,
-                                        transpose, seed):
+                                        transpose, seed, dtype):
     run_both(shape, steps, weight_decay, lr, (b1, b2), eps, scale, transpose and len(shape) == 2,
-             seed)
+             seed, dtype)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("weight_decay", [None, 0.01])
-def test_large_parameter_is_shared_out_and_still_exact(weight_decay):
+def test_large_parameter_is_shared_out_and_still_exact(weight_decay, dtype):
     """Above 2**16 elements the pass is split over OpenMP's threads: the same bits."""
-    run_both((300, 301), 3, weight_decay, 1e-3, (0.9, 0.999), 1e-8, 1.0, False)
-    run_both((301, 300), 2, weight_decay, 1e-3, (0.9, 0.999), 1e-8, 1.0, True)
+    run_both((300, 301), 3, weight_decay, 1e-3, (0.9, 0.999), 1e-8, 1.0, False, dtype=dtype)
+    run_both((301, 300), 2, weight_decay, 1e-3, (0.9, 0.999), 1e-8, 1.0, True, dtype=dtype)
 
 
 @needs_kernel
-def test_non_finite_gradients_propagate_as_in_mlx():
-    g = mx.array([0.0, 1.0, float("nan"), float("inf"), -float("inf"), 1e38, -0.0, 3e-45])
-    p = mx.array([1.0, -1.0, 2.0, 0.0, -0.0, 5.0, 0.0, 1.0])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_non_finite_gradients_propagate_as_in_mlx(dtype):
+    g = mx.array([0.0, 1.0, float("nan"), float("inf"), -float("inf"), 1e38, -0.0, 3e-45],
+                 dtype)
+    p = mx.array([1.0, -1.0, 2.0, 0.0, -0.0, 5.0, 0.0, 1.0], dtype)
     for weight_decay in (None, 0.1):
         opt = mlx_optimizer(weight_decay, 1e-2, (0.9, 0.999), 1e-8)
         opt.init({"w": p})
@@ -116,7 +124,7 @@ def test_non_finite_gradients_propagate_as_in_mlx():
         pk, mk, vk = kernel_step(opt, g, p, mx.zeros_like(p), mx.zeros_like(p))
         mx.eval(new, pk, mk, vk)
         assert same(pk, new) and same(mk, opt.state["w"]["m"]) and same(vk, opt.state["w"]["v"])
-        assert np.isnan(np.array(pk)[2:5]).all()  # NaN and ±inf gradients: NaN parameters
+        assert mx.isnan(pk[2:5]).all().item()  # NaN and ±inf gradients: NaN parameters
 
 
 @needs_kernel
@@ -208,10 +216,13 @@ def test_differentiable_as_mlx_update():
 @needs_kernel
 @pytest.mark.parametrize("bad, message", [
     (dict(g=mx.zeros((3, 2))), r"the gradient has shape \(3, 2\), the parameter \(2, 3\)"),
-    (dict(m=mx.zeros((2, 3), mx.bfloat16)), "expected m to be float32"),
-    (dict(p=mx.zeros((2, 3), mx.float16), g=mx.zeros((2, 3), mx.float16)),
-     "expected the parameter to be float32"),
-    (dict(c1=mx.zeros((2,))), "expected c1 to be a float32 array of one element"),
+    (dict(m=mx.zeros((2, 3), mx.bfloat16)),
+     "expected m of the parameter's dtype float32, got bfloat16"),
+    (dict(p=mx.zeros((2, 3), mx.float16)),
+     "expected a float32 or bfloat16 parameter, got float16; use mlx.optimizers.Adam"),
+    (dict(c1=mx.zeros((2,))), r"expected c1 to be one float32 value .*, got float32 of shape "
+                              r"\(2,\)"),
+    (dict(c2=mx.array(1.0, mx.bfloat16)), "expected c2 to be one float32 value"),
 ])
 def test_bad_operands_are_refused_when_the_graph_is_built(bad, message):
     args = dict(p=mx.zeros((2, 3)), g=mx.zeros((2, 3)), m=mx.zeros((2, 3)), v=mx.zeros((2, 3)),
@@ -279,12 +290,26 @@ def test_fluxlike_adam_takes_the_kernel_and_trains_as_mlx_update(rule, monkeypat
 
 
 @needs_kernel
-def test_half_precision_parameters_keep_mlx_update(monkeypatch):
-    """bfloat16 parameters (a bf16 model) are updated by MLX's arithmetic, in bfloat16."""
+@pytest.mark.parametrize("rule", [fluxlike.Adam(1e-2), fluxlike.AdamW(1e-2, weight_decay=0.1)],
+                         ids=["Adam", "AdamW"])
+def test_bfloat16_parameters_take_the_kernel_in_bfloat16(rule, monkeypatch):
+    """A bfloat16 model (bf16mix) is updated by the kernel in bfloat16, with the bits of MLX's
+    bfloat16 update (the same model trained with the kernel switched off)."""
     calls = counting_kernel(monkeypatch)
-    params = train(fluxlike.Adam(1e-2), steps=2, dtype=mx.bfloat16)
+    mine = train(rule, steps=3, dtype=mx.bfloat16)
+    assert calls[0] >= 4
+    monkeypatch.setattr(ops, "adam_kernel", lambda: None)
+    ref = train(rule, steps=3, dtype=mx.bfloat16)
+    for name in mine:
+        assert mine[name].dtype == mx.bfloat16 and same(mine[name], ref[name]), name
+
+
+@needs_kernel
+def test_float16_parameters_keep_mlx_update(monkeypatch):
+    calls = counting_kernel(monkeypatch)
+    params = train(fluxlike.Adam(1e-2), steps=2, dtype=mx.float16)
     assert calls[0] == 0
-    assert all(p.dtype == mx.bfloat16 for p in params.values())
+    assert all(p.dtype == mx.float16 and mx.isfinite(p).all().item() for p in params.values())
 
 
 def test_without_the_kernel_adam_is_mlx_update():

@@ -1,4 +1,4 @@
-// fluxlike-native: the Adam update as an MLX primitive (see adam.h). The pass runs on MLX's
+// fluxlike-native: the Adam update as an MLX primitive (see adam.h), float32 and bfloat16. The pass runs on MLX's
 // CPU stream like the oneDNN kernels, split over OpenMP's threads (the libgomp oneDNN uses)
 // for a large parameter. Built with -fno-math-errno (so that sqrt vectorises: it gives the
 // same results, it only never sets errno) and -ffp-contract=off (no fused multiply-add: each
@@ -7,15 +7,18 @@
 #include "adam.h"
 #include "common.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/transforms.h"
+#include "mlx/utils.h"
 
 namespace fluxlike_native {
 
@@ -44,13 +47,47 @@ FLN_VECTOR_CLONES void adam_range(const float* p, const float* g, const float* m
   }
 }
 
+// bfloat16 as MLX's CPU ops compute it: each operation in float32, its result rounded to
+// bfloat16 (to nearest even; any NaN becomes 0x7FC0), as mlx/types/bf16.h converts.
+inline float widen(uint16_t b) {
+  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
+}
+
+inline uint16_t narrow(float x) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  uint32_t rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
+  return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
+}
+
+inline float r(float x) {  // x rounded to bfloat16, as a float
+  return widen(narrow(x));
+}
+
+FLN_VECTOR_CLONES void adam_range(const uint16_t* p, const uint16_t* g, const uint16_t* m,
+                                  const uint16_t* v, uint16_t* po, uint16_t* mo, uint16_t* vo,
+                                  int64_t lo, int64_t hi, float c1, float c2, float decay,
+                                  Constants k) {
+#pragma GCC ivdep
+  for (int64_t i = lo; i < hi; ++i) {
+    float gi = widen(g[i]);
+    float mi = r(r(k.b1 * widen(m[i])) + r(k.omb1 * gi));
+    float vi = r(r(k.b2 * widen(v[i])) + r(k.omb2 * r(gi * gi)));
+    float pi = r(widen(p[i]) * decay);
+    float step = r(r(c1 * mi) / r(r(r(std::sqrt(vi)) * c2) + k.eps));
+    mo[i] = narrow(mi);
+    vo[i] = narrow(vi);
+    po[i] = narrow(pi - step);
+  }
+}
+
 // Below this many elements one thread does the whole pass (a parallel region costs more
 // than it saves); above, blocks of BLOCK elements are shared out.
 constexpr int64_t PARALLEL_MIN = 1 << 16;
 constexpr int64_t BLOCK = 1 << 14;
 
-void adam_pass(const float* p, const float* g, const float* m, const float* v, float* po,
-               float* mo, float* vo, int64_t n, float c1, float c2, float decay, Constants k) {
+template <typename T>
+void adam_pass(const T* p, const T* g, const T* m, const T* v, T* po, T* mo, T* vo, int64_t n,
+               float c1, float c2, float decay, Constants k) {
   if (n < PARALLEL_MIN) {
     adam_range(p, g, m, v, po, mo, vo, 0, n, c1, c2, decay, k);
     return;
@@ -64,9 +101,21 @@ void adam_pass(const float* p, const float* g, const float* m, const float* v, f
   }
 }
 
+std::string dtype_str(mx::Dtype dt) {
+  std::ostringstream os;
+  os << dt;
+  return os.str();
+}
+
 void check(const mx::array& x, const char* what, const mx::array& p) {
-  if (x.dtype() != mx::float32) {
-    throw std::invalid_argument(std::string(FN) + ": expected " + what + " to be float32");
+  if (p.dtype() != mx::float32 && p.dtype() != mx::bfloat16) {
+    throw std::invalid_argument(std::string(FN) + ": expected a float32 or bfloat16 parameter, "
+                                "got " + dtype_str(p.dtype()) + "; use mlx.optimizers.Adam");
+  }
+  if (x.dtype() != p.dtype()) {
+    throw std::invalid_argument(std::string(FN) + ": expected " + what + " of the parameter's " +
+                                "dtype " + dtype_str(p.dtype()) + ", got " +
+                                dtype_str(x.dtype()));
   }
   if (x.shape() != p.shape()) {
     throw std::invalid_argument(std::string(FN) + ": " + what + " has shape " +
@@ -75,15 +124,17 @@ void check(const mx::array& x, const char* what, const mx::array& p) {
   }
 }
 
-void check_scalar(const mx::array& x, const char* what) {
-  if (x.dtype() != mx::float32 || x.size() != 1) {
-    throw std::invalid_argument(std::string(FN) + ": expected " + what +
-                                " to be a float32 array of one element");
+void check_scalar(const mx::array& x, const char* what, const mx::array& p) {
+  if (x.dtype() != p.dtype() || x.size() != 1) {
+    throw std::invalid_argument(std::string(FN) + ": expected " + what + " to be one " +
+                                dtype_str(p.dtype()) + " value (as the parameter), got " +
+                                dtype_str(x.dtype()) + " of shape " + shape_str(x.shape()));
   }
 }
 
-mx::array scalar(float value) {
-  return mx::array(value, mx::float32);
+// A value of one element as the pass reads it.
+float value(const void* x, bool bf16) {
+  return bf16 ? widen(*static_cast<const uint16_t*>(x)) : *static_cast<const float*>(x);
 }
 
 } // namespace
@@ -96,10 +147,10 @@ std::vector<mx::array> adam_step(
   check(g, "the gradient", p);
   check(m, "m", p);
   check(v, "v", p);
-  check_scalar(c1, "c1");
-  check_scalar(c2, "c2");
+  check_scalar(c1, "c1", p);
+  check_scalar(c2, "c2", p);
   if (decay) {
-    check_scalar(*decay, "decay");
+    check_scalar(*decay, "decay", p);
   }
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
@@ -110,11 +161,17 @@ std::vector<mx::array> adam_step(
   if (decay) {
     inputs.push_back(*decay);
   }
-  auto prim = std::make_shared<AdamStep>(
-      stream, static_cast<float>(b1), static_cast<float>(1.0 - b1), static_cast<float>(b2),
-      static_cast<float>(1.0 - b2), static_cast<float>(eps));
-  return mx::array::make_arrays({p.shape(), p.shape(), p.shape()},
-                                {mx::float32, mx::float32, mx::float32}, prim, inputs);
+  // The constants as MLX makes a Python float an array of the parameter's dtype: to float32,
+  // then (bfloat16) rounded.
+  bool bf16 = p.dtype() == mx::bfloat16;
+  auto constant = [bf16](double x) {
+    auto f = static_cast<float>(x);
+    return bf16 ? r(f) : f;
+  };
+  auto prim = std::make_shared<AdamStep>(stream, constant(b1), constant(1.0 - b1), constant(b2),
+                                         constant(1.0 - b2), constant(eps));
+  auto dt = p.dtype();
+  return mx::array::make_arrays({p.shape(), p.shape(), p.shape()}, {dt, dt, dt}, prim, inputs);
 }
 
 bool AdamStep::is_equivalent(const mx::Primitive& other) const {
@@ -152,16 +209,30 @@ void AdamStep::eval_cpu(const std::vector<mx::array>& inputs,
     encoder.set_output_array(out);
   }
   bool has_decay = inputs.size() == 7;
-  encoder.dispatch([p = dense[0].data<float>(), g = dense[1].data<float>(),
-                    m = dense[2].data<float>(), v = dense[3].data<float>(),
-                    po = outputs[0].data<float>(), mo = outputs[1].data<float>(),
-                    vo = outputs[2].data<float>(), c1 = inputs[4].data<float>(),
-                    c2 = inputs[5].data<float>(),
-                    decay = has_decay ? inputs[6].data<float>() : nullptr,
+  encoder.dispatch([p = dense[0].data<void>(), g = dense[1].data<void>(),
+                    m = dense[2].data<void>(), v = dense[3].data<void>(),
+                    po = outputs[0].data<void>(), mo = outputs[1].data<void>(),
+                    vo = outputs[2].data<void>(), c1 = inputs[4].data<void>(),
+                    c2 = inputs[5].data<void>(),
+                    decay = has_decay ? inputs[6].data<void>() : nullptr,
                     n = static_cast<int64_t>(outputs[0].size()),
+                    bf16 = outputs[0].dtype() == mx::bfloat16,
                     k = Constants{b1_, omb1_, b2_, omb2_, eps_}]() {
-    // p * 1 is p exactly (NaN, infinities and -0 too): Adam is AdamW's pass with decay 1.
-    adam_pass(p, g, m, v, po, mo, vo, n, *c1, *c2, decay ? *decay : 1.0f, k);
+    // p * 1 is p exactly (NaN, infinities and -0 too; in bfloat16 p rounds to itself): Adam is
+    // AdamW's pass with decay 1.
+    float c1v = value(c1, bf16), c2v = value(c2, bf16);
+    float d = decay != nullptr ? value(decay, bf16) : 1.0f;
+    if (bf16) {
+      using T = uint16_t;
+      adam_pass(static_cast<const T*>(p), static_cast<const T*>(g), static_cast<const T*>(m),
+                static_cast<const T*>(v), static_cast<T*>(po), static_cast<T*>(mo),
+                static_cast<T*>(vo), n, c1v, c2v, d, k);
+    } else {
+      using T = float;
+      adam_pass(static_cast<const T*>(p), static_cast<const T*>(g), static_cast<const T*>(m),
+                static_cast<const T*>(v), static_cast<T*>(po), static_cast<T*>(mo),
+                static_cast<T*>(vo), n, c1v, c2v, d, k);
+    }
   });
 }
 
@@ -173,6 +244,7 @@ std::vector<mx::array> AdamStep::reference(const std::vector<mx::array>& in) {
   auto s = stream();
   auto p = in.size() == 7 ? mx::multiply(in[0], in[6], s) : in[0];
   const auto& g = in[1];
+  auto scalar = [dt = in[0].dtype()](float x) { return mx::array(x, dt); };
   auto m = mx::add(mx::multiply(scalar(b1_), in[2], s), mx::multiply(scalar(omb1_), g, s), s);
   auto v = mx::add(mx::multiply(scalar(b2_), in[3], s),
                    mx::multiply(scalar(omb2_), mx::square(g, s), s), s);

@@ -1,4 +1,4 @@
-// fluxlike-native: the Adam (and AdamW) update of one float32 parameter as one MLX primitive
+// fluxlike-native: the Adam (and AdamW) update of one parameter as one MLX primitive
 // (CPU): one vectorised, threaded pass over the parameter, its gradient and both moments.
 // MLX's CPU kernel compiler leaves the same arithmetic scalar (see bench/jit.py), and eagerly
 // it is about ten ops, each a pass over memory.
@@ -15,18 +15,21 @@ namespace mx = mlx::core;
 namespace fluxlike_native {
 
 // What mlx.optimizers.Adam(bias_correction=True).apply_single computes, bit for bit (each
-// operation rounded to float32 in its order, no fused multiply-add):
+// operation in float32 in its order, no fused multiply-add, its result rounded to the
+// parameter's dtype, float32 or bfloat16, as MLX's CPU ops round it):
 //
 //   p  = p * decay                       (AdamW: decay = 1 - lr * weight_decay; else none)
 //   m' = b1 * m + (1 - b1) * g
 //   v' = b2 * v + (1 - b2) * g * g
 //   p' = p - (c1 * m') / (sqrt(v') * c2 + eps)
 //
-// with c1 = lr / (1 - b1^t) and c2 = rsqrt(1 - b2^t) given as float32 scalars (arrays of one
-// element, computed in the graph: a schedule's learning rate and the step count change them).
-// b1, b2 and eps are the optimiser's Python floats; 1 - b1 and 1 - b2 are taken in double, as
-// Python does, and all are then rounded to float32. p, g, m and v are float32 arrays of one
-// shape. Returns {p', m', v'}; a output reuses its input's buffer where MLX lets it donate.
+// with c1 = lr / (1 - b1^t) and c2 = rsqrt(1 - b2^t) given as scalars of the parameter's dtype
+// (arrays of one element, computed in the graph: a schedule's learning rate and the step
+// count change them). b1, b2 and eps are the optimiser's Python floats; 1 - b1 and 1 - b2 are
+// taken in double, as Python does, and all are then rounded to float32 (and to bfloat16 for a
+// bfloat16 parameter), as MLX makes a Python float an array. p, g, m and v are arrays of one
+// shape and dtype. Returns {p', m', v'}; an output reuses its input's buffer where MLX lets it
+// donate.
 std::vector<mx::array> adam_step(
     const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
     const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
