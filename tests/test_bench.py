@@ -7,6 +7,7 @@ that the worker answers, computes the model and ends at the end of its input.
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -143,3 +144,18 @@ def test_an_autocast_call_runs_little_python():
     assert rows["autocast"][0] <= 50 and rows["autocast"][1] <= 20, rows
     assert rows["plain"][0] <= 24 and rows["plain"][1] <= 8, rows
     assert "fluxlike/precision/ops.py: linear" in done.stdout  # and the call path is printed
+
+
+def test_adam_bench_reports_every_variant():
+    """bench/adam.py on the seed MLP's parameters, one round: every MLX variant has a time
+    and a ratio to fluxlike's update (PyTorch is left out where this Python has no torch);
+    only the report's shape is checked, no timing."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "adam.py"), "--models", "seed", "--rounds", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("fl update", "fl -native", "mlx eager", "fl bf16", "fl bf16 -native"):
+        assert re.search(rf"^  {re.escape(name)} +[0-9.]+ ms +[0-9.]+x$", done.stdout, re.M), name
+    assert re.search(r"^  fl update +[0-9.]+ ms +1\.00x$", done.stdout, re.M)
+    assert "seed: 134154 parameters" in done.stdout

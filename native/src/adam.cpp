@@ -30,8 +30,8 @@ struct Constants {
   float b1, omb1, b2, omb2, eps;
 };
 
-// Elements [lo, hi). Outputs may be their inputs (a donated buffer: the same element is read
-// before it is written), hence ivdep rather than restrict.
+// Elements [lo, hi). ivdep: no element depends on another (GCC would otherwise version the
+// loop for the 12 pairs of arrays that might overlap, more than it tests, and leave it scalar).
 FLN_VECTOR_CLONES void adam_range(const float* p, const float* g, const float* m,
                                   const float* v, float* po, float* mo, float* vo, int64_t lo,
                                   int64_t hi, float c1, float c2, float decay, Constants k) {
@@ -189,15 +189,11 @@ void AdamStep::eval_cpu(const std::vector<mx::array>& inputs,
     const auto& x = inputs[i];
     dense.push_back(x.flags().row_contiguous ? x : row_contiguous_copy(x, encoder));
   }
-  // p' into p's buffer, m' into m's, v' into v's where they can be donated.
-  const int source[3] = {0, 2, 3};
-  for (int k = 0; k < 3; ++k) {
-    const auto& in = inputs[source[k]];
-    if (in.is_donatable() && in.flags().row_contiguous && in.size() == outputs[k].size()) {
-      outputs[k].copy_shared_buffer(in);
-    } else {
-      outputs[k].set_data(mx::allocator::malloc(outputs[k].nbytes()));
-    }
+  // New buffers for p', m' and v'. (Writing them over p, m and v would save a third of the
+  // pass's memory traffic, but MLX gives each output of a primitive its own copy of the
+  // inputs, so no input of one with several outputs is ever donatable.)
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
   }
   if (outputs[0].size() == 0) {
     return;

@@ -28,8 +28,7 @@ namespace fluxlike_native {
 // count change them). b1, b2 and eps are the optimiser's Python floats; 1 - b1 and 1 - b2 are
 // taken in double, as Python does, and all are then rounded to float32 (and to bfloat16 for a
 // bfloat16 parameter), as MLX makes a Python float an array. p, g, m and v are arrays of one
-// shape and dtype. Returns {p', m', v'}; an output reuses its input's buffer where MLX lets it
-// donate.
+// shape and dtype. Returns {p', m', v'}.
 std::vector<mx::array> adam_step(
     const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
     const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,

@@ -1,0 +1,174 @@
+"""The Adam update alone: fluxlike's (the native kernel), MLX's compiled and eager updates, and
+PyTorch's three CPU implementations, on the parameters of the benchmark MLPs.
+
+Each variant updates its own copy of the model's parameters with fixed gradients, Adam(1e-3)
+with bias correction; one sample is ``calls`` updates each followed by ``mx.eval`` of the
+parameters and the moments (PyTorch: ``opt.step()``). The MLX variants are interleaved in
+this process (a new order each round) and their medians kept; PyTorch runs in a process of
+its own (as in ``bench/run.py``), its single-tensor loop (its CPU default), ``foreach=True``
+and ``fused=True``, at the same sizes.
+
+- ``fl update``: ``fluxlike.update`` with ``fluxlike.Adam``: on the CPU the native kernel
+  (``fluxlike.native.adam_kernel``) for float32 and bfloat16 parameters;
+- ``fl -native``: the same with the kernel switched off: MLX's fused kernels, as ``update``
+  compiles the step;
+- ``mlx eager``: ``mlx.optimizers.Adam(bias_correction=True).update`` (about ten ops per
+  parameter);
+- ``fl bf16``: ``fluxlike.update`` on a bfloat16 copy of the model (``bf16mix``'s parameters
+  and moments), the kernel's bfloat16 pass; ``fl bf16 -native`` MLX's.
+
+    .venv/bin/python bench/adam.py [--models seed,large] [--rounds 9] [--torch PYTHON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+SIZES = {"seed": [256, 256, 256, 10], "large": [2048] * 5}
+CALLS = {"seed": 200, "large": 3}
+
+
+def shapes(model: str) -> list[tuple[int, ...]]:
+    dims = SIZES[model]
+    out: list[tuple[int, ...]] = []
+    for a, b in zip(dims[:-1], dims[1:], strict=True):
+        out += [(b, a), (b,)]
+    return out
+
+
+def arrays(model: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal(s).astype(np.float32) * 0.05 for s in shapes(model)]
+    grads = [rng.standard_normal(s).astype(np.float32) * 1e-2 for s in shapes(model)]
+    return params, grads
+
+
+def torch_child(model: str, rounds: int) -> None:
+    import torch
+
+    params, grads = arrays(model)
+    variants = {"torch single": {"foreach": False}, "torch foreach": {"foreach": True},
+                "torch fused": {"fused": True}}
+    steps = {}
+    for name, kw in variants.items():
+        ps = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
+        for p, g in zip(ps, grads, strict=True):
+            p.grad = torch.from_numpy(g)
+        opt = torch.optim.Adam(ps, lr=1e-3, **kw)
+        opt.step()
+        steps[name] = opt.step
+    print(json.dumps(interleave(steps, CALLS[model], rounds)))
+
+
+def interleave(steps: dict[str, Callable[[], object]], calls: int, rounds: int
+               ) -> dict[str, float]:
+    """Median ms per call of each variant over ``rounds`` interleaved samples."""
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    names = list(steps)
+    for _ in range(rounds):
+        random.shuffle(names)
+        for name in names:
+            steps[name]()
+            start = time.perf_counter()
+            for _ in range(calls):
+                steps[name]()
+            samples[name].append((time.perf_counter() - start) / calls * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def mlx_variants(model: str) -> dict[str, Callable[[], object]]:
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from run import without_native
+
+    import fluxlike
+
+    params, grads = arrays(model)
+
+    class Params(nn.Module):
+        def __init__(self, dtype: mx.Dtype):
+            super().__init__()
+            self.ws = [mx.array(p).astype(dtype) for p in params]
+
+    def fl(dtype: mx.Dtype) -> Callable[[], object]:
+        m = Params(dtype)
+        state = fluxlike.setup(fluxlike.Adam(1e-3), m)
+        g = {"ws": [mx.array(x).astype(dtype) for x in grads]}
+        mx.eval(g)
+
+        def step() -> None:
+            fluxlike.update(state, m, g)
+            mx.eval(m.parameters(), state.optimizer.state)
+
+        return step
+
+    def eager() -> Callable[[], object]:
+        m, opt = Params(mx.float32), optim.Adam(1e-3, bias_correction=True)
+        g = {"ws": [mx.array(x) for x in grads]}
+
+        def step() -> None:
+            opt.update(m, g)
+            mx.eval(m.parameters(), opt.state)
+
+        return step
+
+    made = {"fl update": fl(mx.float32), "fl -native": without_native(lambda: fl(mx.float32))(),
+            "mlx eager": eager(), "fl bf16": fl(mx.bfloat16),
+            "fl bf16 -native": without_native(lambda: fl(mx.bfloat16))()}
+    # A step traces its compiled update on its first call: trace the -native ones without
+    # the kernel, as they are measured.
+    for name, step in made.items():
+        (without_native(step) if "-native" in name else step)()
+    return made
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="seed,large")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--torch", metavar="PYTHON", default=sys.executable,
+                        help="a Python with torch for the PyTorch columns (default: this one)")
+    parser.add_argument("--torch-child", metavar="MODEL", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.torch_child:
+        torch_child(args.torch_child, args.rounds)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import mlx.core as mx
+
+    from fluxlike import native
+
+    mx.set_cache_limit(1 << 32)  # as update's first step raises it: no page faults in samples
+    print(f"# The Adam update alone (ms per update; ratios to fl update)\n"
+          f"native: {native.native_info().reason}")
+    for model in args.models.split(","):
+        if model not in SIZES:
+            sys.exit(f"unknown model {model!r}: expected one of {', '.join(SIZES)}")
+        n = sum(int(np.prod(s)) for s in shapes(model))
+        times = interleave(mlx_variants(model), CALLS[model], args.rounds)
+        peak = mx.get_peak_memory() / 2**20
+        done = subprocess.run([args.torch, __file__, "--torch-child", model, "--rounds",
+                               str(args.rounds)], capture_output=True, text=True)
+        if done.returncode == 0:
+            times.update(json.loads(done.stdout.strip().splitlines()[-1]))
+        else:
+            print(f"(PyTorch left out: {done.stderr.strip().splitlines()[-1:]})")
+        base = times["fl update"]
+        print(f"\n{model}: {n} parameters; this process's peak memory {peak:.0f} MiB")
+        for name, ms in times.items():
+            print(f"  {name:16s} {ms:9.3f} ms  {ms / base:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
