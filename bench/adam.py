@@ -17,7 +17,11 @@ and ``fused=True``, at the same sizes.
 - ``fl bf16``: ``fluxlike.update`` on a bfloat16 copy of the model (``bf16mix``'s parameters
   and moments), the kernel's bfloat16 pass; ``fl bf16 -native`` MLX's.
 
-    .venv/bin/python bench/adam.py [--models seed,large] [--rounds 9] [--torch PYTHON]
+``--split`` also times the large MLP's whole training step (``bench/run.py``'s ``fl f32`` and
+``fl autocast``) against its forward + backward alone (``withgradient``), interleaved: what the
+update's share of the step is, float32 and under ``autocast(mx.bfloat16)``.
+
+    .venv/bin/python bench/adam.py [--models seed,large] [--rounds 9] [--torch PYTHON] [--split]
 """
 
 from __future__ import annotations
@@ -133,12 +137,49 @@ def mlx_variants(model: str) -> dict[str, Callable[[], object]]:
     return made
 
 
+def step_split(rounds: int) -> None:
+    """The large MLP's step and its forward + backward alone, float32 and under autocast."""
+    import mlx.core as mx
+    import models as M
+
+    import fluxlike
+    from fluxlike import setup, update, withgradient
+
+    spec = M.SPECS["large"]
+    ws = M.weights(spec)
+    x_np, labels = M.data(spec)
+    x, y = mx.array(x_np), mx.array(M.onehot(labels, spec.classes))
+    model = M.fluxlike_model(spec, ws)
+    state = setup(fluxlike.Adam(1e-3), model)
+
+    def made(ac: mx.Dtype | None, step: bool) -> Callable[[], object]:
+        def run() -> None:
+            loss, grads = withgradient(lambda m: M.fluxlike_loss(m, x, y), model, autocast=ac)
+            if step:
+                update(state, model, grads[0])
+            mx.eval(loss, grads, model.parameters(), state.optimizer.state)
+
+        return run
+
+    times = interleave({"fwd+bwd f32": made(None, False), "fwd+bwd autocast": made(mx.bfloat16,
+                                                                                   False),
+                        "step f32": made(None, True), "step autocast": made(mx.bfloat16, True)},
+                       3, rounds)
+    print("\nlarge: the training step split (ms; the step = forward + backward + update)")
+    for name, ms in times.items():
+        print(f"  {name:16s} {ms:9.1f} ms")
+    print(f"  autocast / f32: step {times['step autocast'] / times['step f32']:.2f}, "
+          f"forward + backward {times['fwd+bwd autocast'] / times['fwd+bwd f32']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="seed,large")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--torch", metavar="PYTHON", default=sys.executable,
                         help="a Python with torch for the PyTorch columns (default: this one)")
+    parser.add_argument("--split", action="store_true",
+                        help="also split the large MLP's training step (see above)")
     parser.add_argument("--torch-child", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torch_child:
@@ -168,6 +209,8 @@ def main() -> None:
         print(f"\n{model}: {n} parameters; this process's peak memory {peak:.0f} MiB")
         for name, ms in times.items():
             print(f"  {name:16s} {ms:9.3f} ms  {ms / base:6.2f}x")
+    if args.split:
+        step_split(args.rounds)
 
 
 if __name__ == "__main__":
