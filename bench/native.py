@@ -84,14 +84,8 @@ def today_linear(x, w, b, act):
 
 def emulated_linear(x, w, b, act):
     """``ops.linear`` with the native kernels switched off: the float32-kernel emulation."""
-    saved = native.available, native.bfloat16_native
-    native.available = native.bfloat16_native = lambda: False
-    ops.forget_native()  # ops asks once per process (its float32 kernels too): ask again
-    try:
+    with native.disabled():
         return ops.linear(x, w, b, _relu if act else None)
-    finally:
-        native.available, native.bfloat16_native = saved
-        ops.forget_native()
 
 
 def _relu(y):

@@ -69,22 +69,13 @@ NATIVE_KERNELS = ("linear", "matmul", "conv", "conv_transpose", "attention", "so
 
 
 def without_native(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with fluxlike's native kernels switched off while it builds its graph (what
-    ``FLUXLIKE_NATIVE=0`` does for a whole process): ``native.available()`` and
-    ``native.bfloat16_native()`` say no, so every routing decision takes MLX's kernels."""
+    """``fn`` with fluxlike's native kernels switched off while it builds its graph
+    (:func:`fluxlike.native.disabled`: what ``FLUXLIKE_NATIVE=0`` does for a whole process),
+    so every routing decision takes MLX's kernels."""
 
     def run() -> object:
-        saved = {name: getattr(native, name) for name in ("available", "bfloat16_native")
-                 if hasattr(native, name)}
-        for name in saved:
-            setattr(native, name, lambda: False)
-        ops.forget_native()  # ops asks once per process: ask again, and after
-        try:
+        with native.disabled():
             return fn()
-        finally:
-            for name, value in saved.items():
-                setattr(native, name, value)
-            ops.forget_native()
 
     return run
 

@@ -40,7 +40,8 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -48,7 +49,7 @@ from typing import Any
 import mlx.core as mx
 
 __all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "attention", "available",
-           "bfloat16_native",
+           "bfloat16_native", "disabled", "on_switch",
            "conv", "conv_transpose", "linear", "matmul", "max_pool", "native_info", "pays",
            "plain_linear_kernel", "provides", "softmax", "split_act"]
 
@@ -86,6 +87,8 @@ _lock = threading.Lock()
 _info: NativeInfo | None = None
 _ext: ModuleType | None = None
 _bf16_native = False
+_switched_off = 0  # how many disabled() blocks are open
+_on_switch: list[Callable[[], None]] = []
 
 
 def native_info() -> NativeInfo:
@@ -103,16 +106,59 @@ def native_info() -> NativeInfo:
 
 
 def available() -> bool:
-    """Whether the native kernels are in use (:func:`native_info`'s ``available``)."""
+    """Whether the native kernels are in use (:func:`native_info`'s ``available``; ``False``
+    inside :func:`disabled`)."""
+    if _switched_off:
+        return False
     return (_info if _info is not None else native_info()).available
 
 
 def bfloat16_native() -> bool:
     """Whether bfloat16 operands run in oneDNN's bfloat16 kernels here (:func:`native_info`'s
     ``bfloat16 == "native"``): the kernels are in use and the CPU has AVX512_CORE_BF16."""
+    if _switched_off:
+        return False
     if _info is None:
         _load()
     return _bf16_native
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """The native kernels switched off while the block runs, in the whole process, as
+    ``FLUXLIKE_NATIVE=0`` switches them off for a process: graphs built inside take MLX's
+    kernels (the layers', attention's and the optimiser update's); graphs built before, and
+    compiled steps traced before, keep what they had. For comparisons and tests (bench/run.py's
+    ``-native`` columns); other threads building graphs meanwhile see the switch too. Blocks
+    nest.
+
+    >>> from fluxlike import native
+    >>> with native.disabled():
+    ...     native.available()
+    False
+    """
+    global _switched_off
+    with _lock:
+        _switched_off += 1
+    _switched()
+    try:
+        yield
+    finally:
+        with _lock:
+            _switched_off -= 1
+        _switched()
+
+
+def on_switch(callback: Callable[[], None]) -> None:
+    """Have :func:`disabled` call ``callback()`` when it switches the kernels off and on again:
+    for code that keeps a decision taken from :func:`available` (``fluxlike.precision.ops``
+    registers its ``forget_native``)."""
+    _on_switch.append(callback)
+
+
+def _switched() -> None:
+    for callback in _on_switch:
+        callback()
 
 
 def _load() -> None:

@@ -1425,18 +1425,32 @@ def _cnn():
                     fl.Dense(16 * 7 * 7, 3))
 
 
-def _without_native(fn):
-    """``fn()`` with the native kernels switched off in-process (as FLUXLIKE_NATIVE=0)."""
+def test_disabled_switches_the_kernels_off_for_the_block_and_on_again():
+    """native.disabled(): inside, nothing reports the kernels in use, and graphs built there
+    take MLX's kernels, with MLX's results; nested blocks and an exception inside leave the
+    kernels as they were; outside, the routing asks again."""
+    from fluxlike import Dense
     from fluxlike.precision import ops
 
-    saved = native.available, native.bfloat16_native
-    native.available = native.bfloat16_native = lambda: False
-    ops.forget_native()
-    try:
+    layer, x = Dense(8, 4, relu), mx.random.normal((3, 8), key=mx.random.key(0))
+    before = (native.available(), ops.adam_kernel() is not None)
+    with native.disabled():
+        assert not native.available() and not native.bfloat16_native()
+        assert native.adam_kernel() is None and ops.adam_kernel() is None
+        inside = layer(x)
+        with pytest.raises(RuntimeError, match="boom"), native.disabled():
+            raise RuntimeError("boom")
+        assert not native.available()  # the inner block's exit does not switch them on
+    assert (native.available(), ops.adam_kernel() is not None) == before == (
+        INFO.available, INFO.available)
+    ref = mx.maximum(x @ layer.weight.T + layer.bias, 0)
+    np.testing.assert_allclose(np64(inside), np64(ref), rtol=1e-6, atol=1e-6)
+
+
+def _without_native(fn):
+    """``fn()`` with the native kernels switched off in-process (as FLUXLIKE_NATIVE=0)."""
+    with native.disabled():
         return fn()
-    finally:
-        native.available, native.bfloat16_native = saved
-        ops.forget_native()
 
 
 @needs_native

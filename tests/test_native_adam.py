@@ -263,14 +263,8 @@ def counting_kernel(monkeypatch) -> list[int]:
 
 
 def without_native(fn):
-    saved = native.available, native.bfloat16_native
-    native.available = native.bfloat16_native = lambda: False
-    ops.forget_native()
-    try:
+    with native.disabled():
         return fn()
-    finally:
-        native.available, native.bfloat16_native = saved
-        ops.forget_native()
 
 
 @needs_kernel

@@ -501,8 +501,8 @@ def _native_softmax() -> bool:
 
 def forget_native() -> None:
     """Have the routing ask :mod:`fluxlike.native` again whether its kernels are in use (it
-    asks once per process): for code that switches them off in-process, as bench/run.py's
-    ``-native`` columns and the tests do."""
+    asks once per process): :func:`fluxlike.native.disabled` calls it, and so may code that
+    changes what :mod:`fluxlike.native` finds (a test replacing its module)."""
     for decided in _DECISIONS:
         decided.cache_clear()
 
@@ -515,6 +515,7 @@ def adam_kernel() -> Callable[..., tuple[mx.array, mx.array, mx.array]] | None:
 
 
 _DECISIONS = (_native_in_use, _plain_kernel, _native_softmax, adam_kernel)  # as defined
+native.on_switch(forget_native)
 
 
 def _native_softmax_cpu() -> bool:
