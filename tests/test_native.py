@@ -1613,3 +1613,19 @@ def test_max_pool_of_minus_inf_windows_is_minus_inf(dtype):
     assert np64(y).reshape(-1).tolist() == [-inf, 2, -inf, low, 5]
     z = native.max_pool(mx.full((1, 3, 3, 1), -inf, dtype), 3, stride=1, padding=1)
     assert (np64(z) == -inf).all()
+
+
+def test_export_inside_disabled(tmp_path):
+    """MLX cannot serialize the native primitives; inside native.disabled() a layer's graph
+    takes MLX's kernels, and mx.export_function / import_function work (as the README says)."""
+    from fluxlike import Dense
+
+    layer, x = Dense(8, 4, relu), mx.random.normal((2, 8), key=mx.random.key(0))
+    path = str(tmp_path / "dense.mlxfn")
+    if INFO.available:
+        with pytest.raises(ValueError, match="Unable to serialize primitive FluxlikeNative"):
+            mx.export_function(str(tmp_path / "native.mlxfn"), lambda x: layer(x), x)
+    with native.disabled():
+        mx.export_function(path, lambda x: layer(x), x)
+    (y,) = mx.import_function(path)(x)
+    np.testing.assert_allclose(np64(y), np64(layer(x)), rtol=1e-5, atol=1e-6)
