@@ -349,14 +349,16 @@ def plain_linear_kernel() -> Callable[[mx.array, mx.array, mx.array | None, bool
 
 
 def adam_kernel() -> Callable[..., tuple[mx.array, mx.array, mx.array]] | None:
-    """The companion's Adam update of one float32 parameter,
+    """The companion's Adam update of one float32 or bfloat16 parameter,
     ``kernel(p, g, m, v, c1, c2, decay, b1, b2, eps) -> (p', m', v')``: one vectorised pass
     (threaded for a large parameter) computing what ``mlx.optimizers.Adam``'s bias-corrected
     update computes, bit for bit, with ``c1 = lr / (1 - b1**step)`` and
-    ``c2 = rsqrt(1 - b2**step)`` as float32 scalars and ``decay = 1 - lr * weight_decay``
-    (AdamW) or ``None``; CPU only. fluxlike's :class:`~fluxlike.Adam` and
-    :class:`~fluxlike.AdamW` use it for float32 parameters on the CPU. ``None`` where the
-    kernels are not in use (or a build predates the entry).
+    ``c2 = rsqrt(1 - b2**step)`` as 0-d arrays of the parameter's dtype and
+    ``decay = 1 - lr * weight_decay`` (AdamW) or ``None``; ``g``, ``m`` and ``v`` of the
+    parameter's shape and dtype; CPU only; differentiable (MLX's derivatives of the same
+    formula) and ``mx.vmap``-able. fluxlike's :class:`~fluxlike.Adam` and
+    :class:`~fluxlike.AdamW` use it for float32 and bfloat16 parameters on the CPU. ``None``
+    where the kernels are not in use (or a build predates the entry).
 
     >>> import mlx.core as mx
     >>> from fluxlike import native

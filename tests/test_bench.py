@@ -159,3 +159,7 @@ def test_adam_bench_reports_every_variant():
         assert re.search(rf"^  {re.escape(name)} +[0-9.]+ ms +[0-9.]+x$", done.stdout, re.M), name
     assert re.search(r"^  fl update +[0-9.]+ ms +1\.00x$", done.stdout, re.M)
     assert "seed: 134154 parameters" in done.stdout
+    from fluxlike import native
+
+    takes = "the native kernel" if native.adam_kernel() is not None else "MLX's update"
+    assert f"fl update takes {takes}" in done.stdout

@@ -510,7 +510,8 @@ def forget_native() -> None:
 @functools.cache
 def adam_kernel() -> Callable[..., tuple[mx.array, mx.array, mx.array]] | None:
     """:func:`fluxlike.native.adam_kernel` where the kernels are in use, asked once per
-    process (fluxlike's Adam and AdamW update float32 parameters on the CPU with it)."""
+    process (fluxlike's Adam and AdamW update float32 and bfloat16 parameters on the CPU with
+    it)."""
     return native.adam_kernel() if _native_in_use() else None
 
 

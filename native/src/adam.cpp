@@ -115,20 +115,22 @@ void check(const mx::array& x, const char* what, const mx::array& p) {
   if (x.dtype() != p.dtype()) {
     throw std::invalid_argument(std::string(FN) + ": expected " + what + " of the parameter's " +
                                 "dtype " + dtype_str(p.dtype()) + ", got " +
-                                dtype_str(x.dtype()));
+                                dtype_str(x.dtype()) + "; cast it to " +
+                                dtype_str(p.dtype()) + ", or use mlx.optimizers.Adam");
   }
   if (x.shape() != p.shape()) {
     throw std::invalid_argument(std::string(FN) + ": " + what + " has shape " +
                                 shape_str(x.shape()) + ", the parameter " +
-                                shape_str(p.shape()));
+                                shape_str(p.shape()) + "; they must have one shape");
   }
 }
 
 void check_scalar(const mx::array& x, const char* what, const mx::array& p) {
-  if (x.dtype() != p.dtype() || x.size() != 1) {
-    throw std::invalid_argument(std::string(FN) + ": expected " + what + " to be one " +
-                                dtype_str(p.dtype()) + " value (as the parameter), got " +
-                                dtype_str(x.dtype()) + " of shape " + shape_str(x.shape()));
+  if (x.dtype() != p.dtype() || x.ndim() != 0) {
+    throw std::invalid_argument(std::string(FN) + ": expected " + what + " to be a 0-d " +
+                                dtype_str(p.dtype()) + " array (the parameter's dtype), got " +
+                                dtype_str(x.dtype()) + " of shape " + shape_str(x.shape()) +
+                                "; use mlx.optimizers.Adam for a broadcast learning rate");
   }
 }
 
@@ -230,6 +232,54 @@ void AdamStep::eval_cpu(const std::vector<mx::array>& inputs,
                 static_cast<T*>(vo), n, c1v, c2v, d, k);
     }
   });
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> AdamStep::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  int size = 0;  // the mapped axis's length
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      size = inputs[i].shape(axes[i]);
+    }
+  }
+  // p, g, m, v with the mapped axis in front, each of the shape of the batched parameter.
+  mx::Shape shape;
+  for (int i = 0; i < 4 && shape.empty(); ++i) {
+    if (axes[i] >= 0) {
+      shape = mx::moveaxis(inputs[i], axes[i], 0, s).shape();
+    }
+  }
+  if (shape.empty()) {  // only scalars mapped
+    shape = inputs[0].shape();
+    shape.insert(shape.begin(), size);
+  }
+  std::vector<mx::array> batched;
+  for (int i = 0; i < 4; ++i) {
+    batched.push_back(axes[i] >= 0
+                          ? mx::moveaxis(inputs[i], axes[i], 0, s)
+                          : mx::broadcast_to(mx::expand_dims(inputs[i], 0, s), shape, s));
+  }
+  bool scalars_mapped = false;
+  for (size_t i = 4; i < inputs.size(); ++i) {
+    scalars_mapped = scalars_mapped || axes[i] >= 0;
+  }
+  auto dt = inputs[0].dtype();
+  auto operands = batched;
+  if (!scalars_mapped) {  // one learning rate for all: the same kernel over the batch
+    operands.insert(operands.end(), inputs.begin() + 4, inputs.end());
+    auto prim = std::make_shared<AdamStep>(s, b1_, omb1_, b2_, omb2_, eps_);
+    return {mx::array::make_arrays({shape, shape, shape}, {dt, dt, dt}, prim, operands),
+            {0, 0, 0}};
+  }
+  // A scalar per member: (size, 1, ..., 1), broadcast by the formula's ops.
+  mx::Shape column(shape.size(), 1);
+  column[0] = size;
+  for (size_t i = 4; i < inputs.size(); ++i) {
+    operands.push_back(axes[i] >= 0 ? mx::reshape(inputs[i], column, s) : inputs[i]);
+  }
+  return {reference(operands), {0, 0, 0}};
 }
 
 void AdamStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -58,6 +58,13 @@ class AdamStep : public mx::Primitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
 
+  // Elementwise: the mapped axis moves to the front (broadcast where an operand is not
+  // mapped), then the same kernel; scalars mapped too (one learning rate per member) take
+  // the formula in MLX's ops.
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[0].shape(), inputs[0].shape()};
   }
@@ -66,6 +73,8 @@ class AdamStep : public mx::Primitive {
     return "FluxlikeNativeAdamStep";
   }
 
+  // The constants only: mx.compile merges two steps only if their inputs are the same too
+  // (the same arrays, hence the same count and dtypes).
   bool is_equivalent(const mx::Primitive& other) const override;
 
   // The same update in MLX's ops (what the derivatives are taken of, and the reference the

@@ -136,8 +136,8 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       },
       "p"_a, "g"_a, "m"_a, "v"_a, "c1"_a, "c2"_a, "decay"_a.none(), "b1"_a, "b2"_a, "eps"_a,
       nb::kw_only(), "stream"_a = nb::none(),
-      R"((p', m', v'): mlx.optimizers.Adam's bias-corrected update of a float32 parameter in
-one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see adam.h).)");
+      R"((p', m', v'): mlx.optimizers.Adam's bias-corrected update of a float32 or bfloat16
+parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see adam.h).)");
 
   m.def("pool_cache_size", &fluxlike_native::pool_cache_size,
         "Cached oneDNN pooling primitives.");
