@@ -304,28 +304,16 @@ std::vector<mx::array> AdamStep::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  auto fn = [this](const std::vector<mx::array>& in) { return reference(in); };
-  auto grads = mx::vjp(fn, primals, cotangents).second;
-  std::vector<mx::array> picked;
-  for (int arg : argnums) {
-    picked.push_back(grads[arg]);
-  }
-  return picked;
+  return vjp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
+                cotangents, argnums);
 }
 
 std::vector<mx::array> AdamStep::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents,
     const std::vector<int>& argnums) {
-  std::vector<mx::array> full;
-  for (const auto& x : primals) {
-    full.push_back(mx::zeros_like(x, stream()));
-  }
-  for (size_t j = 0; j < argnums.size(); ++j) {
-    full[argnums[j]] = tangents[j];
-  }
-  auto fn = [this](const std::vector<mx::array>& in) { return reference(in); };
-  return mx::jvp(fn, primals, full).second;
+  return jvp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
+                tangents, argnums, stream());
 }
 
 } // namespace fluxlike_native

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -12,6 +13,7 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/transforms.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace mx = mlx::core;
@@ -99,6 +101,35 @@ inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder
     }
   });
   return copy;
+}
+
+// A primitive's derivatives taken of the same computation written in MLX's ops (`fn`: the
+// inputs to the outputs): the cotangents of the inputs in `argnums` (vjp), and the outputs'
+// tangents given those of the inputs in `argnums` (jvp; the other inputs held constant).
+using OpsFn = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+
+inline std::vector<mx::array> vjp_of(const OpsFn& fn, const std::vector<mx::array>& primals,
+                                     const std::vector<mx::array>& cotangents,
+                                     const std::vector<int>& argnums) {
+  auto grads = mx::vjp(fn, primals, cotangents).second;
+  std::vector<mx::array> picked;
+  for (int arg : argnums) {
+    picked.push_back(grads[arg]);
+  }
+  return picked;
+}
+
+inline std::vector<mx::array> jvp_of(const OpsFn& fn, const std::vector<mx::array>& primals,
+                                     const std::vector<mx::array>& tangents,
+                                     const std::vector<int>& argnums, mx::Stream s) {
+  std::vector<mx::array> full;
+  for (const auto& x : primals) {
+    full.push_back(mx::zeros_like(x, s));
+  }
+  for (size_t j = 0; j < argnums.size(); ++j) {
+    full[argnums[j]] = tangents[j];
+  }
+  return mx::jvp(fn, primals, full).second;
 }
 
 } // namespace fluxlike_native

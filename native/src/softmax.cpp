@@ -222,12 +222,7 @@ std::vector<mx::array> Softmax::vjp(
   auto fn = [s](const std::vector<mx::array>& in) {
     return std::vector<mx::array>{grad_ops(in[0], in[1], s)};
   };
-  auto grads = mx::vjp(fn, primals, cotangents).second;
-  std::vector<mx::array> picked;
-  for (int arg : argnums) {
-    picked.push_back(grads[arg]);
-  }
-  return picked;
+  return vjp_of(fn, primals, cotangents, argnums);
 }
 
 std::vector<mx::array> Softmax::jvp(
@@ -238,17 +233,10 @@ std::vector<mx::array> Softmax::jvp(
   if (!backward_) {
     return {softmax_grad(tangents[0], softmax(primals[0], s), s)};
   }
-  std::vector<mx::array> full;
-  for (size_t i = 0; i < primals.size(); ++i) {
-    full.push_back(mx::zeros_like(primals[i], s));
-  }
-  for (size_t j = 0; j < argnums.size(); ++j) {
-    full[argnums[j]] = tangents[j];
-  }
   auto fn = [s](const std::vector<mx::array>& in) {
     return std::vector<mx::array>{grad_ops(in[0], in[1], s)};
   };
-  return mx::jvp(fn, primals, full).second;
+  return jvp_of(fn, primals, tangents, argnums, s);
 }
 
 } // namespace fluxlike_native
