@@ -132,4 +132,78 @@ inline std::vector<mx::array> jvp_of(const OpsFn& fn, const std::vector<mx::arra
   return mx::jvp(fn, primals, full).second;
 }
 
+// mx.vmap for a primitive over rows: `apply` builds the primitive's outputs from its inputs,
+// and the inputs marked in `batched` carry the batch on their first axis, each row computed
+// on its own (a convolution's or a pooling's input and output gradient). Where only batched
+// inputs are mapped, the mapped axis is folded into the batch: one call of the same kernel
+// (an unmapped batched input is broadcast over the mapped axis first). Otherwise (a mapped
+// weight; a batch reduced away, as in a weight gradient) the primitive runs once per member
+// of the mapped axis, and the results are stacked. The outputs are mapped on their axis 0.
+using ApplyFn = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+
+inline std::pair<std::vector<mx::array>, std::vector<int>> vmap_rows(
+    const std::vector<mx::array>& inputs, const std::vector<int>& axes,
+    const std::vector<bool>& batched, const ApplyFn& apply, mx::Stream s) {
+  int size = 0;
+  bool foldable = true;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      size = inputs[i].shape(axes[i]);
+      foldable = foldable && batched[i];
+    }
+  }
+  if (size == 0) {
+    throw std::invalid_argument("fluxlike_native: mx.vmap over an axis of length 0");
+  }
+  std::vector<mx::array> outs;
+  if (foldable) {
+    int rows = -1;  // the batch of the mapped inputs
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (axes[i] >= 0) {
+        rows = mx::moveaxis(inputs[i], axes[i], 0, s).shape(1);
+      }
+    }
+    std::vector<mx::array> folded;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!batched[i]) {
+        folded.push_back(inputs[i]);
+        continue;
+      }
+      mx::array x = axes[i] >= 0 ? mx::moveaxis(inputs[i], axes[i], 0, s) : inputs[i];
+      if (axes[i] < 0) {
+        auto shape = x.shape();
+        shape.insert(shape.begin(), size);
+        x = mx::broadcast_to(mx::expand_dims(x, 0, s), shape, s);
+      }
+      auto shape = x.shape();
+      shape.erase(shape.begin());
+      shape[0] = size * rows;
+      folded.push_back(mx::reshape(x, shape, s));
+    }
+    for (auto& y : apply(folded)) {
+      auto shape = y.shape();
+      shape[0] /= size;
+      shape.insert(shape.begin(), size);
+      outs.push_back(mx::reshape(y, shape, s));
+    }
+  } else {
+    std::vector<std::vector<mx::array>> members;
+    for (int k = 0; k < size; ++k) {
+      std::vector<mx::array> member;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        member.push_back(axes[i] >= 0 ? mx::take(inputs[i], k, axes[i], s) : inputs[i]);
+      }
+      members.push_back(apply(member));
+    }
+    for (size_t j = 0; j < members[0].size(); ++j) {
+      std::vector<mx::array> column;
+      for (auto& m : members) {
+        column.push_back(m[j]);
+      }
+      outs.push_back(mx::stack(column, 0, s));
+    }
+  }
+  return {outs, std::vector<int>(outs.size(), 0)};
+}
+
 } // namespace fluxlike_native

@@ -476,6 +476,24 @@ bool Conv::is_equivalent(const mx::Primitive& other) const {
       fixed_ == o.fixed_;
 }
 
+std::pair<std::vector<mx::array>, std::vector<int>> Conv::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  auto apply = [this, s](const std::vector<mx::array>& in) {
+    std::optional<mx::array> bias;
+    if (has_bias_) {
+      bias = in[2];
+    }
+    return std::vector<mx::array>{
+        make(kind_, p_, in[0], in[1], bias, output_shapes(in)[0], fixed_, s, relu_)};
+  };
+  // The batch: x's first axis (Forward), dy's (BackwardData); a weight gradient reduces it.
+  std::vector<bool> batched(inputs.size(), false);
+  batched[0] = kind_ != ConvKind::BackwardWeights;
+  return vmap_rows(inputs, axes, batched, apply, s);
+}
+
 std::vector<mx::array> Conv::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,

@@ -81,6 +81,12 @@ class Conv : public mx::UnaryPrimitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
 
+  // Over x (Forward) or dy (BackwardData) alone: the mapped axis folded into the batch;
+  // otherwise once per member (see vmap_rows).
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
   const char* name() const override {

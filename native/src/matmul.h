@@ -190,6 +190,13 @@ class After : public mx::UnaryPrimitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
 
+  // x as it is mapped, after the (mapped or not) deps.
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override {
+    return {{after(inputs[0], {inputs.begin() + 1, inputs.end()}, stream())}, {axes[0]}};
+  }
+
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};

@@ -441,6 +441,29 @@ std::vector<mx::array> MaxPool::vjp(
   return {backward(c, outputs[1], tail, p_, stream())};
 }
 
+std::pair<std::vector<mx::array>, std::vector<int>> MaxPool::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  auto apply = [this, s](const std::vector<mx::array>& in) {
+    auto shape = pool_out_shape(in[0].shape(), p_);
+    return mx::array::make_arrays({shape, shape}, {in[0].dtype(), workspace_dtype(p_)},
+                                  std::make_shared<MaxPool>(s, p_),
+                                  {mx::contiguous(in[0], false, s)});
+  };
+  return vmap_rows(inputs, axes, {true}, apply, s);
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> MaxPoolBackward::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  auto apply = [this, s](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{backward(in[0], in[1], x_tail_, p_, s)};
+  };
+  return vmap_rows(inputs, axes, {true, true}, apply, s);
+}
+
 std::vector<mx::array> MaxPool::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents,

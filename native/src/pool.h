@@ -52,6 +52,11 @@ class MaxPool : public mx::Primitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
 
+  // The mapped axis folded into the batch (see vmap_rows).
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
   const char* name() const override {
@@ -84,6 +89,10 @@ class MaxPoolBackward : public mx::UnaryPrimitive {
       const std::vector<mx::array>& cotangents,
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
