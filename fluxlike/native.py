@@ -49,9 +49,9 @@ from typing import Any
 import mlx.core as mx
 
 __all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "attention", "available",
-           "bfloat16_native", "disabled", "on_switch",
-           "conv", "conv_transpose", "linear", "matmul", "max_pool", "native_info", "pays",
-           "plain_linear_kernel", "provides", "softmax", "split_act"]
+           "bfloat16_native", "conv", "conv_transpose", "disabled", "linear", "matmul",
+           "max_pool", "native_info", "on_switch", "pays", "plain_linear_kernel", "provides",
+           "softmax", "split_act"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 

@@ -375,14 +375,14 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     finite check and scale adjustment) runs as one ``mx.compile``-d function per
     ``opt_state``, with the optimiser and loss-scale state captured, so that MLX fuses each
     parameter's arithmetic into one kernel (the first step on a machine builds those
-    kernels, which takes a while; MLX keeps them on disk). On the CPU, :class:`~fluxlike.Adam` and
-    :class:`~fluxlike.AdamW` update float32 and bfloat16 parameters with the native companion's
-    vectorised kernel instead (:func:`fluxlike.native.adam_kernel`: MLX's arithmetic, bit for
-    bit), where it is built. It is traced again when the
-    gradients' structure, shapes or dtypes change, or when a Python setting of the
-    optimiser or loss scale (``betas``, ``eps``, a schedule function, ...) is reassigned.
-    Array state (learning rate, step count, moments, the loss scale and its growth
-    interval, factors and minimum) is read afresh at every step, so
+    kernels, which takes a while; MLX keeps them on disk). On the CPU,
+    :class:`~fluxlike.Adam` and :class:`~fluxlike.AdamW` update float32 and bfloat16
+    parameters with the native companion's vectorised kernel instead
+    (:func:`fluxlike.native.adam_kernel`: MLX's arithmetic, bit for bit), where it is built.
+    It is traced again when the gradients' structure, shapes or dtypes change, or when a
+    Python setting of the optimiser or loss scale (``betas``, ``eps``, a schedule function,
+    ...) is reassigned. Array state (learning rate, step count, moments, the loss scale and
+    its growth interval, factors and minimum) is read afresh at every step, so
     ``opt_state.optimizer.learning_rate = 1e-4`` takes effect at once; with a schedule (a
     callable ``lr``), though, MLX sets the learning rate from the schedule before every
     step, so such an assignment has no effect.

@@ -1644,6 +1644,9 @@ def test_vmap_over_a_cnn_and_per_sample_gradients(ac):
     import fluxlike as fl
     from fluxlike.losses import logitcrossentropy
 
+    if ac is not None and not native.bfloat16_native():
+        pytest.skip("bfloat16 training without oneDNN's bfloat16 kernels runs the emulation, "
+                    "which orders its backward pass with mx.depends: MLX has no vmap for it")
     mx.random.seed(3)
     model = fl.Chain(fl.Conv((3, 3), 1, 16, relu, padding=1), fl.MaxPool((2, 2)),
                      fl.Conv((3, 3), 16, 32, relu, padding=1), fl.MaxPool((2, 2)), fl.flatten,

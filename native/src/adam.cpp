@@ -1,8 +1,9 @@
-// fluxlike-native: the Adam update as an MLX primitive (see adam.h), float32 and bfloat16. The pass runs on MLX's
-// CPU stream like the oneDNN kernels, split over OpenMP's threads (the libgomp oneDNN uses)
-// for a large parameter. Built with -fno-math-errno (so that sqrt vectorises: it gives the
-// same results, it only never sets errno) and -ffp-contract=off (no fused multiply-add: each
-// operation rounds, as MLX's ops do).
+// fluxlike-native: the Adam update as an MLX primitive (see adam.h), float32 and bfloat16.
+// The pass runs on MLX's CPU stream like the oneDNN kernels, split over OpenMP's threads (the
+// libgomp oneDNN uses) for a large parameter. Built with -fno-math-errno (so that sqrt
+// vectorises: it gives the same results, it only never sets errno), -ffp-contract=off (no
+// fused multiply-add: each operation rounds, as MLX's ops do) and 512-bit vectors preferred
+// in the AVX-512 build (the bfloat16 pass is compute-bound).
 
 #include "adam.h"
 #include "common.h"
