@@ -15,7 +15,9 @@ and ``fused=True``, at the same sizes.
 - ``mlx eager``: ``mlx.optimizers.Adam(bias_correction=True).update`` (about ten ops per
   parameter);
 - ``fl bf16``: ``fluxlike.update`` on a bfloat16 copy of the model (``bf16mix``'s parameters
-  and moments), the kernel's bfloat16 pass; ``fl bf16 -native`` MLX's.
+  and moments), the kernel's bfloat16 pass; ``fl bf16 -native`` MLX's;
+- ``fl rmsprop`` / ``fl rmsprop -native``: ``fluxlike.RMSProp(1e-3)`` with its kernel and
+  with MLX's compiled update (PyTorch's RMSprop is not timed).
 
 ``--split`` also times the large MLP's whole training step (``bench/run.py``'s ``fl f32`` and
 ``fl autocast``) against its forward + backward alone (``withgradient``), interleaved: what the
@@ -97,6 +99,7 @@ def mlx_variants(model: str) -> dict[str, Callable[[], object]]:
     from run import without_native
 
     import fluxlike
+    from fluxlike.optimise import Rule
 
     params, grads = arrays(model)
 
@@ -105,9 +108,9 @@ def mlx_variants(model: str) -> dict[str, Callable[[], object]]:
             super().__init__()
             self.ws = [mx.array(p).astype(dtype) for p in params]
 
-    def fl(dtype: mx.Dtype) -> Callable[[], object]:
+    def fl(dtype: mx.Dtype, rule: Rule | None = None) -> Callable[[], object]:
         m = Params(dtype)
-        state = fluxlike.setup(fluxlike.Adam(1e-3), m)
+        state = fluxlike.setup(rule or fluxlike.Adam(1e-3), m)
         g = {"ws": [mx.array(x).astype(dtype) for x in grads]}
         mx.eval(g)
 
@@ -129,7 +132,10 @@ def mlx_variants(model: str) -> dict[str, Callable[[], object]]:
 
     made = {"fl update": fl(mx.float32), "fl -native": without_native(lambda: fl(mx.float32))(),
             "mlx eager": eager(), "fl bf16": fl(mx.bfloat16),
-            "fl bf16 -native": without_native(lambda: fl(mx.bfloat16))()}
+            "fl bf16 -native": without_native(lambda: fl(mx.bfloat16))(),
+            "fl rmsprop": fl(mx.float32, fluxlike.RMSProp(1e-3)),
+            "fl rmsprop -native": without_native(lambda: fl(mx.float32,
+                                                           fluxlike.RMSProp(1e-3)))()}
     # A step traces its compiled update on its first call: trace the -native ones without
     # the kernel, as they are measured.
     for name, step in made.items():

@@ -11,10 +11,10 @@ leaves two kinds of those loops scalar:
   Adam's kernel (``w``, ``m``, ``v``, ``g`` in; ``w``, ``m``, ``v`` out) needs 15.
 
 Without the native companion, fluxlike's ``update`` runs the optimiser step as one such kernel
-per parameter, so the whole of Adam is scalar code (with it, fluxlike's Adam and AdamW update
-float32 and bfloat16 parameters in the companion's vectorised kernel instead:
-``fluxlike.native.adam_kernel``). This script measures MLX's own kernels, so its processes run with
-``FLUXLIKE_NATIVE=0``: it measures what ``-fno-math-errno --param
+per parameter, so the whole of Adam is scalar code (with it, fluxlike's Adam, AdamW and RMSProp
+update float32 and bfloat16 parameters in the companion's vectorised kernels instead:
+``fluxlike.native.adam_kernel``, ``rmsprop_kernel``). This script measures MLX's own
+kernels, so its processes run with ``FLUXLIKE_NATIVE=0``: it measures what ``-fno-math-errno --param
 vect-max-version-for-alias-checks=64`` would give, with nothing else changed: each variant runs
 in a fresh process whose ``TMPDIR`` holds either the kernels MLX built or the same sources
 rebuilt with those flags (MLX loads a kernel library it finds there instead of building it).

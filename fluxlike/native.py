@@ -51,7 +51,7 @@ import mlx.core as mx
 __all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "attention", "available",
            "bfloat16_native", "conv", "conv_transpose", "disabled", "linear", "matmul",
            "max_pool", "native_info", "on_switch", "pays", "plain_linear_kernel", "provides",
-           "softmax", "split_act"]
+           "rmsprop_kernel", "softmax", "split_act"]
 
 _DISABLED = ("0", "off", "no", "false", "none")
 
@@ -215,7 +215,7 @@ def _find() -> tuple[NativeInfo, ModuleType | None, bool]:
                                        f"AVX512_CORE_BF16")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     limit = f", ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
-    adam = ", with a native Adam update" if hasattr(ext, "adam_step") else ""
+    adam = ", with native Adam and RMSprop updates" if hasattr(ext, "rmsprop_step") else ""
     reason = (f"oneDNN {ext.onednn_version()} matmul, convolution, pooling and softmax in use"
               f"{adam}: float32 on {isa}{limit}; {why}")
     return NativeInfo(True, reason, isa, how, mx.__version__, built_for,  # type: ignore[attr-defined]  # not in MLX's stub
@@ -370,6 +370,25 @@ def adam_kernel() -> Callable[..., tuple[mx.array, mx.array, mx.array]] | None:
     ...     assert mx.allclose(m, mx.full(2, 0.2)).item() and mx.allclose(v, mx.full(2, 0.004))
     """
     return getattr(_ext, "adam_step", None) if available() else None
+
+
+def rmsprop_kernel() -> Callable[..., tuple[mx.array, mx.array]] | None:
+    """The companion's RMSprop update of one float32 or bfloat16 parameter,
+    ``kernel(p, g, v, lr, alpha, eps) -> (p', v')``: one pass computing what
+    ``mlx.optimizers.RMSprop`` computes, bit for bit, with ``lr`` a 0-d array of the
+    parameter's dtype (as :func:`adam_kernel`: CPU only, differentiable, ``mx.vmap``-able).
+    fluxlike's :class:`~fluxlike.RMSProp` uses it on the CPU. ``None`` where the kernels are
+    not in use (or a build predates the entry).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> kernel = native.rmsprop_kernel()
+    >>> if kernel is not None:
+    ...     p, v = kernel(mx.ones(2), mx.full(2, 2.0), mx.zeros(2), mx.array(0.1), 0.9, 1e-8)
+    ...     assert mx.allclose(v, mx.full(2, 0.4)).item()
+    ...     assert mx.allclose(p, mx.full(2, 1 - 0.2 / 0.4**0.5), atol=1e-6).item()
+    """
+    return getattr(_ext, "rmsprop_step", None) if available() else None
 
 
 def matmul(

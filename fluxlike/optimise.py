@@ -186,6 +186,27 @@ class _NativeAdam:
 _NATIVE_ADAM_DTYPES = (mx.float32, mx.bfloat16)
 
 
+class _NativeRMSprop:
+    """For mlx's RMSprop: on the CPU, the update of a float32 or bfloat16 parameter (gradient
+    and ``v`` of its dtype) is one pass of the native kernel
+    (:func:`fluxlike.native.rmsprop_kernel`), with MLX's bits; anything else MLX's update."""
+
+    alpha: float
+    eps: float
+    learning_rate: mx.array
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        kernel = ops.rmsprop_kernel()
+        v, dtype = state.get("v"), parameter.dtype
+        if (kernel is None or v is None or dtype not in _NATIVE_ADAM_DTYPES
+                or not gradient.dtype == v.dtype == dtype
+                or mx.default_device() != mx.cpu or self.learning_rate.ndim != 0):
+            return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
+        new, state["v"] = kernel(parameter, gradient, v, self.learning_rate.astype(dtype),
+                                 self.alpha, self.eps)
+        return new
+
+
 class _Adam(_HalfEps, _NativeAdam, optim.Adam):
     pass
 
@@ -194,7 +215,7 @@ class _AdamW(_HalfEps, _NativeAdam, optim.AdamW):
     pass
 
 
-class _RMSprop(_HalfEps, optim.RMSprop):
+class _RMSprop(_HalfEps, _NativeRMSprop, optim.RMSprop):
     pass
 
 
@@ -308,7 +329,7 @@ class Adam(Rule):
     holds for :class:`AdamW` and :class:`RMSProp`.
 
     On the CPU, where the native companion is built, a float32 or bfloat16 parameter's update
-    (Adam's and :class:`AdamW`'s) is one vectorised pass of its kernel
+    (Adam's, :class:`AdamW`'s and :class:`RMSProp`'s) is one vectorised pass of its kernel
     (:func:`fluxlike.native.adam_kernel`), with the bits of MLX's update: about 3× faster than
     MLX's compiled update (5× its eager one) on a 17 M-parameter MLP (``bench/adam.py``).
 

@@ -376,8 +376,8 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     ``opt_state``, with the optimiser and loss-scale state captured, so that MLX fuses each
     parameter's arithmetic into one kernel (the first step on a machine builds those
     kernels, which takes a while; MLX keeps them on disk). On the CPU,
-    :class:`~fluxlike.Adam` and :class:`~fluxlike.AdamW` update float32 and bfloat16
-    parameters with the native companion's vectorised kernel instead
+    :class:`~fluxlike.Adam`, :class:`~fluxlike.AdamW` and :class:`~fluxlike.RMSProp` update
+    float32 and bfloat16 parameters with the native companion's vectorised kernels instead
     (:func:`fluxlike.native.adam_kernel`: MLX's arithmetic, bit for bit), where it is built.
     It is traced again when the gradients' structure, shapes or dtypes change, or when a
     Python setting of the optimiser or loss scale (``betas``, ``eps``, a schedule function,

@@ -155,7 +155,8 @@ def test_adam_bench_reports_every_variant():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    for name in ("fl update", "fl -native", "mlx eager", "fl bf16", "fl bf16 -native"):
+    for name in ("fl update", "fl -native", "mlx eager", "fl bf16", "fl bf16 -native",
+                 "fl rmsprop", "fl rmsprop -native"):
         assert re.search(rf"^  {re.escape(name)} +[0-9.]+ ms +[0-9.]+x$", done.stdout, re.M), name
     assert re.search(r"^  fl update +[0-9.]+ ms +1\.00x$", done.stdout, re.M)
     assert "seed: 134154 parameters" in done.stdout

@@ -424,3 +424,85 @@ def test_without_the_kernel_adam_is_mlx_update():
     ref = without_native(stock)
     for name in mine:
         assert same(mine[name], ref[name]), name
+
+
+# ---- RMSprop ---------------------------------------------------------------------------
+
+RMSPROP = native.rmsprop_kernel()
+
+
+def rmsprop_both(shape, steps, lr, alpha, eps, scale, transpose, seed, dtype):
+    """``steps`` RMSprop updates by MLX's optimiser and by the kernel, bit for bit."""
+    p = mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+    opt = optim.RMSprop(lr, alpha=alpha, eps=eps)
+    opt.init({"w": p})
+    pk, vk = p, mx.zeros(shape, dtype)
+    for t in range(steps):
+        g = (scale * mx.random.normal(shape[::-1] if transpose else shape,
+                                      key=mx.random.key(seed + 1 + t))).astype(dtype)
+        if transpose:
+            g = g.T
+        p = opt.apply_gradients({"w": g}, {"w": p})["w"]
+        assert RMSPROP is not None
+        pk, vk = RMSPROP(pk, g, vk, opt.learning_rate.astype(dtype), alpha, eps)
+        mx.eval(p, pk, vk, opt.state)
+        assert same(pk, p) and same(vk, opt.state["w"]["v"]), f"step {t + 1}"
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shape=st.one_of(st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
+                    st.tuples(st.integers(250, 400), st.integers(263, 300))),
+    steps=st.integers(1, 3),
+    lr=st.floats(1e-5, 1.0),
+    alpha=st.floats(0.0, 0.9999),
+    eps=st.sampled_from([1e-8, 1e-6, 1e-3, 1e-30]),  # MLX's RMSprop refuses eps = 0
+    scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e6]),
+    transpose=st.booleans(),
+    seed=st.integers(0, 1000),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+)
+def test_rmsprop_kernel_is_mlx_rmsprop_bit_for_bit(shape, steps, lr, alpha, eps, scale,
+                                                    transpose, seed, dtype):
+    rmsprop_both(shape, steps, lr, alpha, eps, scale, transpose and len(shape) == 2, seed, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_rmsprop_non_finite_and_vmap(dtype):
+    g = mx.array([0.0, 1.0, float("nan"), float("inf"), -float("inf"), -0.0], dtype)
+    p = mx.array([1.0, -1.0, 2.0, 0.0, -0.0, 0.0], dtype)
+    opt = optim.RMSprop(1e-2)
+    opt.init({"w": p})
+    new = opt.apply_gradients({"w": g}, {"w": p})["w"]
+    pk, vk = RMSPROP(p, g, mx.zeros_like(p), mx.array(1e-2, dtype), 0.99, 1e-8)
+    assert same(pk, new) and same(vk, opt.state["w"]["v"])
+
+    ps = mx.random.normal((4, 3, 5), key=mx.random.key(2)).astype(dtype)
+    gs = mx.random.normal((4, 3, 5), key=mx.random.key(3)).astype(dtype)
+    lr = mx.array(1e-2, dtype)
+    batched = mx.vmap(lambda p, g: RMSPROP(p, g, mx.zeros_like(p), lr, 0.99, 1e-8))(ps, gs)
+    for i in range(4):
+        one = RMSPROP(ps[i], gs[i], mx.zeros_like(ps[i]), lr, 0.99, 1e-8)
+        assert same(batched[0][i], one[0]) and same(batched[1][i], one[1])
+    with pytest.raises(ValueError, match="rmsprop_step: expected lr to be a 0-d"):
+        RMSPROP(p, g, mx.zeros_like(p), mx.ones((1,), dtype), 0.99, 1e-8)
+
+
+@needs_kernel
+def test_fluxlike_rmsprop_takes_the_kernel_and_trains_as_mlx_update(monkeypatch):
+    calls = [0]
+    kernel = ops.rmsprop_kernel()
+
+    def counted(*args):
+        calls[0] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(ops, "rmsprop_kernel", lambda: counted)
+    mine = train(fluxlike.RMSProp(1e-2))
+    assert calls[0] >= 4
+    monkeypatch.setattr(ops, "rmsprop_kernel", lambda: None)
+    ref = train(fluxlike.RMSProp(1e-2))
+    for name in mine:
+        assert same(mine[name], ref[name]), name

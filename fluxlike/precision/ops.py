@@ -515,7 +515,15 @@ def adam_kernel() -> Callable[..., tuple[mx.array, mx.array, mx.array]] | None:
     return native.adam_kernel() if _native_in_use() else None
 
 
-_DECISIONS = (_native_in_use, _plain_kernel, _native_softmax, adam_kernel)  # as defined
+@functools.cache
+def rmsprop_kernel() -> Callable[..., tuple[mx.array, mx.array]] | None:
+    """:func:`fluxlike.native.rmsprop_kernel` where the kernels are in use, asked once per
+    process (fluxlike's RMSProp updates float32 and bfloat16 parameters on the CPU with it)."""
+    return native.rmsprop_kernel() if _native_in_use() else None
+
+
+_DECISIONS = (_native_in_use, _plain_kernel, _native_softmax, adam_kernel,
+              rmsprop_kernel)  # as defined, even if patched
 native.on_switch(forget_native)
 
 

@@ -1,6 +1,6 @@
-// fluxlike-native: the Adam update as an MLX primitive (see adam.h), float32 and bfloat16.
-// The pass runs on MLX's CPU stream like the oneDNN kernels, split over OpenMP's threads (the
-// libgomp oneDNN uses) for a large parameter. Built with -fno-math-errno (so that sqrt
+// fluxlike-native: the Adam and RMSprop updates as MLX primitives (see adam.h), float32 and
+// bfloat16. A pass runs on MLX's CPU stream like the oneDNN kernels, split over OpenMP's
+// threads (the libgomp oneDNN uses) for a large parameter. Built with -fno-math-errno (so that sqrt
 // vectorises: it gives the same results, it only never sets errno), -ffp-contract=off (no
 // fused multiply-add: each operation rounds, as MLX's ops do) and 512-bit vectors preferred
 // in the AVX-512 build (the bfloat16 pass is compute-bound).
@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -24,8 +25,6 @@
 namespace fluxlike_native {
 
 namespace {
-
-const char* FN = "fluxlike_native.adam_step";
 
 struct Constants {
   float b1, omb1, b2, omb2, eps;
@@ -81,24 +80,47 @@ FLN_VECTOR_CLONES void adam_range(const uint16_t* p, const uint16_t* g, const ui
   }
 }
 
+FLN_VECTOR_CLONES void rmsprop_range(const float* p, const float* g, const float* v, float* po,
+                                     float* vo, int64_t lo, int64_t hi, float lr, float alpha,
+                                     float oma, float eps) {
+#pragma GCC ivdep
+  for (int64_t i = lo; i < hi; ++i) {
+    float gi = g[i];
+    float vi = alpha * v[i] + oma * (gi * gi);
+    vo[i] = vi;
+    po[i] = p[i] - (lr * gi) / (std::sqrt(vi) + eps);
+  }
+}
+
+FLN_VECTOR_CLONES void rmsprop_range(const uint16_t* p, const uint16_t* g, const uint16_t* v,
+                                     uint16_t* po, uint16_t* vo, int64_t lo, int64_t hi,
+                                     float lr, float alpha, float oma, float eps) {
+#pragma GCC ivdep
+  for (int64_t i = lo; i < hi; ++i) {
+    float gi = widen(g[i]);
+    float vi = r(r(alpha * widen(v[i])) + r(oma * r(gi * gi)));
+    vo[i] = narrow(vi);
+    po[i] = narrow(widen(p[i]) - r(r(lr * gi) / r(r(std::sqrt(vi)) + eps)));
+  }
+}
+
 // Below this many elements one thread does the whole pass (a parallel region costs more
 // than it saves); above, blocks of BLOCK elements are shared out.
 constexpr int64_t PARALLEL_MIN = 1 << 16;
 constexpr int64_t BLOCK = 1 << 14;
 
-template <typename T>
-void adam_pass(const T* p, const T* g, const T* m, const T* v, T* po, T* mo, T* vo, int64_t n,
-               float c1, float c2, float decay, Constants k) {
+// range(lo, hi) over [0, n): on this thread, or in blocks shared out over OpenMP's.
+template <typename Range>
+void shared_out(int64_t n, const Range& range) {
   if (n < PARALLEL_MIN) {
-    adam_range(p, g, m, v, po, mo, vo, 0, n, c1, c2, decay, k);
+    range(0, n);
     return;
   }
   int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t lo = b * BLOCK;
-    int64_t hi = lo + BLOCK < n ? lo + BLOCK : n;
-    adam_range(p, g, m, v, po, mo, vo, lo, hi, c1, c2, decay, k);
+    range(lo, lo + BLOCK < n ? lo + BLOCK : n);
   }
 }
 
@@ -108,31 +130,125 @@ std::string dtype_str(mx::Dtype dt) {
   return os.str();
 }
 
-void check(const mx::array& x, const char* what, const mx::array& p) {
+// `fn` names the entry and `rule` the MLX optimiser to use instead in the messages.
+struct Names {
+  const char* fn;
+  const char* rule;
+};
+const Names ADAM{"fluxlike_native.adam_step", "mlx.optimizers.Adam"};
+const Names RMSPROP{"fluxlike_native.rmsprop_step", "mlx.optimizers.RMSprop"};
+
+void check(const Names& n, const mx::array& x, const char* what, const mx::array& p) {
   if (p.dtype() != mx::float32 && p.dtype() != mx::bfloat16) {
-    throw std::invalid_argument(std::string(FN) + ": expected a float32 or bfloat16 parameter, "
-                                "got " + dtype_str(p.dtype()) + "; use mlx.optimizers.Adam");
+    throw std::invalid_argument(std::string(n.fn) + ": expected a float32 or bfloat16 "
+                                "parameter, got " + dtype_str(p.dtype()) + "; use " + n.rule);
   }
   if (x.dtype() != p.dtype()) {
-    throw std::invalid_argument(std::string(FN) + ": expected " + what + " of the parameter's " +
-                                "dtype " + dtype_str(p.dtype()) + ", got " +
+    throw std::invalid_argument(std::string(n.fn) + ": expected " + what + " of the " +
+                                "parameter's dtype " + dtype_str(p.dtype()) + ", got " +
                                 dtype_str(x.dtype()) + "; cast it to " +
-                                dtype_str(p.dtype()) + ", or use mlx.optimizers.Adam");
+                                dtype_str(p.dtype()) + ", or use " + n.rule);
   }
   if (x.shape() != p.shape()) {
-    throw std::invalid_argument(std::string(FN) + ": " + what + " has shape " +
+    throw std::invalid_argument(std::string(n.fn) + ": " + what + " has shape " +
                                 shape_str(x.shape()) + ", the parameter " +
                                 shape_str(p.shape()) + "; they must have one shape");
   }
 }
 
-void check_scalar(const mx::array& x, const char* what, const mx::array& p) {
+void check_scalar(const Names& n, const mx::array& x, const char* what, const mx::array& p) {
   if (x.dtype() != p.dtype() || x.ndim() != 0) {
-    throw std::invalid_argument(std::string(FN) + ": expected " + what + " to be a 0-d " +
+    throw std::invalid_argument(std::string(n.fn) + ": expected " + what + " to be a 0-d " +
                                 dtype_str(p.dtype()) + " array (the parameter's dtype), got " +
                                 dtype_str(x.dtype()) + " of shape " + shape_str(x.shape()) +
-                                "; use mlx.optimizers.Adam for a broadcast learning rate");
+                                "; use " + n.rule + " for a broadcast learning rate");
   }
+}
+
+mx::Stream cpu_stream(const Names& n, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(n.fn) + ": this kernel runs on the CPU, the "
+                                "stream is on the GPU; use " + n.rule + "'s own update there");
+  }
+  return stream;
+}
+
+// A Python float as MLX makes it an array of the parameter's dtype: to float32, then
+// (bfloat16) rounded.
+float constant(double x, bool bf16) {
+  auto f = static_cast<float>(x);
+  return bf16 ? r(f) : f;
+}
+
+// The first `n` inputs (the arrays the pass reads) row-contiguous: a strided one is copied
+// first. The outputs get new buffers, and all are registered with the encoder. (Writing the
+// outputs over their inputs would save a third of the pass's memory traffic, but MLX gives
+// each output of a primitive its own copy of the inputs, so no input of one with several
+// outputs is ever donatable.)
+std::vector<mx::array> prepare(const std::vector<mx::array>& inputs, size_t n,
+                               std::vector<mx::array>& outputs,
+                               mx::cpu::CommandEncoder& encoder) {
+  std::vector<mx::array> dense;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& x = inputs[i];
+    dense.push_back(x.flags().row_contiguous ? x : row_contiguous_copy(x, encoder));
+  }
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  for (auto& out : outputs) {
+    encoder.set_output_array(out);
+  }
+  return dense;
+}
+
+// mx.vmap of an elementwise update: its first `n` inputs (the arrays) with the mapped axis
+// moved to the front, each broadcast to the batched parameter's shape where it is not
+// mapped; the rest (scalars) as they are, or, where one is mapped, shaped (size, 1, ..., 1)
+// for the formula's broadcasting ops.
+struct Batched {
+  mx::Shape shape;
+  std::vector<mx::array> operands;
+  bool scalars_mapped = false;
+};
+
+Batched batch(const std::vector<mx::array>& inputs, const std::vector<int>& axes, size_t n,
+              mx::Stream s) {
+  int size = 0;  // the mapped axis's length
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      size = inputs[i].shape(axes[i]);
+    }
+  }
+  Batched b;
+  for (size_t i = 0; i < n && b.shape.empty(); ++i) {
+    if (axes[i] >= 0) {
+      b.shape = mx::moveaxis(inputs[i], axes[i], 0, s).shape();
+    }
+  }
+  if (b.shape.empty()) {  // only scalars mapped
+    b.shape = inputs[0].shape();
+    b.shape.insert(b.shape.begin(), size);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    b.operands.push_back(axes[i] >= 0
+                             ? mx::moveaxis(inputs[i], axes[i], 0, s)
+                             : mx::broadcast_to(mx::expand_dims(inputs[i], 0, s), b.shape, s));
+  }
+  for (size_t i = n; i < inputs.size(); ++i) {
+    b.scalars_mapped = b.scalars_mapped || axes[i] >= 0;
+  }
+  mx::Shape column(b.shape.size(), 1);
+  column[0] = size;
+  for (size_t i = n; i < inputs.size(); ++i) {
+    b.operands.push_back(axes[i] >= 0 && b.scalars_mapped ? mx::reshape(inputs[i], column, s)
+                                                          : inputs[i]);
+  }
+  return b;
 }
 
 // A value of one element as the pass reads it.
@@ -146,33 +262,24 @@ std::vector<mx::array> adam_step(
     const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
     const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
     double b1, double b2, double eps, mx::StreamOrDevice s) {
-  check(p, "the parameter", p);
-  check(g, "the gradient", p);
-  check(m, "m", p);
-  check(v, "v", p);
-  check_scalar(c1, "c1", p);
-  check_scalar(c2, "c2", p);
+  check(ADAM, p, "the parameter", p);
+  check(ADAM, g, "the gradient", p);
+  check(ADAM, m, "m", p);
+  check(ADAM, v, "v", p);
+  check_scalar(ADAM, c1, "c1", p);
+  check_scalar(ADAM, c2, "c2", p);
   if (decay) {
-    check_scalar(*decay, "decay", p);
+    check_scalar(ADAM, *decay, "decay", p);
   }
-  auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(std::string(FN) + ": this kernel runs on the CPU, the stream "
-                                "is on the GPU; use mlx.optimizers.Adam's own update there");
-  }
+  auto stream = cpu_stream(ADAM, s);
   std::vector<mx::array> inputs{p, g, m, v, c1, c2};
   if (decay) {
     inputs.push_back(*decay);
   }
-  // The constants as MLX makes a Python float an array of the parameter's dtype: to float32,
-  // then (bfloat16) rounded.
   bool bf16 = p.dtype() == mx::bfloat16;
-  auto constant = [bf16](double x) {
-    auto f = static_cast<float>(x);
-    return bf16 ? r(f) : f;
-  };
-  auto prim = std::make_shared<AdamStep>(stream, constant(b1), constant(1.0 - b1), constant(b2),
-                                         constant(1.0 - b2), constant(eps));
+  auto prim = std::make_shared<AdamStep>(
+      stream, constant(b1, bf16), constant(1.0 - b1, bf16), constant(b2, bf16),
+      constant(1.0 - b2, bf16), constant(eps, bf16));
   auto dt = p.dtype();
   return mx::array::make_arrays({p.shape(), p.shape(), p.shape()}, {dt, dt, dt}, prim, inputs);
 }
@@ -186,26 +293,9 @@ bool AdamStep::is_equivalent(const mx::Primitive& other) const {
 void AdamStep::eval_cpu(const std::vector<mx::array>& inputs,
                         std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  // p, g, m, v as the pass reads them: row-contiguous (a strided one is copied first).
-  std::vector<mx::array> dense;
-  for (int i = 0; i < 4; ++i) {
-    const auto& x = inputs[i];
-    dense.push_back(x.flags().row_contiguous ? x : row_contiguous_copy(x, encoder));
-  }
-  // New buffers for p', m' and v'. (Writing them over p, m and v would save a third of the
-  // pass's memory traffic, but MLX gives each output of a primitive its own copy of the
-  // inputs, so no input of one with several outputs is ever donatable.)
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
+  auto dense = prepare(inputs, 4, outputs, encoder);
   if (outputs[0].size() == 0) {
     return;
-  }
-  for (auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  for (auto& out : outputs) {
-    encoder.set_output_array(out);
   }
   bool has_decay = inputs.size() == 7;
   encoder.dispatch([p = dense[0].data<void>(), g = dense[1].data<void>(),
@@ -221,16 +311,18 @@ void AdamStep::eval_cpu(const std::vector<mx::array>& inputs,
     // AdamW's pass with decay 1.
     float c1v = value(c1, bf16), c2v = value(c2, bf16);
     float d = decay != nullptr ? value(decay, bf16) : 1.0f;
+    auto run = [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      shared_out(n, [&](int64_t lo, int64_t hi) {
+        adam_range(static_cast<const T*>(p), static_cast<const T*>(g),
+                   static_cast<const T*>(m), static_cast<const T*>(v), static_cast<T*>(po),
+                   static_cast<T*>(mo), static_cast<T*>(vo), lo, hi, c1v, c2v, d, k);
+      });
+    };
     if (bf16) {
-      using T = uint16_t;
-      adam_pass(static_cast<const T*>(p), static_cast<const T*>(g), static_cast<const T*>(m),
-                static_cast<const T*>(v), static_cast<T*>(po), static_cast<T*>(mo),
-                static_cast<T*>(vo), n, c1v, c2v, d, k);
+      run(static_cast<uint16_t*>(nullptr));
     } else {
-      using T = float;
-      adam_pass(static_cast<const T*>(p), static_cast<const T*>(g), static_cast<const T*>(m),
-                static_cast<const T*>(v), static_cast<T*>(po), static_cast<T*>(mo),
-                static_cast<T*>(vo), n, c1v, c2v, d, k);
+      run(static_cast<float*>(nullptr));
     }
   });
 }
@@ -239,52 +331,18 @@ std::pair<std::vector<mx::array>, std::vector<int>> AdamStep::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
   auto s = stream();
-  int size = 0;  // the mapped axis's length
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (axes[i] >= 0) {
-      size = inputs[i].shape(axes[i]);
-    }
+  auto b = batch(inputs, axes, 4, s);
+  if (b.scalars_mapped) {  // a learning rate per member: the formula in MLX's ops
+    return {reference(b.operands), {0, 0, 0}};
   }
-  // p, g, m, v with the mapped axis in front, each of the shape of the batched parameter.
-  mx::Shape shape;
-  for (int i = 0; i < 4 && shape.empty(); ++i) {
-    if (axes[i] >= 0) {
-      shape = mx::moveaxis(inputs[i], axes[i], 0, s).shape();
-    }
-  }
-  if (shape.empty()) {  // only scalars mapped
-    shape = inputs[0].shape();
-    shape.insert(shape.begin(), size);
-  }
-  std::vector<mx::array> batched;
-  for (int i = 0; i < 4; ++i) {
-    batched.push_back(axes[i] >= 0
-                          ? mx::moveaxis(inputs[i], axes[i], 0, s)
-                          : mx::broadcast_to(mx::expand_dims(inputs[i], 0, s), shape, s));
-  }
-  bool scalars_mapped = false;
-  for (size_t i = 4; i < inputs.size(); ++i) {
-    scalars_mapped = scalars_mapped || axes[i] >= 0;
-  }
-  auto dt = inputs[0].dtype();
-  auto operands = batched;
-  if (!scalars_mapped) {  // one learning rate for all: the same kernel over the batch
-    operands.insert(operands.end(), inputs.begin() + 4, inputs.end());
-    auto prim = std::make_shared<AdamStep>(s, b1_, omb1_, b2_, omb2_, eps_);
-    return {mx::array::make_arrays({shape, shape, shape}, {dt, dt, dt}, prim, operands),
-            {0, 0, 0}};
-  }
-  // A scalar per member: (size, 1, ..., 1), broadcast by the formula's ops.
-  mx::Shape column(shape.size(), 1);
-  column[0] = size;
-  for (size_t i = 4; i < inputs.size(); ++i) {
-    operands.push_back(axes[i] >= 0 ? mx::reshape(inputs[i], column, s) : inputs[i]);
-  }
-  return {reference(operands), {0, 0, 0}};
+  auto dt = inputs[0].dtype();  // one learning rate for all: the same kernel over the batch
+  auto prim = std::make_shared<AdamStep>(s, b1_, omb1_, b2_, omb2_, eps_);
+  return {mx::array::make_arrays({b.shape, b.shape, b.shape}, {dt, dt, dt}, prim, b.operands),
+          {0, 0, 0}};
 }
 
 void AdamStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error(std::string(FN) + " has no GPU kernel");
+  throw std::runtime_error(std::string(ADAM.fn) + " has no GPU kernel");
 }
 
 std::vector<mx::array> AdamStep::reference(const std::vector<mx::array>& in) {
@@ -310,6 +368,100 @@ std::vector<mx::array> AdamStep::vjp(
 }
 
 std::vector<mx::array> AdamStep::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  return jvp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
+                tangents, argnums, stream());
+}
+
+std::vector<mx::array> rmsprop_step(
+    const mx::array& p, const mx::array& g, const mx::array& v, const mx::array& lr,
+    double alpha, double eps, mx::StreamOrDevice s) {
+  check(RMSPROP, p, "the parameter", p);
+  check(RMSPROP, g, "the gradient", p);
+  check(RMSPROP, v, "v", p);
+  check_scalar(RMSPROP, lr, "lr", p);
+  auto stream = cpu_stream(RMSPROP, s);
+  bool bf16 = p.dtype() == mx::bfloat16;
+  auto prim = std::make_shared<RmsPropStep>(stream, constant(alpha, bf16),
+                                            constant(1.0 - alpha, bf16), constant(eps, bf16));
+  auto dt = p.dtype();
+  return mx::array::make_arrays({p.shape(), p.shape()}, {dt, dt}, prim, {p, g, v, lr});
+}
+
+bool RmsPropStep::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const RmsPropStep&>(other);
+  return alpha_ == o.alpha_ && oma_ == o.oma_ && eps_ == o.eps_;
+}
+
+void RmsPropStep::eval_cpu(const std::vector<mx::array>& inputs,
+                           std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  auto dense = prepare(inputs, 3, outputs, encoder);
+  if (outputs[0].size() == 0) {
+    return;
+  }
+  encoder.dispatch([p = dense[0].data<void>(), g = dense[1].data<void>(),
+                    v = dense[2].data<void>(), po = outputs[0].data<void>(),
+                    vo = outputs[1].data<void>(), lr = inputs[3].data<void>(),
+                    n = static_cast<int64_t>(outputs[0].size()),
+                    bf16 = outputs[0].dtype() == mx::bfloat16, alpha = alpha_, oma = oma_,
+                    eps = eps_]() {
+    float lrv = value(lr, bf16);
+    auto run = [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      shared_out(n, [&](int64_t lo, int64_t hi) {
+        rmsprop_range(static_cast<const T*>(p), static_cast<const T*>(g),
+                      static_cast<const T*>(v), static_cast<T*>(po), static_cast<T*>(vo), lo,
+                      hi, lrv, alpha, oma, eps);
+      });
+    };
+    if (bf16) {
+      run(static_cast<uint16_t*>(nullptr));
+    } else {
+      run(static_cast<float*>(nullptr));
+    }
+  });
+}
+
+void RmsPropStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(std::string(RMSPROP.fn) + " has no GPU kernel");
+}
+
+std::vector<mx::array> RmsPropStep::reference(const std::vector<mx::array>& in) {
+  auto s = stream();
+  auto scalar = [dt = in[0].dtype()](float x) { return mx::array(x, dt); };
+  const auto& g = in[1];
+  auto v = mx::add(mx::multiply(scalar(alpha_), in[2], s),
+                   mx::multiply(scalar(oma_), mx::square(g, s), s), s);
+  auto step = mx::divide(mx::multiply(in[3], g, s), mx::add(mx::sqrt(v, s), scalar(eps_), s), s);
+  return {mx::subtract(in[0], step, s), v};
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> RmsPropStep::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  auto b = batch(inputs, axes, 3, s);
+  if (b.scalars_mapped) {
+    return {reference(b.operands), {0, 0}};
+  }
+  auto dt = inputs[0].dtype();
+  auto prim = std::make_shared<RmsPropStep>(s, alpha_, oma_, eps_);
+  return {mx::array::make_arrays({b.shape, b.shape}, {dt, dt}, prim, b.operands), {0, 0}};
+}
+
+std::vector<mx::array> RmsPropStep::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  return vjp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
+                cotangents, argnums);
+}
+
+std::vector<mx::array> RmsPropStep::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents,
     const std::vector<int>& argnums) {

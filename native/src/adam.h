@@ -1,7 +1,7 @@
-// fluxlike-native: the Adam (and AdamW) update of one parameter as one MLX primitive
-// (CPU): one vectorised, threaded pass over the parameter, its gradient and both moments.
-// MLX's CPU kernel compiler leaves the same arithmetic scalar (see bench/jit.py), and eagerly
-// it is about ten ops, each a pass over memory.
+// fluxlike-native: the Adam (and AdamW) and RMSprop updates of one parameter as MLX
+// primitives (CPU): one vectorised, threaded pass over the parameter, its gradient and its
+// moments. MLX's CPU kernel compiler leaves the same arithmetic scalar (its sqrt may set
+// errno; see bench/jit.py), and eagerly it is about ten ops, each a pass over memory.
 #pragma once
 
 #include <optional>
@@ -83,6 +83,58 @@ class AdamStep : public mx::Primitive {
 
  private:
   float b1_, omb1_, b2_, omb2_, eps_;
+};
+
+// What mlx.optimizers.RMSprop.apply_single computes, bit for bit (as adam_step: each
+// operation in float32, rounded to the parameter's dtype):
+//
+//   v' = alpha * v + (1 - alpha) * g * g
+//   p' = p - (lr * g) / (sqrt(v') + eps)
+//
+// lr a 0-d array of the parameter's dtype; alpha and eps the optimiser's Python floats.
+// Returns {p', v'}.
+std::vector<mx::array> rmsprop_step(
+    const mx::array& p, const mx::array& g, const mx::array& v, const mx::array& lr,
+    double alpha, double eps, mx::StreamOrDevice s = {});
+
+// inputs: {p, g, v, lr}; outputs {p', v'}.
+class RmsPropStep : public mx::Primitive {
+ public:
+  RmsPropStep(mx::Stream stream, float alpha, float one_minus_alpha, float eps)
+      : mx::Primitive(stream), alpha_(alpha), oma_(one_minus_alpha), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  std::vector<mx::array> jvp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& tangents,
+      const std::vector<int>& argnums) override;
+
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mx::array>& outputs) override;
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[0].shape()};
+  }
+
+  const char* name() const override {
+    return "FluxlikeNativeRmsPropStep";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+  std::vector<mx::array> reference(const std::vector<mx::array>& inputs);
+
+ private:
+  float alpha_, oma_, eps_;
 };
 
 } // namespace fluxlike_native

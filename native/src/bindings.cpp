@@ -139,6 +139,17 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       R"((p', m', v'): mlx.optimizers.Adam's bias-corrected update of a float32 or bfloat16
 parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see adam.h).)");
 
+  m.def(
+      "rmsprop_step",
+      [](const mx::array& p, const mx::array& g, const mx::array& v, const mx::array& lr,
+         double alpha, double eps, mx::StreamOrDevice s) {
+        auto out = fluxlike_native::rmsprop_step(p, g, v, lr, alpha, eps, s);
+        return std::make_tuple(out[0], out[1]);
+      },
+      "p"_a, "g"_a, "v"_a, "lr"_a, "alpha"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"((p', v'): mlx.optimizers.RMSprop's update of a float32 or bfloat16 parameter in one
+pass, bit for bit (see adam.h).)");
+
   m.def("pool_cache_size", &fluxlike_native::pool_cache_size,
         "Cached oneDNN pooling primitives.");
   m.def("pool_cache_impls", &fluxlike_native::pool_cache_impls,
