@@ -125,12 +125,16 @@ def bfloat16_native() -> bool:
 
 @contextmanager
 def disabled() -> Iterator[None]:
-    """The native kernels switched off while the block runs, in the whole process, as
-    ``FLUXLIKE_NATIVE=0`` switches them off for a process: graphs built inside take MLX's
-    kernels (the layers', attention's and the optimiser update's); graphs built before, and
-    compiled steps traced before, keep what they had. For comparisons and tests (bench/run.py's
-    ``-native`` columns); other threads building graphs meanwhile see the switch too. Blocks
-    nest.
+    """fluxlike's routing switched off the native kernels while the block runs, in the whole
+    process: :func:`available` says no, and graphs built inside take MLX's kernels (the
+    layers', attention's and the optimiser updates'), as under ``FLUXLIKE_NATIVE=0``. For
+    comparisons, tests and ``mx.export_function`` (bench/run.py's ``-native`` columns).
+
+    Unlike ``FLUXLIKE_NATIVE=0``: the functions of this module called directly
+    (:func:`linear`, :func:`conv`, ...) still run the kernels, and :func:`native_info` still
+    describes the companion. Graphs and ``mx.compile`` traces keep the kernels they were built
+    with, inside or outside the block (``fluxlike.update``'s compiled steps are traced again
+    after a switch). Not for use while other threads build graphs. Blocks nest.
 
     >>> from fluxlike import native
     >>> with native.disabled():
@@ -140,8 +144,8 @@ def disabled() -> Iterator[None]:
     global _switched_off
     with _lock:
         _switched_off += 1
-    _switched()
     try:
+        _switched()
         yield
     finally:
         with _lock:
@@ -150,15 +154,22 @@ def disabled() -> Iterator[None]:
 
 
 def on_switch(callback: Callable[[], None]) -> None:
-    """Have :func:`disabled` call ``callback()`` when it switches the kernels off and on again:
-    for code that keeps a decision taken from :func:`available` (``fluxlike.precision.ops``
-    registers its ``forget_native``)."""
+    """Have :func:`disabled` call ``callback()`` on entering and on leaving a block: for code
+    that keeps a decision taken from :func:`available` (``fluxlike.precision.ops`` registers
+    its ``forget_native``)."""
     _on_switch.append(callback)
 
 
 def _switched() -> None:
+    """Every callback, even after one raised (the first error is raised after the last)."""
+    error: BaseException | None = None
     for callback in _on_switch:
-        callback()
+        try:
+            callback()
+        except BaseException as e:  # raised below, once all have run
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def _load() -> None:

@@ -25,6 +25,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
+from . import native
 from ._mlxtyping import tree_flatten
 from .precision.lossscale import LossScale, all_finite
 
@@ -247,6 +248,7 @@ class Compiled:
         scale_state = None if scale is None else scale.state
         settings = (_settings(optimizer), _settings(scale))
         key = (signature, optimizer, scale, id(live), id(scale_state), settings,
+               native.available(),  # its kernels or MLX's (native.disabled())
                None if average is None else _Same(average.__self__))
         captured = [live] if scale_state is None else [live, scale_state]
         entry = self.steps.get(key)

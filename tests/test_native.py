@@ -1682,3 +1682,45 @@ def test_vmap_over_a_cnn_and_per_sample_gradients(ac):
         for i in range(3):
             np.testing.assert_allclose(np64(g[i]), np64(one_by_one[i][name]), rtol=1e-4,
                                        atol=1e-5, err_msg=f"{name}, member {i}")
+
+
+@needs_native
+def test_vmap_of_an_input_gradient_that_does_not_depend_on_the_mapped_data():
+    """The input gradient of a linear model does not depend on the mapped examples (only the
+    weight gradient does): under mx.vmap it is still one per member, as with MLX's kernels."""
+    from fluxlike import Dense
+
+    layer = Dense(4, 3)
+    xs = mx.random.normal((5, 2, 4), key=mx.random.key(0))
+
+    def grads(x):
+        def loss(p, x):
+            layer.update(p)
+            return layer(x).sum()
+
+        return mx.grad(loss, argnums=(0, 1))(layer.trainable_parameters(), x)
+
+    params = layer.trainable_parameters()
+    (gp, gx) = mx.vmap(grads)(xs)
+    layer.update(params)
+    with native.disabled():
+        (rp, rx) = mx.vmap(grads)(xs)
+    layer.update(params)
+    assert gx.shape == rx.shape == (5, 2, 4) and gp["weight"].shape == (5, 3, 4)
+    np.testing.assert_allclose(np64(gx), np64(rx), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np64(gp["weight"]), np64(rp["weight"]), rtol=1e-5, atol=1e-6)
+
+
+def test_disabled_survives_a_raising_callback(monkeypatch):
+    """A callback registered with native.on_switch that raises: the error reaches the caller,
+    and the kernels are as they were afterwards (the block is left switched on again)."""
+    calls = []
+
+    def boom():
+        calls.append(1)
+        raise RuntimeError("callback failed")
+
+    monkeypatch.setattr(native, "_on_switch", [*native._on_switch, boom])
+    with pytest.raises(RuntimeError, match="callback failed"), native.disabled():
+        pass
+    assert native.available() == INFO.available and len(calls) == 2

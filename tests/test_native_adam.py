@@ -353,7 +353,8 @@ def counting_kernel(monkeypatch) -> list[int]:
         calls[0] += 1
         return kernel(*args)
 
-    monkeypatch.setattr(ops, "adam_kernel", lambda: counted if kernel is not None else None)
+    monkeypatch.setattr(ops, "adam_kernel",
+                        lambda: counted if kernel is not None and native.available() else None)
     return calls
 
 
@@ -506,3 +507,20 @@ def test_fluxlike_rmsprop_takes_the_kernel_and_trains_as_mlx_update(monkeypatch)
     ref = train(fluxlike.RMSProp(1e-2))
     for name in mine:
         assert same(mine[name], ref[name]), name
+
+
+@needs_kernel
+def test_update_traced_inside_disabled_takes_the_kernel_again_outside(monkeypatch):
+    """fluxlike.update keys its compiled steps by the switch: a step first traced inside
+    native.disabled() (MLX's update) is traced again outside it, with the kernel."""
+    calls = counting_kernel(monkeypatch)
+    mx.random.seed(0)
+    model = fluxlike.Chain(fluxlike.Dense(4, 3))
+    state = fluxlike.setup(fluxlike.Adam(1e-2), model)
+    g = {"layers": [{"weight": mx.full((3, 4), 0.5), "bias": mx.full((3,), 0.1)}]}
+    with native.disabled():
+        fluxlike.update(state, model, g)
+    assert calls[0] == 0
+    fluxlike.update(state, model, g)
+    mx.eval(model.parameters())
+    assert calls[0] == 2

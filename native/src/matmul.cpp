@@ -864,6 +864,26 @@ mx::array after(const mx::array& x, const std::vector<mx::array>& deps, mx::Stre
       x.shape(), x.dtype(), std::make_shared<After>(mx::to_stream(s)), std::move(inputs));
 }
 
+std::pair<std::vector<mx::array>, std::vector<int>> After::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  std::vector<mx::array> deps(inputs.begin() + 1, inputs.end());
+  if (axes[0] >= 0) {
+    return {{after(inputs[0], deps, s)}, {axes[0]}};
+  }
+  int size = 1;
+  for (size_t i = 1; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      size = inputs[i].shape(axes[i]);
+    }
+  }
+  auto shape = inputs[0].shape();
+  shape.insert(shape.begin(), size);
+  auto x = mx::broadcast_to(mx::expand_dims(inputs[0], 0, s), shape, s);
+  return {{after(x, deps, s)}, {0}};
+}
+
 void After::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.copy_shared_buffer(inputs[0]);
 }

@@ -190,12 +190,11 @@ class After : public mx::UnaryPrimitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
 
-  // x as it is mapped, after the (mapped or not) deps.
+  // x as it is mapped, after the (mapped or not) deps; an unmapped x is broadcast over the
+  // mapped axis (MLX's vmap takes no unmapped output of a mapped computation).
   std::pair<std::vector<mx::array>, std::vector<int>> vmap(
       const std::vector<mx::array>& inputs,
-      const std::vector<int>& axes) override {
-    return {{after(inputs[0], {inputs.begin() + 1, inputs.end()}, stream())}, {axes[0]}};
-  }
+      const std::vector<int>& axes) override;
 
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override {
