@@ -46,7 +46,8 @@ from fluxlike import native
 from fluxlike.precision import ops
 
 BATCH, WIDTH, DEPTH = 512, 2048, 4
-CONVS = [(64, 28, 1, 16), (64, 14, 16, 32), (32, 32, 64, 64)]  # batch, size, C_in, C_out; 3x3
+CONVS = [(64, 28, 1, 16), (64, 14, 16, 32), (32, 32, 64, 64),  # batch, size, C_in, C_out; 3x3
+         (1, 28, 1, 8), (1, 28, 1, 16), (1, 8, 3, 4)]  # one example: per-example gradients
 CROSSOVER = [(8, 64, 64), (32, 128, 128), (64, 256, 256), (128, 256, 512), (128, 512, 512),
              (256, 1024, 1024), (512, 2048, 2048)]
 

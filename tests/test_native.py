@@ -1724,3 +1724,30 @@ def test_disabled_survives_a_raising_callback(monkeypatch):
     with pytest.raises(RuntimeError, match="callback failed"), native.disabled():
         pass
     assert native.available() == INFO.available and len(calls) == 2
+
+
+@needs_native
+def test_per_example_gradients_of_a_small_cnn_with_fluxlike_gradient():
+    """Per-example gradients (members of one example each) of a CNN whose float32
+    convolution is too small to run natively in inference: fluxlike.gradient routes it to the
+    native kernel (whose gradient MLX can vmap; MLX's own cannot), one gradient per example,
+    equal to each example's own."""
+    import fluxlike as fl
+    from fluxlike.losses import logitcrossentropy
+
+    mx.random.seed(3)
+    model = fl.Chain(fl.Conv((3, 3), 1, 8, relu, padding=1), fl.MaxPool((2, 2)), fl.flatten,
+                     fl.Dense(8 * 14 * 14, 3))
+    xs = mx.random.normal((6, 1, 28, 28, 1), key=mx.random.key(0))
+    ys = mx.eye(3)[mx.arange(6).reshape(6, 1) % 3]
+
+    def per_example(x, y):
+        return fl.gradient(lambda m: logitcrossentropy(m(x), y), model)[0]
+
+    grads = mx.vmap(per_example)(xs, ys)
+    for i in (0, 5):
+        own = per_example(xs[i], ys[i])
+        for layer in (0, 3):
+            np.testing.assert_allclose(np64(grads["layers"][layer]["weight"][i]),
+                                       np64(own["layers"][layer]["weight"]), rtol=1e-4,
+                                       atol=1e-6)
