@@ -1751,3 +1751,28 @@ def test_per_example_gradients_of_a_small_cnn_with_fluxlike_gradient():
             np.testing.assert_allclose(np64(grads["layers"][layer]["weight"][i]),
                                        np64(own["layers"][layer]["weight"]), rtol=1e-4,
                                        atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_vmap_over_max_pool_jvp_and_second_order(dtype):
+    """mx.vmap over the forward-mode derivative and the second derivative of the native max
+    pooling (padded, overlapping windows): the same as member by member."""
+    def pool(x):
+        return native.max_pool(x, (3, 3), stride=(2, 2), padding=1)
+
+    xs = mx.random.normal((3, 2, 9, 8, 4), key=mx.random.key(0)).astype(dtype)
+    ts = mx.random.normal((3, 2, 9, 8, 4), key=mx.random.key(1)).astype(dtype)
+
+    def jvp(x, t):
+        return mx.jvp(pool, [x], [t])[1][0]
+
+    def second(x):
+        inner = mx.grad(lambda y: (pool(y).astype(mx.float32) ** 2).sum())
+        return mx.grad(lambda y: (inner(y).astype(mx.float32) ** 2).sum())(x)
+
+    for fn, args in ((jvp, (xs, ts)), (second, (xs,))):
+        batched = mx.vmap(fn)(*args)
+        for i in range(3):
+            one = fn(*(a[i] for a in args))
+            np.testing.assert_array_equal(np64(batched[i]), np64(one), err_msg=fn.__name__)

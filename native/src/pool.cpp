@@ -310,37 +310,36 @@ mx::array backward(const mx::array& dy, const mx::array& ws, const mx::Shape& x_
 // transpose of its backward pass, in MLX's ops (neither is a hot path).
 mx::array gather_at_max(const mx::array& v, const mx::array& ws, const PoolParams& p,
                         mx::Stream s) {
+  // Each output's maximum as a flat index into the padded v's spatial axes: the window's
+  // origin (the output's position times the stride) plus the maximum's offset in its window,
+  // decoded from the workspace axis by axis. Gather ops only (no strided view), so that
+  // mx.vmap goes through.
   int k = static_cast<int>(p.kernel.size());
   std::vector<std::pair<int, int>> pads{{0, 0}};
   for (int i = 0; i < k; ++i) pads.emplace_back(p.pad_lo[i], p.pad_hi[i]);
   pads.emplace_back(0, 0);
-  auto vp = mx::contiguous(mx::pad(v, pads, mx::array(0, v.dtype()), "constant", s), false, s);
-  mx::Strides st(vp.ndim());
-  int64_t acc = 1;
-  for (int i = vp.ndim() - 1; i >= 0; --i) {
-    st[i] = acc;
-    acc *= vp.shape(i);
+  auto vp = mx::pad(v, pads, mx::array(0, v.dtype()), "constant", s);
+  auto w = mx::astype(ws, mx::int32, s);
+  int ndim = static_cast<int>(ws.ndim());
+  mx::array flat = mx::zeros_like(w, s);
+  int after = 1;  // the window's entries after axis i (row-major), then the padded extent
+  int extent = 1;
+  for (int i = k - 1; i >= 0; --i) {
+    auto off = mx::remainder(mx::floor_divide(w, mx::array(after, mx::int32), s),
+                             mx::array(p.kernel[i], mx::int32), s);
+    mx::Shape along(ndim, 1);
+    along[i + 1] = ws.shape(i + 1);
+    auto origin = mx::reshape(
+        mx::multiply(mx::arange(ws.shape(i + 1), mx::int32, s), mx::array(p.stride[i]), s),
+        along, s);
+    flat = mx::add(flat, mx::multiply(mx::add(origin, off, s), mx::array(extent), s), s);
+    after *= p.kernel[i];
+    extent *= vp.shape(i + 1);
   }
-  mx::Shape shape{ws.shape(0)}, flat{ws.shape(0)};
-  mx::Strides strides{st[0]};
-  int64_t window = 1;
-  for (int i = 0; i < k; ++i) {
-    shape.push_back(ws.shape(i + 1));
-    flat.push_back(ws.shape(i + 1));
-    strides.push_back(st[i + 1] * p.stride[i]);
-  }
-  for (int i = 0; i < k; ++i) {
-    shape.push_back(p.kernel[i]);
-    strides.push_back(st[i + 1]);
-    window *= p.kernel[i];
-  }
-  shape.push_back(vp.shape(-1));
-  strides.push_back(1);
-  flat.push_back(static_cast<int>(window));
-  flat.push_back(vp.shape(-1));
-  auto windows = mx::reshape(mx::as_strided(vp, shape, strides, 0, s), flat, s);
-  auto idx = mx::expand_dims(mx::astype(ws, mx::int32, s), -2, s);
-  return mx::squeeze(mx::take_along_axis(windows, idx, -2, s), -2, s);
+  int n = vp.shape(0), c = vp.shape(-1);
+  auto rows = mx::reshape(vp, {n, extent, c}, s);
+  auto picked = mx::take_along_axis(rows, mx::reshape(flat, {n, -1, c}, s), 1, s);
+  return mx::reshape(picked, ws.shape(), s);
 }
 
 } // namespace
