@@ -258,6 +258,27 @@ float value(const void* x, bool bf16) {
 
 } // namespace
 
+void UpdateStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(std::string(name()) + " has no GPU kernel");
+}
+
+std::vector<mx::array> UpdateStep::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  return vjp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
+                cotangents, argnums);
+}
+
+std::vector<mx::array> UpdateStep::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  return jvp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
+                tangents, argnums, stream());
+}
+
 std::vector<mx::array> adam_step(
     const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
     const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
@@ -341,10 +362,6 @@ std::pair<std::vector<mx::array>, std::vector<int>> AdamStep::vmap(
           {0, 0, 0}};
 }
 
-void AdamStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error(std::string(ADAM.fn) + " has no GPU kernel");
-}
-
 std::vector<mx::array> AdamStep::reference(const std::vector<mx::array>& in) {
   auto s = stream();
   auto p = in.size() == 7 ? mx::multiply(in[0], in[6], s) : in[0];
@@ -356,23 +373,6 @@ std::vector<mx::array> AdamStep::reference(const std::vector<mx::array>& in) {
   auto numerator = mx::multiply(in[4], m, s);
   auto denominator = mx::add(mx::multiply(mx::sqrt(v, s), in[5], s), scalar(eps_), s);
   return {mx::subtract(p, mx::divide(numerator, denominator, s), s), m, v};
-}
-
-std::vector<mx::array> AdamStep::vjp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& cotangents,
-    const std::vector<int>& argnums,
-    const std::vector<mx::array>&) {
-  return vjp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
-                cotangents, argnums);
-}
-
-std::vector<mx::array> AdamStep::jvp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& tangents,
-    const std::vector<int>& argnums) {
-  return jvp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
-                tangents, argnums, stream());
 }
 
 std::vector<mx::array> rmsprop_step(
@@ -425,10 +425,6 @@ void RmsPropStep::eval_cpu(const std::vector<mx::array>& inputs,
   });
 }
 
-void RmsPropStep::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error(std::string(RMSPROP.fn) + " has no GPU kernel");
-}
-
 std::vector<mx::array> RmsPropStep::reference(const std::vector<mx::array>& in) {
   auto s = stream();
   auto scalar = [dt = in[0].dtype()](float x) { return mx::array(x, dt); };
@@ -450,23 +446,6 @@ std::pair<std::vector<mx::array>, std::vector<int>> RmsPropStep::vmap(
   auto dt = inputs[0].dtype();
   auto prim = std::make_shared<RmsPropStep>(s, alpha_, oma_, eps_);
   return {mx::array::make_arrays({b.shape, b.shape}, {dt, dt}, prim, b.operands), {0, 0}};
-}
-
-std::vector<mx::array> RmsPropStep::vjp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& cotangents,
-    const std::vector<int>& argnums,
-    const std::vector<mx::array>&) {
-  return vjp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
-                cotangents, argnums);
-}
-
-std::vector<mx::array> RmsPropStep::jvp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& tangents,
-    const std::vector<int>& argnums) {
-  return jvp_of([this](const std::vector<mx::array>& in) { return reference(in); }, primals,
-                tangents, argnums, stream());
 }
 
 } // namespace fluxlike_native

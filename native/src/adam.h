@@ -34,19 +34,18 @@ std::vector<mx::array> adam_step(
     const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
     double b1, double b2, double eps, mx::StreamOrDevice s = {});
 
-// inputs: {p, g, m, v, c1, c2} or {p, g, m, v, c1, c2, decay}; outputs {p', m', v'}.
-class AdamStep : public mx::Primitive {
+// What the update primitives share: their derivatives are those of the same formula in MLX's
+// ops (`reference`: an update differentiated through, as in meta-learning, gets MLX's
+// derivatives), and they run on the CPU only.
+class UpdateStep : public mx::Primitive {
  public:
-  AdamStep(mx::Stream stream, float b1, float one_minus_b1, float b2, float one_minus_b2,
-           float eps)
-      : mx::Primitive(stream), b1_(b1), omb1_(one_minus_b1), b2_(b2), omb2_(one_minus_b2),
-        eps_(eps) {}
+  using mx::Primitive::Primitive;
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  // The update in MLX's ops: the outputs of the primitive from its inputs.
+  virtual std::vector<mx::array> reference(const std::vector<mx::array>& inputs) = 0;
+
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
-  // The derivatives are those of the same formula in MLX's ops (an update differentiated
-  // through, as in meta-learning, gets MLX's derivatives).
   std::vector<mx::array> jvp(
       const std::vector<mx::array>& primals,
       const std::vector<mx::array>& tangents,
@@ -57,6 +56,17 @@ class AdamStep : public mx::Primitive {
       const std::vector<mx::array>& cotangents,
       const std::vector<int>& argnums,
       const std::vector<mx::array>& outputs) override;
+};
+
+// inputs: {p, g, m, v, c1, c2} or {p, g, m, v, c1, c2, decay}; outputs {p', m', v'}.
+class AdamStep : public UpdateStep {
+ public:
+  AdamStep(mx::Stream stream, float b1, float one_minus_b1, float b2, float one_minus_b2,
+           float eps)
+      : UpdateStep(stream), b1_(b1), omb1_(one_minus_b1), b2_(b2), omb2_(one_minus_b2),
+        eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   // Elementwise: the mapped axis moves to the front (broadcast where an operand is not
   // mapped), then the same kernel; scalars mapped too (one learning rate per member) take
@@ -79,7 +89,7 @@ class AdamStep : public mx::Primitive {
 
   // The same update in MLX's ops (what the derivatives are taken of, and the reference the
   // tests hold the kernel to).
-  std::vector<mx::array> reference(const std::vector<mx::array>& inputs);
+  std::vector<mx::array> reference(const std::vector<mx::array>& inputs) override;
 
  private:
   float b1_, omb1_, b2_, omb2_, eps_;
@@ -98,24 +108,12 @@ std::vector<mx::array> rmsprop_step(
     double alpha, double eps, mx::StreamOrDevice s = {});
 
 // inputs: {p, g, v, lr}; outputs {p', v'}.
-class RmsPropStep : public mx::Primitive {
+class RmsPropStep : public UpdateStep {
  public:
   RmsPropStep(mx::Stream stream, float alpha, float one_minus_alpha, float eps)
-      : mx::Primitive(stream), alpha_(alpha), oma_(one_minus_alpha), eps_(eps) {}
+      : UpdateStep(stream), alpha_(alpha), oma_(one_minus_alpha), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-
-  std::vector<mx::array> jvp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& tangents,
-      const std::vector<int>& argnums) override;
-
-  std::vector<mx::array> vjp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& cotangents,
-      const std::vector<int>& argnums,
-      const std::vector<mx::array>& outputs) override;
 
   std::pair<std::vector<mx::array>, std::vector<int>> vmap(
       const std::vector<mx::array>& inputs,
@@ -131,7 +129,7 @@ class RmsPropStep : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override;
 
-  std::vector<mx::array> reference(const std::vector<mx::array>& inputs);
+  std::vector<mx::array> reference(const std::vector<mx::array>& inputs) override;
 
  private:
   float alpha_, oma_, eps_;
