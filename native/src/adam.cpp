@@ -124,12 +124,6 @@ void shared_out(int64_t n, const Range& range) {
   }
 }
 
-std::string dtype_str(mx::Dtype dt) {
-  std::ostringstream os;
-  os << dt;
-  return os.str();
-}
-
 // `fn` names the entry and `rule` the MLX optimiser to use instead in the messages.
 struct Names {
   const char* fn;

@@ -1,5 +1,5 @@
-// fluxlike-native: what every op's file uses - oneDNN's CPU engine, shapes in messages, an
-// aligned temporary buffer for a primitive's scratchpad (or reordered operands), and a
+// fluxlike-native: what every op's file uses - oneDNN's CPU engine, shapes and dtypes in
+// messages, oneDNN's descriptions of MLX's arrays, an aligned temporary buffer for a primitive's scratchpad (or reordered operands), and a
 // row-contiguous copy of a strided operand.
 #pragma once
 
@@ -14,6 +14,7 @@
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/transforms.h"
+#include "mlx/utils.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace mx = mlx::core;
@@ -43,6 +44,43 @@ inline std::string shape_str(const mx::Shape& s) {
 
 inline std::string vec_str(const std::vector<int>& v) {
   return shape_str(mx::Shape(v.begin(), v.end()));
+}
+
+// "float32", "bfloat16": a dtype as Python names it, for error messages.
+inline std::string dtype_str(mx::Dtype d) {
+  if (d == mx::float32) return "float32";
+  if (d == mx::bfloat16) return "bfloat16";
+  if (d == mx::float16) return "float16";
+  if (d == mx::float64) return "float64";
+  std::ostringstream os;
+  os << d;
+  return os.str();
+}
+
+// oneDNN's type for a float32 or bfloat16 array; `fn` names the caller otherwise.
+inline dnnl::memory::data_type dnnl_type(mx::Dtype d, const char* fn = "fluxlike_native") {
+  if (d == mx::float32) return dnnl::memory::data_type::f32;
+  if (d == mx::bfloat16) return dnnl::memory::data_type::bf16;
+  throw std::invalid_argument(std::string(fn) + ": no oneDNN type for " + dtype_str(d));
+}
+
+// (N, *spatial, C) channels-last, as oneDNN's (N, C, *spatial) with strides.
+inline dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
+  int k = static_cast<int>(s.size()) - 2;
+  int64_t c = s.back();
+  dnnl::memory::dims d{s[0], c}, st{0, 1};
+  int64_t acc = c;
+  std::vector<int64_t> sp(k);
+  for (int i = k - 1; i >= 0; --i) {
+    sp[i] = acc;
+    acc *= s[i + 1];
+  }
+  st[0] = acc;
+  for (int i = 0; i < k; ++i) {
+    d.push_back(s[i + 1]);
+    st.push_back(sp[i]);
+  }
+  return dnnl::memory::desc(d, dnnl_type(dt), st);
 }
 
 // `bytes` of 64-byte-aligned memory (none for 0), freed on scope exit; `fn` and `what` name

@@ -30,29 +30,6 @@ namespace {
 const char* FN = "fluxlike_native.conv";
 using dims = dnnl::memory::dims;
 
-dnnl::memory::data_type dnnl_type(mx::Dtype d) {
-  return d == mx::bfloat16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
-}
-
-// (N, *spatial, C) channels-last, as oneDNN's (N, C, *spatial) with strides.
-dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
-  int k = static_cast<int>(s.size()) - 2;
-  int64_t c = s.back();
-  dims d{s[0], c}, st{0, 1};
-  int64_t acc = c;
-  std::vector<int64_t> sp(k);
-  for (int i = k - 1; i >= 0; --i) {
-    sp[i] = acc;
-    acc *= s[i + 1];
-  }
-  st[0] = acc;
-  for (int i = 0; i < k; ++i) {
-    d.push_back(s[i + 1]);
-    st.push_back(sp[i]);
-  }
-  return dnnl::memory::desc(d, dnnl_type(dt), st);
-}
-
 // MLX's (O, *kernel, I / groups) weights as oneDNN's (O, I, *k) or (G, O/G, I/G, *k).
 dnnl::memory::desc weights_md(const mx::Shape& s, int groups, mx::Dtype dt) {
   int k = static_cast<int>(s.size()) - 2;

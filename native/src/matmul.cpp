@@ -34,23 +34,6 @@ namespace {
 
 const char* FN = "fluxlike_native.matmul";
 
-std::string dtype_str(mx::Dtype d) {
-  if (d == mx::float32) return "float32";
-  if (d == mx::bfloat16) return "bfloat16";
-  if (d == mx::float16) return "float16";
-  if (d == mx::float64) return "float64";
-  std::ostringstream os;
-  os << d;
-  return os.str();
-}
-
-dnnl::memory::data_type dnnl_type(mx::Dtype d) {
-  if (d == mx::float32) return dnnl::memory::data_type::f32;
-  if (d == mx::bfloat16) return dnnl::memory::data_type::bf16;
-  throw std::invalid_argument(
-      std::string(FN) + ": no oneDNN type for " + dtype_str(d));
-}
-
 // The result's shape, or a clear error.
 mx::Shape out_shape(
     const mx::Shape& as,
@@ -220,14 +203,14 @@ std::shared_ptr<Entry> lookup(
   }
   // Created outside the cache's lock: two threads may both create one; the first stored wins.
   auto e = std::make_shared<Entry>();
-  auto dt = dnnl_type(in_dt);
+  auto dt = dnnl_type(in_dt, FN);
   e->a_md = dnnl::memory::desc(a.dims, dt, a.strides);
   e->b_md = dnnl::memory::desc(b.dims, dt, b.strides);
-  e->dst_md = dnnl::memory::desc(dst_dims, dnnl_type(out_dt), row_major(dst_dims));
+  e->dst_md = dnnl::memory::desc(dst_dims, dnnl_type(out_dt, FN), row_major(dst_dims));
   if (bias_dt) {
     dnnl::memory::dims bdims(dst_dims.size(), 1);
     bdims.back() = dst_dims.back();
-    e->bias_md = dnnl::memory::desc(bdims, dnnl_type(*bias_dt), row_major(bdims));
+    e->bias_md = dnnl::memory::desc(bdims, dnnl_type(*bias_dt, FN), row_major(bdims));
   }
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);

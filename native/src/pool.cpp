@@ -29,26 +29,6 @@ namespace {
 const char* FN = "fluxlike_native.max_pool";
 using dims = dnnl::memory::dims;
 
-// (N, *spatial, C) channels-last, as oneDNN's (N, C, *spatial) with strides.
-dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
-  int k = static_cast<int>(s.size()) - 2;
-  int64_t c = s.back();
-  dims d{s[0], c}, st{0, 1};
-  int64_t acc = c;
-  std::vector<int64_t> sp(k);
-  for (int i = k - 1; i >= 0; --i) {
-    sp[i] = acc;
-    acc *= s[i + 1];
-  }
-  st[0] = acc;
-  for (int i = 0; i < k; ++i) {
-    d.push_back(s[i + 1]);
-    st.push_back(sp[i]);
-  }
-  auto t = dt == mx::bfloat16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32;
-  return dnnl::memory::desc(d, t, st);
-}
-
 // The workspace's dtype: oneDNN keeps a window offset per output, in one byte for windows of
 // fewer than 256 entries.
 mx::Dtype workspace_dtype(const PoolParams& p) {
