@@ -1,7 +1,9 @@
-"""Shared test utilities: float64 finite-difference gradient checks, numpy conversion."""
+"""Shared test utilities: float64 finite-difference gradient checks, numpy conversion, work
+on several threads at once."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -164,3 +166,22 @@ def dense_of(w, b):
 def leaves(tree):
     """A parameter tree's arrays by dotted path."""
     return dict(tree_flatten(tree))
+
+
+def in_threads(work: Callable[[int], object], n: int) -> None:
+    """``work(k)`` for ``k`` in ``range(n)``, each on a thread of its own, at once; the
+    failures are asserted on this thread."""
+    failures: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            work(k)
+        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
+            failures.append(error)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures

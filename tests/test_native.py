@@ -22,13 +22,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import in_threads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -523,32 +523,23 @@ def test_inside_compile(shapeless, dtype):
 @needs_native
 def test_from_several_threads():
     shapes = [(8, 16, 4), (32, 64, 48), (5, 7, 3), (64, 128, 32)]
-    failures: list[BaseException] = []
 
     def work(k: int) -> None:
-        try:
-            rows, inner, out = shapes[k % len(shapes)]
-            dtype = DTYPES[k % 2]
-            for _ in range(5):
-                x, w, b = rand((rows, inner), dtype), rand((out, inner), dtype), rand((out,),
-                                                                                      dtype)
-                y = native.linear(x, w, b, "relu")
-                gw = mx.grad(lambda w, x=x, b=b: native.linear(x, w, b).astype(
-                    mx.float32).sum())(w)
-                mx.eval(y, gw)
-                exact, scale = reference(x, w, b, True)
-                assert_close(y, exact, scale, dtype)
-                expected = np.broadcast_to(np64(x).sum(0), (out, inner))
-                np.testing.assert_allclose(np64(gw), expected, rtol=2e-2, atol=2e-2 * rows)
-        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
-            failures.append(error)
+        rows, inner, out = shapes[k % len(shapes)]
+        dtype = DTYPES[k % 2]
+        for _ in range(5):
+            x, w, b = rand((rows, inner), dtype), rand((out, inner), dtype), rand((out,),
+                                                                                  dtype)
+            y = native.linear(x, w, b, "relu")
+            gw = mx.grad(lambda w, x=x, b=b: native.linear(x, w, b).astype(
+                mx.float32).sum())(w)
+            mx.eval(y, gw)
+            exact, scale = reference(x, w, b, True)
+            assert_close(y, exact, scale, dtype)
+            expected = np.broadcast_to(np64(x).sum(0), (out, inner))
+            np.testing.assert_allclose(np64(gw), expected, rtol=2e-2, atol=2e-2 * rows)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+    in_threads(work, 6)
 
 
 @needs_native
@@ -795,30 +786,20 @@ def test_conv_inside_compile(shapeless, dtype):
 def test_conv_from_several_threads_and_cache():
     from fluxlike_native import _ext
 
-    failures: list[BaseException] = []
-
     def work(k: int) -> None:
-        try:
-            dtype = DTYPES[k % 2]
-            for _ in range(4):
-                x, w = rand((2, 8 + k, 8, 3), dtype), rand((5, 3, 3, 3), dtype)
-                y = native.conv(x, w, padding=1)
-                gw = mx.grad(lambda w, x=x: native.conv(x, w, padding=1).astype(
-                    mx.float32).sum())(w)
-                mx.eval(y, gw)
-                exact, scale = np_conv(x, w, (1, 1), (1, 1), (1, 1), (1, 1), 1)
-                assert_close(y, exact, scale, dtype)
-                assert gw.shape == w.shape and gw.dtype == dtype
-        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
-            failures.append(error)
+        dtype = DTYPES[k % 2]
+        for _ in range(4):
+            x, w = rand((2, 8 + k, 8, 3), dtype), rand((5, 3, 3, 3), dtype)
+            y = native.conv(x, w, padding=1)
+            gw = mx.grad(lambda w, x=x: native.conv(x, w, padding=1).astype(
+                mx.float32).sum())(w)
+            mx.eval(y, gw)
+            exact, scale = np_conv(x, w, (1, 1), (1, 1), (1, 1), (1, 1), 1)
+            assert_close(y, exact, scale, dtype)
+            assert gw.shape == w.shape and gw.dtype == dtype
 
     _ext.clear_cache()
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+    in_threads(work, 4)
     assert _ext.conv_cache_size() == 4 * 2  # one forward and one weights-gradient per shape
     assert sum(count for _, count in _ext.conv_cache_impls()) == 8
 
@@ -1371,29 +1352,19 @@ def test_max_pool_inside_compile(shapeless, dtype):
 def test_max_pool_from_several_threads_and_cache():
     from fluxlike_native import _ext
 
-    failures: list[BaseException] = []
-
     def work(k: int) -> None:
-        try:
-            dtype = DTYPES[k % 2]
-            for _ in range(4):
-                x = rand((2, 8 + 2 * k, 8, 3), dtype)
-                y = native.max_pool(x, 2)
-                g = mx.grad(lambda v: native.max_pool(v, 2).astype(mx.float32).sum())(x)
-                mx.eval(y, g)
-                np.testing.assert_array_equal(np64(y), np_max_pool(x, (2, 2), (2, 2),
-                                                                   (0, 0), (0, 0)))
-                assert g.dtype == dtype and float(g.astype(mx.float32).sum()) == y.size
-        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
-            failures.append(error)
+        dtype = DTYPES[k % 2]
+        for _ in range(4):
+            x = rand((2, 8 + 2 * k, 8, 3), dtype)
+            y = native.max_pool(x, 2)
+            g = mx.grad(lambda v: native.max_pool(v, 2).astype(mx.float32).sum())(x)
+            mx.eval(y, g)
+            np.testing.assert_array_equal(np64(y), np_max_pool(x, (2, 2), (2, 2),
+                                                               (0, 0), (0, 0)))
+            assert g.dtype == dtype and float(g.astype(mx.float32).sum()) == y.size
 
     _ext.clear_cache()
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+    in_threads(work, 4)
     assert _ext.pool_cache_size() == 4 * 2  # one forward and one backward per shape
     assert sum(count for _, count in _ext.pool_cache_impls()) == 8
 

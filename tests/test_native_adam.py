@@ -10,12 +10,11 @@ Adam then runs MLX's update."""
 
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from helpers import in_threads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
@@ -160,23 +159,12 @@ def test_inside_compile_and_a_schedule():
 
 @needs_kernel
 def test_from_several_threads():
-    results: dict[int, bool] = {}
-
     def work(i: int) -> None:
         with mx.stream(mx.new_stream(mx.cpu)):
-            try:
-                run_both((70, 1000), 2, 0.01 if i % 2 else None, 1e-3, (0.9, 0.999), 1e-8, 1.0,
-                         False, seed=i)
-                results[i] = True
-            except AssertionError:
-                results[i] = False
+            run_both((70, 1000), 2, 0.01 if i % 2 else None, 1e-3, (0.9, 0.999), 1e-8, 1.0,
+                     False, seed=i)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == {i: True for i in range(4)}
+    in_threads(work, 4)
 
 
 @needs_kernel
