@@ -167,11 +167,10 @@ class _NativeAdam:
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
         kernel = ops.adam_kernel()
         m, v, dtype = state.get("m"), state.get("v"), parameter.dtype
-        if (kernel is None or not self.bias_correction or m is None or v is None
-                or dtype not in _NATIVE_ADAM_DTYPES
-                or not gradient.dtype == m.dtype == v.dtype == dtype
-                or mx.default_device() != mx.cpu or self.learning_rate.ndim != 0):
+        if not (self.bias_correction
+                and _native_takes(kernel, self.learning_rate, parameter, gradient, m, v)):
             return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
+        assert kernel is not None
         # The scalars as MLX's Adam.apply_single (and AdamW's) compute them.
         lr = self.learning_rate.astype(dtype)
         b1, b2 = self.betas
@@ -183,7 +182,18 @@ class _NativeAdam:
         return new
 
 
-_NATIVE_ADAM_DTYPES = (mx.float32, mx.bfloat16)
+def _native_takes(kernel: Callable | None, learning_rate: mx.array, parameter: mx.array,
+                  *arrays: mx.array | None) -> bool:
+    """Whether a native update ``kernel`` takes this parameter: the kernels are in use, the
+    default device is the CPU, the learning rate is one number, and the parameter is float32
+    or bfloat16 with its gradient and state ``arrays`` (present) of its dtype."""
+    dtype = parameter.dtype
+    return (kernel is not None and dtype in _NATIVE_UPDATE_DTYPES
+            and all(a is not None and a.dtype == dtype for a in arrays)
+            and mx.default_device() == mx.cpu and learning_rate.ndim == 0)
+
+
+_NATIVE_UPDATE_DTYPES = (mx.float32, mx.bfloat16)
 
 
 class _NativeRMSprop:
@@ -196,14 +206,13 @@ class _NativeRMSprop:
     learning_rate: mx.array
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
-        kernel = ops.rmsprop_kernel()
-        v, dtype = state.get("v"), parameter.dtype
-        if (kernel is None or v is None or dtype not in _NATIVE_ADAM_DTYPES
-                or not gradient.dtype == v.dtype == dtype
-                or mx.default_device() != mx.cpu or self.learning_rate.ndim != 0):
+        kernel, v = ops.rmsprop_kernel(), state.get("v")
+        if not _native_takes(kernel, self.learning_rate, parameter, gradient, v):
             return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
-        new, state["v"] = kernel(parameter, gradient, v, self.learning_rate.astype(dtype),
-                                 self.alpha, self.eps)
+        assert kernel is not None
+        new, state["v"] = kernel(parameter, gradient, v,
+                                 self.learning_rate.astype(parameter.dtype), self.alpha,
+                                 self.eps)
         return new
 
 
