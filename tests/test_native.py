@@ -1419,12 +1419,6 @@ def test_disabled_switches_the_kernels_off_for_the_block_and_on_again():
     np.testing.assert_allclose(np64(inside), np64(ref), rtol=1e-6, atol=1e-6)
 
 
-def _without_native(fn):
-    """``fn()`` with the native kernels switched off in-process (as FLUXLIKE_NATIVE=0)."""
-    with native.disabled():
-        return fn()
-
-
 @needs_native
 @pytest.mark.parametrize("ac", [None, mx.bfloat16], ids=["float32", "autocast"])
 def test_cnn_layers_run_native_kernels_in_training(ac, monkeypatch):
@@ -1458,7 +1452,8 @@ def test_cnn_layers_run_native_kernels_in_training(ac, monkeypatch):
     from mlx.utils import tree_flatten
 
     if ac is None:  # float32: MLX's kernels give the same step
-        loss0, g0 = _without_native(step)
+        with native.disabled():
+            loss0, g0 = step()
         assert loss.item() == pytest.approx(loss0.item(), rel=1e-5)
         for (name, a), (_, b) in zip(tree_flatten(g), tree_flatten(g0), strict=True):
             assert a.dtype == mx.float32 == b.dtype, name
@@ -1467,10 +1462,11 @@ def test_cnn_layers_run_native_kernels_in_training(ac, monkeypatch):
         return
     # bfloat16: as far from float32's step as the float32-kernel emulation is (bfloat16
     # activations both; the roundings fall elsewhere, and ties in a pool go to the first)
-    ac = None
-    loss32, g32 = _without_native(step)
-    ac = mx.bfloat16
-    loss_emu, g_emu = _without_native(step)
+    with native.disabled():
+        ac = None
+        loss32, g32 = step()
+        ac = mx.bfloat16
+        loss_emu, g_emu = step()
     assert abs(loss.item() - loss32.item()) <= 2 * abs(loss_emu.item() - loss32.item()) + 1e-3
     for (name, a), (_, b), (_, r) in zip(tree_flatten(g), tree_flatten(g_emu),
                                          tree_flatten(g32), strict=True):
