@@ -99,7 +99,7 @@ def mlx_variants(model: str) -> dict[str, Callable[[], object]]:
     from run import without_native
 
     import fluxlike
-    from fluxlike.optimise import Rule
+    from fluxlike.optimisers.rules import Rule
 
     params, grads = arrays(model)
 

@@ -62,7 +62,7 @@ from .precision.castcache import clear_cast_cache
 from .precision.convert import bf16, bf16mix, f16, f16mix, f32, f64
 from .data import DataLoader, onecold, onehot, onehotbatch
 from .checkpoint import loadcheckpoint, loadmodel, savemodel, state
-from .optimise import (
+from .optimisers.rules import (
     Adam,
     AdamW,
     ClipNorm,
@@ -77,7 +77,7 @@ from .optimise import (
 )
 from .precision.lossscale import DynamicLossScale, StaticLossScale, all_finite
 from .gradients import gradient, withgradient
-from .optstate import OptState, setup, update
+from .optimisers.state import OptState, setup, update
 from .distributed import DataParallel, barrier
 from .training import train
 

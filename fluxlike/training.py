@@ -20,8 +20,8 @@ import mlx.nn as nn
 from . import workarounds  # noqa: F401  (registers the exit guard for worker threads)
 from ._mlxtyping import tree_flatten
 from .gradients import _check_autocast, _value_and_grad
-from .optstate import OptState, claim, update
-from .optstep import COMPILED, assign
+from .optimisers.compiled import COMPILED, assign
+from .optimisers.state import OptState, claim, update
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale, all_finite
 

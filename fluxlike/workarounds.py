@@ -18,14 +18,14 @@ here with their canaries all the same:
 - **Tracers left in captured state** (MLX 0.32.4): when a function compiled with
   ``mx.compile(fn, inputs=state, outputs=state)`` raises while it is traced, the arrays it
   had written into ``state`` stay there as tracers without a primitive (``[eval] Attempting
-  to eval an array without a primitive``). ``fluxlike/optstep.py`` puts the state from before
-  the step back (``rollback``) when the first call of a compiled step raises.
+  to eval an array without a primitive``). ``fluxlike/optimisers/compiled.py`` puts the state
+  from before the step back (``rollback``) when the first call of a compiled step raises.
 - **``Optimizer.init`` on a shorter parameter list** (MLX 0.32.4): ``init`` walks the
   optimiser's state list by the state's length and indexes the parameters' list with it, an
   ``IndexError`` once the gradients hold fewer entries of a list than the state (a model
   partly frozen since); it also replaces the state's lists by new ones, which a compiled
-  step that captured them would not see. ``optstep.init_missing`` makes only the missing
-  entries, in place.
+  step that captured them would not see. ``optimisers.compiled.init_missing`` makes only the
+  missing entries, in place.
 - **safetensors F64** (MLX 0.32.4): ``mx.load`` of a ``.safetensors`` file with a float64
   entry raises ``[safetensor] unsupported dtype F64``. ``fluxlike/checkpoint.py`` reads
   safetensors files itself (``_read``; it also does so to read the file whole and to name

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import fluxlike as fl  # noqa: E402
 from fluxlike.distributed import DataShard, _has_sum_scatter  # noqa: E402
 from fluxlike.losses import logitcrossentropy  # noqa: E402
-from fluxlike.optstep import COMPILED  # noqa: E402
+from fluxlike.optimisers.compiled import COMPILED  # noqa: E402
 
 B, STEPS, FEATURES, CLASSES = 4, 3, 6, 3  # batch per rank, steps, model sizes
 

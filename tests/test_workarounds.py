@@ -421,7 +421,8 @@ def test_canary_mlx_leaves_tracers_when_a_compiled_function_raises():
         assert "without a primitive" in str(e), e
         return
     raise AssertionError(fixed_note("Tracers left in captured state",
-                                    "fluxlike/optstep.py (rollback after a failed trace)"))
+                                    "fluxlike/optimisers/compiled.py (rollback after a failed "
+                                    "trace)"))
 
 
 def test_canary_mlx_optimizer_init_fails_on_a_shorter_list():
@@ -432,7 +433,7 @@ def test_canary_mlx_optimizer_init_fails_on_a_shorter_list():
     except IndexError:
         return
     raise AssertionError(fixed_note("Optimizer.init on a shorter parameter list",
-                                    "fluxlike/optstep.py (init_missing)"))
+                                    "fluxlike/optimisers/compiled.py (init_missing)"))
 
 
 def test_canary_mlx_load_refuses_safetensors_float64(tmp_path):

@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from .precision import ops
+from ..precision import ops
 
 LearningRate = float | Callable[[mx.array], mx.array]
 Tree = Any

@@ -105,7 +105,7 @@ def test_an_interrupted_eager_update_restores_the_model_too(monkeypatch):
     model = Chain(Dense(2, 2), Dense(2, 2))
     opt_state = setup(Descent(0.5), model)
     (grads,) = gradient(lambda m: m(mx.ones((1, 2))).sum(), model)
-    from fluxlike.optstep import COMPILED
+    from fluxlike.optimisers.compiled import COMPILED
     update(opt_state, model, grads)
     COMPILED[opt_state].fall_back("test: eager")
     mx.eval(model.parameters(), opt_state.state)

@@ -1,7 +1,7 @@
 """The optimiser state of one model: ``OptState``, ``setup`` and ``update``.
 
 ``setup`` builds the optimiser for a rule and initialises it for the model's trainable
-parameters; ``update`` takes one step, through the compiled step of :mod:`.optstep`, with the
+parameters; ``update`` takes one step, through the compiled step of :mod:`.compiled`, with the
 loss scale's unscaling, finite check and adjustment when ``opt_state`` has one.
 """
 
@@ -15,11 +15,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map_with_path
 
-from ._mlxtyping import tree_flatten
-from .distributed import DataParallel, prepare
-from .gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
-from .optimise import Rule
-from .optstep import (
+from .._mlxtyping import tree_flatten
+from ..distributed import DataParallel, prepare
+from ..gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
+from ..precision import lossscale
+from ..precision.lossscale import DynamicLossScale, LossScale
+from .compiled import (
     COMPILED,
     Compiled,
     assign,
@@ -29,8 +30,7 @@ from .optstep import (
     step,
     uninterrupted,
 )
-from .precision import lossscale
-from .precision.lossscale import DynamicLossScale, LossScale
+from .rules import Rule
 
 
 class OptState:

@@ -1,4 +1,4 @@
-"""Tests of fluxlike/optimise.py: each rule against a numpy step written from Flux's formulas."""
+"""Tests of fluxlike/optimisers/rules.py: each rule against a numpy step from Flux's formulas."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from fluxlike import (
     setup,
     update,
 )
-from fluxlike.optimise import FLOAT16_EPS
+from fluxlike.optimisers.rules import FLOAT16_EPS
 
 STEPS = 3
 

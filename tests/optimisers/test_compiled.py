@@ -1,4 +1,4 @@
-"""Tests of the compiled optimiser step behind fluxlike.update (fluxlike/optstep.py).
+"""Tests of the compiled optimiser step behind fluxlike.update (fluxlike/optimisers/compiled.py).
 
 The reference is MLX's own eager ``optimizer.update`` on a twin model. Floating results are
 compared to within 4 ulp: on this CPU build the fused kernels give bit-identical results
@@ -35,11 +35,11 @@ from fluxlike import (
     OptState,
     RMSProp,
     gradient,
-    optstep,
     relu,
     setup,
     update,
 )
+from fluxlike.optimisers import compiled
 
 
 def _mlp(seed: int = 0) -> Chain:
@@ -100,12 +100,12 @@ def _assert_matches(model, twin, opt_state: OptState, reference) -> None:
 
 
 def _compiled(opt_state: OptState):
-    return optstep.COMPILED[opt_state]
+    return compiled.COMPILED[opt_state]
 
 
 def _eager(opt_state: OptState) -> OptState:
     """``opt_state`` forced onto update's eager path (the implementation before compiling)."""
-    optstep.COMPILED.setdefault(opt_state, optstep.Compiled()).fall_back("test")
+    compiled.COMPILED.setdefault(opt_state, compiled.Compiled()).fall_back("test")
     return opt_state
 
 
@@ -364,12 +364,12 @@ def test_update_under_disable_compile():
 @pytest.fixture
 def cache_limit():
     """Sets MLX's CPU default buffer-cache limit for the test and restores the old one."""
-    old = mx.set_cache_limit(optstep._CPU_CACHE_DEFAULT)
-    saved = list(optstep._cache_limit_set)
-    optstep._cache_limit_set.clear()
+    old = mx.set_cache_limit(compiled._CPU_CACHE_DEFAULT)
+    saved = list(compiled._cache_limit_set)
+    compiled._cache_limit_set.clear()
     yield
     mx.set_cache_limit(old)
-    optstep._cache_limit_set[:] = saved
+    compiled._cache_limit_set[:] = saved
 
 
 def _limit() -> int:

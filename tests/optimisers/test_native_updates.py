@@ -227,7 +227,7 @@ def test_bad_operands_are_refused_when_the_graph_is_built(bad, message):
 def test_vmap_over_the_update_is_mlx_update(dtype):
     """mx.vmap over an ensemble's update (fluxlike's Adam takes the kernel inside): MLX's bits;
     and over the kernel with one learning rate per member (the formula in MLX's ops)."""
-    from fluxlike.optimise import _AdamW
+    from fluxlike.optimisers.rules import _AdamW
 
     p = mx.random.normal((5, 3, 4), key=mx.random.key(0)).astype(dtype)
     g = mx.random.normal((3, 4, 5), key=mx.random.key(1)).astype(dtype)  # mapped on axis 2
@@ -258,7 +258,7 @@ def test_vmap_over_the_update_is_mlx_update(dtype):
 def test_edge_parameters_through_fluxlike_adam(monkeypatch):
     """0-d and empty parameters, a broadcast gradient, mixed dtypes (MLX's update), a
     learning rate that is not one number (MLX's update): all as stock mlx.optimizers.Adam."""
-    from fluxlike.optimise import _Adam
+    from fluxlike.optimisers.rules import _Adam
 
     cases = [
         (mx.array(1.5), mx.array(0.25)),  # 0-d

@@ -25,9 +25,9 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from . import native
-from ._mlxtyping import tree_flatten
-from .precision.lossscale import LossScale, all_finite
+from .. import native
+from .._mlxtyping import tree_flatten
+from ..precision.lossscale import LossScale, all_finite
 
 
 def assign(

@@ -1,4 +1,4 @@
-"""Tests of fluxlike/optstate.py: setup, OptState, update."""
+"""Tests of fluxlike/optimisers/state.py: setup, OptState, update."""
 
 from __future__ import annotations
 
