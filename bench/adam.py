@@ -191,10 +191,9 @@ def main() -> None:
     import mlx.core as mx
 
     from fluxlike import native
-    from fluxlike.precision import ops
 
     mx.set_cache_limit(1 << 32)  # as update's first step raises it: no page faults in samples
-    takes = "the native kernel" if ops.adam_kernel() is not None else "MLX's update"
+    takes = "the native kernel" if native.adam_kernel() is not None else "MLX's update"
     print(f"# The Adam update alone (ms per update; ratios to fl update)\n"
           f"native: {native.native_info().reason}\nfl update takes {takes}")
     for model in args.models.split(","):

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 import fluxlike as fl
-from fluxlike.precision.policy import is_dispatching
+from fluxlike.precision.policy import is_routing
 
 BATCHES = (1, 16, 128)
 DIMS = 256
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=61)
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    if is_dispatching():
+    if is_routing():
         raise SystemExit("autocast was already used in this process: cannot measure 'before'")
 
     gc.disable()
@@ -116,7 +116,7 @@ def main() -> None:
         modes = (False, True)
         before = {(n, e): phase(n, args.rounds, args.calls, False, e)
                   for e in modes for n in BATCHES}
-        assert not is_dispatching()
+        assert not is_routing()
         with fl.autocast(device="cpu"):  # the first use: crosses the barrier
             pass
         after = {(n, e): phase(n, args.rounds, args.calls, True, e)

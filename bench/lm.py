@@ -163,9 +163,6 @@ def piece_variants() -> dict[str, tuple[int, Callable[[], None]]]:
         lambda a, b, c: attend(a, b, c, scale, mask)[0], q, k, v))
     pieces["attention core ac"] = (4, fwd_bwd_of(
         lambda a, b, c: attend(a, b, c, scale, mask)[0], qh, kh, vh, ac=BF16))
-    if native.available():
-        pieces["attention core native bf16"] = (4, fwd_bwd_of(
-            lambda a, b, c: native.attention(a, b, c, scale=scale, mask=mask), qh, kh, vh))
     heads = mx.random.normal((B, L, D))
     pieces["split/merge heads f32"] = (4, fwd_bwd_of(
         lambda a: mx.unflatten(a, -1, (H, -1)).transpose(0, 2, 1, 3) * 1.0, heads))

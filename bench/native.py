@@ -19,7 +19,7 @@ float32 on the same row. PyTorch runs afterwards, in its own process. Peak memor
 ``mx.get_peak_memory()`` over one call.
 
 Variants: ``mlx f32`` hand-written MLX (``mx.addmm``) in float32, on the OpenBLAS fluxlike
-puts under MLX; ``fl bf16 today`` fluxlike's current CPU bfloat16 path (``precision.ops.
+puts under MLX; ``fl bf16 today`` fluxlike's current CPU bfloat16 path (``precision.kernels.
 linear``: oneDNN's bfloat16 kernel where the CPU has one, else bfloat16 numerics in float32
 OpenBLAS kernels); ``fl bf16 emu`` that emulation, the native kernels switched off;
 ``native f32``/``native bf16`` ``fluxlike.native.linear`` (bf16: float32 master weights cast
@@ -43,7 +43,8 @@ import mlx.core as mx
 
 import fluxlike  # noqa: F401  (first: puts OpenBLAS under MLX)
 from fluxlike import native
-from fluxlike.precision import ops
+from fluxlike.precision import kernels
+from fluxlike.precision.attention import attend
 
 BATCH, WIDTH, DEPTH = 512, 2048, 4
 CONVS = [(64, 28, 1, 16), (64, 14, 16, 32), (32, 32, 64, 64),  # batch, size, C_in, C_out; 3x3
@@ -80,13 +81,13 @@ def mlx_linear(x, w, b, act):
 
 
 def today_linear(x, w, b, act):
-    return ops.linear(x, w, b, _relu if act else None)
+    return kernels.linear(x, w, b, _relu if act else None)
 
 
 def emulated_linear(x, w, b, act):
-    """``ops.linear`` with the native kernels switched off: the float32-kernel emulation."""
+    """``kernels.linear`` with the native kernels switched off: the float32-kernel emulation."""
     with native.disabled():
-        return ops.linear(x, w, b, _relu if act else None)
+        return kernels.linear(x, w, b, _relu if act else None)
 
 
 def _relu(y):
@@ -102,7 +103,7 @@ def mlx_conv(x, w, b):
 
 
 def today_conv(x, w, b):
-    return ops.conv(x, w, (1, 1), (1, 1), (1, 1), 1, b)
+    return kernels.conv(x, w, (1, 1), (1, 1), (1, 1), 1, b)
 
 
 def native_conv(x, w, b):
@@ -205,8 +206,7 @@ def mlx_rows(reps: int, quick: bool) -> dict[str, dict[str, tuple[float, float]]
     q, k, v = (mx.random.normal((4, 8, 128, 64)) for _ in range(3))
     sdpa = mx.fast.scaled_dot_product_attention
     attention = {"mlx f32": (sdpa, None), "fl bf16 today": (sdpa, mx.bfloat16),
-                 "native f32": (native.attention, None), "native bf16": (native.attention,
-                                                                        mx.bfloat16)}
+                 "native bf16": (_attend, mx.bfloat16)}
     for name, (fn, dtype) in attention.items():
         if name.startswith("native") and not native.available():
             continue
@@ -316,6 +316,11 @@ def torch_rows(python: str, reps: int, quick: bool) -> tuple[dict, str]:
 
 
 # ---------------------------------------------------------------------------------- table
+
+def _attend(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: str) -> mx.array:
+    """fluxlike's attention core (on the CPU in bfloat16: the native matmuls and softmax)."""
+    return attend(q, k, v, scale, mask)[0]
+
 
 def flops(row: str) -> float | None:
     if row.startswith("maxpool"):

@@ -1,4 +1,4 @@
-"""The kernels of fluxlike/precision/ops.py and the BLAS under them, side by side on this CPU.
+"""The kernels of fluxlike/precision/kernels.py and the BLAS under them, side by side on this CPU.
 
     .venv/bin/python bench/ops.py
 
@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 import fluxlike
 from fluxlike import Chain, Conv, Dense, autocast, relu
-from fluxlike.precision import ops
+from fluxlike.precision import kernels
 
 HALVES = (mx.bfloat16, mx.float16)
 
@@ -94,12 +94,12 @@ def training_step(model: nn.Module, x: mx.array, dtype: mx.Dtype | None,
     def step():
         if not native:
             return grad(model, x)
-        saved = ops.emulates
-        ops.emulates = lambda *a: False  # the module's one switch: MLX's own half kernels
+        saved = kernels.choose
+        kernels.choose = lambda *a: kernels.MLX  # the one decision point: MLX's own kernels
         try:
             return grad(model, x)
         finally:
-            ops.emulates = saved
+            kernels.choose = saved
 
     return step
 

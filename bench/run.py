@@ -53,7 +53,7 @@ import torch_worker as TW
 
 import fluxlike
 from fluxlike import autocast, bf16mix, native, setup, update, withgradient
-from fluxlike.precision import ops
+from fluxlike.precision import kernels
 
 BF16 = mx.bfloat16
 SECTIONS = ("inference", "training", "memory")
@@ -64,9 +64,6 @@ MODELS = [*M.SPECS, M.LM.name]
 
 
 # ------------------------------------------------------------------ native kernels
-
-NATIVE_KERNELS = ("linear", "matmul", "conv", "conv_transpose", "attention", "softmax")
-
 
 def without_native(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with fluxlike's native kernels switched off while it builds its graph
@@ -81,47 +78,46 @@ def without_native(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def kernels_used(fn: Callable[[], object]) -> str:
-    """Which of ``fluxlike.native``'s kernels one call of ``fn`` ran (outermost calls, by
-    operand dtype), e.g. ``linear bf16 x4``; ``MLX`` when none."""
+    """Which of ``fluxlike.native``'s kernels one call of ``fn`` ran, by kernel and operand
+    dtype, e.g. ``linear bf16 x4`` (the routing's choices, :func:`fluxlike.precision.kernels.
+    choose`, and the everyday float32 layer call's C++ entry); ``MLX`` when none."""
     if not native.available():
         return "MLX"
     seen: dict[str, int] = {}
-    depth = [0]
-    saved = {name: getattr(native, name) for name in NATIVE_KERNELS}
 
-    def counting(name: str, kernel: Callable) -> Callable:
-        def call(*args: object, **kwargs: object) -> object:
-            if depth[0] == 0:
-                dtype = getattr(args[0], "dtype", None)
-                key = f"{name} {str(dtype).rpartition('.')[2].replace('bfloat16', 'bf16')}"
-                seen[key] = seen.get(key, 0) + 1
-            depth[0] += 1
-            try:
-                return kernel(*args, **kwargs)
-            finally:
-                depth[0] -= 1
+    def count(op: str, dtype: object) -> None:
+        key = f"{op} {str(dtype).rpartition('.')[2].replace('bfloat16', 'bf16')}"
+        seen[key] = seen.get(key, 0) + 1
 
-        return call
+    choose = kernels.choose
 
-    for name, kernel in saved.items():
-        setattr(native, name, counting(name, kernel))
-    # The everyday float32 layer call goes to the kernel's C++ entry, not native.linear.
-    entry = ops._plain_kernel
-    if entry() is not None:
-        def counted(x: mx.array, w: mx.array, b: mx.array | None, relu: bool) -> object:
-            plain = entry()  # None while a -native variant has the kernels switched off
-            y = None if plain is None else plain(x, w, b, relu)
-            if y is not None and depth[0] == 0:
-                seen["linear float32"] = seen.get("linear float32", 0) + 1
+    def counted_choice(op: str, dtype: object, *args: object) -> str:
+        backend = choose(op, dtype, *args)  # type: ignore[arg-type]
+        if backend == kernels.NATIVE:
+            count(op, dtype)
+        return backend
+
+    class Entry:  # the companion as the routing sees it, counting the plain float32 entry
+        def __init__(self, ext: object):
+            self.ext = ext
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.ext, name)
+
+        def plain_linear(self, x: mx.array, *args: object) -> object:
+            y = self.ext.plain_linear(x, *args)  # type: ignore[attr-defined]
+            if y is not None:
+                count("linear", x.dtype)
             return y
 
-        ops._plain_kernel = lambda: counted  # type: ignore[assignment]
+    ext = native.switch.ext
+    kernels.choose = counted_choice  # type: ignore[assignment]
+    native.switch.ext = Entry(ext)  # type: ignore[assignment]
     try:
         fn()
     finally:
-        for name, kernel in saved.items():
-            setattr(native, name, kernel)
-        ops._plain_kernel = entry
+        kernels.choose = choose  # type: ignore[assignment]
+        native.switch.ext = ext
     return ", ".join(f"{k} x{n}" for k, n in seen.items()) or "MLX"
 
 
@@ -587,10 +583,6 @@ def header(torch_line: str) -> None:
     print(torch_line)
     for line in blas_lines():
         print(line)
-    ops = getattr(sys.modules.get("fluxlike.precision.ops"), "__file__", "")
-    routed = "custom_function" in open(ops).read() if ops else False
-    print(f"fluxlike.precision.ops routes CPU half precision through float32 kernels "
-          f"(custom_function present): {routed}")
     print(f"fluxlike.native.native_info(): {native.native_info().reason}")
     print("Variants: fl = fluxlike (Chain of Dense/Conv/MaxPool); autocast = "
           "`with autocast(mx.bfloat16)`; bf16mix = bf16mix(model); mlx hand = plain mx ops; "

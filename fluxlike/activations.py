@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import workarounds
-from .precision.ops import commutes_with_rounding
+from .precision.emulation import commutes_with_rounding
 from .precision.state import HALF, current_dtype
 
 

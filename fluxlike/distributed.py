@@ -53,7 +53,7 @@ from mlx.nn.layers.distributed import (
 from mlx.utils import tree_unflatten
 
 from ._mlxtyping import tree_flatten
-from .precision import ops
+from .precision import kernels
 from .precision.policy import autocast_policy
 
 Group = mx.distributed.Group
@@ -496,11 +496,11 @@ def shard_loader(group: Group, nobs: int, batchsize: int, shuffle: bool, partial
 
 def _all_to_sharded(self: AllToShardedLinear, x: mx.array) -> mx.array:
     x = sum_gradients(self.group)(x)  # the cotangent of x is summed over the group
-    return ops.linear(x, self["weight"], self["bias"] if "bias" in self else None)
+    return kernels.linear(x, self["weight"], self["bias"] if "bias" in self else None)
 
 
 def _sharded_to_all(self: ShardedToAllLinear, x: mx.array) -> mx.array:
-    y = mx.distributed.all_sum(ops.linear(x, self["weight"]), group=self.group)
+    y = mx.distributed.all_sum(kernels.linear(x, self["weight"]), group=self.group)
     return y + self["bias"].astype(y.dtype) if "bias" in self else y
 
 

@@ -143,7 +143,7 @@ def test_an_autocast_call_runs_little_python():
             for line in done.stdout.splitlines() if line.startswith(("autocast |", "plain |"))}
     assert rows["autocast"][0] <= 50 and rows["autocast"][1] <= 20, rows
     assert rows["plain"][0] <= 24 and rows["plain"][1] <= 8, rows
-    assert "fluxlike/precision/ops.py: linear" in done.stdout  # and the call path is printed
+    assert "fluxlike/precision/kernels.py: linear" in done.stdout  # and the call path is printed
 
 
 def test_adam_bench_reports_every_variant():

@@ -403,7 +403,38 @@ def test_canary_mlx_custom_functions_cannot_be_traced_shapeless():
         assert "cannot infer output shapes" in str(e), e
         return
     raise AssertionError(fixed_note("Custom functions in shapeless traces",
-                                    "fluxlike/precision/ops.py (Context.shapeless)"))
+                                    "fluxlike/precision/kernels.py (Context.shapeless)"))
+
+
+def _row_major(a: mx.array) -> bool:
+    strides = memoryview(a).strides
+    return list(strides) == sorted(strides, reverse=True)
+
+
+def test_canary_mlx_differentiates_a_linear_layer_into_a_column_major_weight_gradient():
+    x, w = mx.random.normal((8, 4)), mx.random.normal((3, 4))
+    g = mx.grad(lambda w: (x @ w.T).sum())(w)
+    if not _row_major(g):
+        return
+    raise AssertionError(fixed("row_major_linear (and linear_grads, affine_grads)"))
+
+
+def test_row_major_linear_gives_mlxs_gradients_row_major():
+    x, w, b = mx.random.normal((8, 4)), mx.random.normal((3, 4)), mx.random.normal((3,))
+    for bias in (None, b):
+        def plain(w, b):
+            return (x @ w.T if b is None else mx.addmm(b, x, w.T)).square().sum()
+
+        def routed(w, b):
+            return workarounds.row_major_linear(x, w, b).square().sum()
+
+        argnums = 0 if bias is None else (0, 1)
+        got = mx.grad(routed, argnums=argnums)(w, bias)
+        want = mx.grad(plain, argnums=argnums)(w, bias)
+        got, want = (got, want) if bias is not None else ((got,), (want,))
+        assert _row_major(got[0])
+        for g, e in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.array(g), np.array(e), rtol=1e-5, atol=1e-5)
 
 
 def test_canary_mlx_leaves_tracers_when_a_compiled_function_raises():

@@ -17,7 +17,7 @@ from .base import Layer, signature_of
 from .basic import Dense
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class MultiHeadAttention(Layer):
     """Multi-head scaled dot-product attention, as in "Attention Is All You Need".
 

@@ -12,7 +12,8 @@ from .. import workarounds
 from ..activations import identity, resolve
 from ..checks import check_features, check_flag, check_size, index_range, initialise, is_int
 from ..init import glorot_uniform
-from ..precision import ops
+from ..precision import kernels
+from ..precision.operands import match_input, operands
 from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
 
@@ -143,7 +144,7 @@ class Chain(_Container):
         return self._items()
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class Dense(Layer):
     """A fully connected layer: ``act(x @ weight.T + bias)``.
 
@@ -183,7 +184,7 @@ class Dense(Layer):
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]  # item access: `self.weight` goes through a slow __getattr__
         try:
-            return ops.linear(x, weight, self.get("bias"), self.act, "Dense")
+            return kernels.linear(x, weight, self.get("bias"), self.act, "Dense")
         except (ValueError, IndexError):  # a shape MLX refused, or 0-d: name the layer and sizes
             in_dims = weight.shape[1]
             image = isinstance(x, mx.array) and x.ndim > 2 and math.prod(x.shape[1:]) == in_dims
@@ -223,7 +224,7 @@ def flatten(x: mx.array) -> mx.array:
     return mx.flatten(x, start_axis=1)
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class Bilinear(Layer):
     """A bilinear map of two inputs: ``y[..., k] = act(x1 @ weight[k] @ x2 + bias[k])``.
 
@@ -270,12 +271,12 @@ class Bilinear(Layer):
         out, in1, in2 = weight.shape
         batch = x1.shape[:-1]
         n = math.prod(batch)
-        x1, weight, bias = ops.operands(x1, weight, bias, layer="Bilinear")
+        x1, weight, bias = operands(x1, weight, bias, layer="Bilinear")
         x1 = x1.reshape(n, in1, 1)
-        x2 = ops.match_input(x2, weight, "Bilinear").reshape(n, in2)
+        x2 = match_input(x2, weight, "Bilinear").reshape(n, in2)
         # (x2 contracted with W) then with x1: two GEMMs, no (n, out, in1, in2) temporary
-        wx2 = ops.linear(x2, weight.reshape(out * in1, in2)).reshape(n, out, in1)
-        y = ops.matmul(wx2, x1).reshape(*batch, out)
+        wx2 = kernels.linear(x2, weight.reshape(out * in1, in2)).reshape(n, out, in1)
+        y = kernels.matmul(wx2, x1).reshape(*batch, out)
         return self.act(y if bias is None else y + bias)
 
     def signature(self) -> str:
@@ -534,7 +535,7 @@ class Embedding(Layer):
         >>> Embedding(10, 4).as_linear(mx.ones((2, 4))).shape
         (2, 10)
         """
-        return ops.linear(x, self["weight"], None, None, "Embedding.as_linear")
+        return kernels.linear(x, self["weight"], None, None, "Embedding.as_linear")
 
     def signature(self) -> str:
         vocab, dims = self.weight.shape

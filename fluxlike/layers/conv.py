@@ -35,7 +35,8 @@ from ..checks import (
     is_int,
 )
 from ..init import glorot_uniform
-from ..precision import ops
+from ..precision import kernels
+from ..precision.operands import operands
 from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
 
@@ -225,7 +226,7 @@ class _ConvBase(Layer):
         return signature_of(args, name, self.act, **_options(self, extra))
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class Conv(_ConvBase):
     """A convolution: ``act(conv(x, weight) + bias)``, channels last.
 
@@ -283,18 +284,18 @@ class Conv(_ConvBase):
         self._check(x, weight)
         extent = [d * (k - 1) + 1 for k, d in zip(weight.shape[1:-1], dilation, strict=True)]
         check_fits(x, extent, padding, "Conv", "dilated kernel")
-        x, weight, bias = ops.operands(x, weight, self.get("bias"), layer="Conv")
+        x, weight, bias = operands(x, weight, self.get("bias"), layer="Conv")
         lo, hi = zip(*padding, strict=True)
         options = (self["stride"], (lo, hi), dilation, self.groups)
         if workarounds.splits_groups(x, self.groups):
-            return self._finish(workarounds.grouped(ops.conv, x, weight, *options), bias)
-        return ops.conv(x, weight, *options, bias, self.act)
+            return self._finish(workarounds.grouped(kernels.conv, x, weight, *options), bias)
+        return kernels.conv(x, weight, *options, bias, self.act)
 
     def signature(self) -> str:
         return self._signature(self.in_channels, self.weight.shape[0])
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class ConvTranspose(_ConvBase):
     """A transposed convolution (the adjoint of ``Conv``'s map of ``x``), channels last.
 
@@ -385,7 +386,7 @@ class ConvTranspose(_ConvBase):
                 f"[ConvTranspose] padding {padding} crops the output for input shape "
                 f"{tuple(x.shape)} to nothing (spatial size {size}); use less padding"
             )
-        x, weight, bias = ops.operands(x, weight, self.get("bias"), layer="ConvTranspose")
+        x, weight, bias = operands(x, weight, self.get("bias"), layer="ConvTranspose")
         # What MLX's conv_transpose computes correctly: a symmetric padding of at most
         # dilation * (k - 1), cropped below, and an output padding of at most that, the rest
         # appended as zeros (before the bias and activation).
@@ -395,14 +396,14 @@ class ConvTranspose(_ConvBase):
         options = (self["stride"], sym, self["dilation"], out_pad, self.groups)
         if workarounds.splits_groups(x, self.groups) or any(extra):
             if workarounds.splits_groups(x, self.groups):
-                y = workarounds.grouped(ops.conv_transpose, x, weight, *options)
+                y = workarounds.grouped(kernels.conv_transpose, x, weight, *options)
             else:
-                y = ops.conv_transpose(x, weight, *options)
+                y = kernels.conv_transpose(x, weight, *options)
             if any(extra):
                 y = mx.pad(y, [(0, 0), *((0, e) for e in extra), (0, 0)])
             y = self._finish(y, bias)
         else:  # bias and activation are elementwise: applied before the crop below
-            y = ops.conv_transpose(x, weight, *options, bias, self.act)
+            y = kernels.conv_transpose(x, weight, *options, bias, self.act)
         starts = [lo - p for (lo, _), p in zip(padding, sym, strict=True)]
         if any(starts) or tuple(y.shape[1:-1]) != size:
             # (the index built first: mypy reads y[(a, *b)] as Python 3.11's y[a, *b])

@@ -40,7 +40,7 @@ from ..checks import (
     is_int,
 )
 from ..modes import is_active
-from ..precision.policy import autocast_policy, keep_float32
+from ..precision.policy import autocast_policy
 from .base import Layer, signature_of
 
 Dims = int | tuple[int, ...]
@@ -86,8 +86,13 @@ def _check_input(x: Any, layer: str, trailing: tuple[int, ...], min_ndim: int, f
 
 def _compute_dtype(x: mx.array, *params: mx.array | None) -> mx.Dtype:
     """float64 if the input or a parameter is float64, else float32."""
-    dtypes = [x.dtype] + [p.dtype for p in params if p is not None]
-    return mx.float64 if mx.float64 in dtypes else mx.float32
+    f64 = mx.float64
+    if x.dtype == f64:
+        return f64
+    for p in params:  # a plain loop: every call of a norm layer
+        if p is not None and p.dtype == f64:
+            return f64
+    return mx.float32
 
 
 @overload
@@ -194,8 +199,7 @@ class _RunningNorm(_Norm):
         return fresh[0], fresh[1]
 
 
-@keep_float32
-@autocast_policy("fp32")
+@autocast_policy("fp32", keep_float32=True)
 class BatchNorm(_RunningNorm):
     """Batch normalisation over every axis but the last (the channels), as in Flux.
 
@@ -254,8 +258,7 @@ class BatchNorm(_RunningNorm):
         return signature_of([str(self.channels)], "BatchNorm", self.act, **options)
 
 
-@keep_float32
-@autocast_policy("fp32")
+@autocast_policy("fp32", keep_float32=True)
 class InstanceNorm(_RunningNorm):
     """Instance normalisation: each sample and channel normalised over the spatial axes.
 
@@ -303,8 +306,7 @@ class InstanceNorm(_RunningNorm):
         return signature_of([str(self.channels)], "InstanceNorm", self.act, **options)
 
 
-@keep_float32
-@autocast_policy("fp32")
+@autocast_policy("fp32", keep_float32=True)
 class GroupNorm(_Norm):
     """Group normalisation: the channels split into ``groups`` runs of consecutive channels,
     each sample normalised over its spatial axes and the channels of each group.

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import workarounds
-from ..precision import ops
+from ..precision import kernels
 from ..precision.state import HALF
 from .base import Layer
 from .conv import (
@@ -152,7 +152,7 @@ class MaxPool(_WindowPool):
 
     def __call__(self, x: mx.array) -> mx.array:
         self._check(x)
-        y = ops.max_pool(x, self["window"], self["stride"], self["padding"])
+        y = kernels.max_pool(x, self["window"], self["stride"], self["padding"])
         if y is not None:  # the native kernel (oneDNN's pooling) on the CPU
             return y
         return mx.max(self._windows(x, checked=True), axis=self._axes())

@@ -18,7 +18,8 @@ from .. import workarounds
 from ..activations import resolve, tanh
 from ..checks import check_features, check_flag, check_size, checked_init, initialise
 from ..init import glorot_uniform
-from ..precision import ops
+from ..precision import kernels
+from ..precision.operands import operands
 from ..precision.policy import autocast_policy
 from .base import Layer, act_name, signature_of
 
@@ -57,11 +58,11 @@ class _Cell(Layer):
 
     def project(self, x: mx.array) -> mx.array:
         """The input part of every gate, ``x @ weight_ih.T + bias_ih``, for any leading axes."""
-        return ops.linear(x, self["weight_ih"], self.get("bias_ih"))
+        return kernels.linear(x, self["weight_ih"], self.get("bias_ih"))
 
     def recur(self, h: mx.array) -> mx.array:
         """The hidden-state part of every gate, ``h @ weight_hh.T + bias_hh``."""
-        return ops.linear(h, self["weight_hh"], self.get("bias_hh"))
+        return kernels.linear(h, self["weight_hh"], self.get("bias_hh"))
 
     def step(self, xp: mx.array, state: Any) -> Any:
         """The new state from the projected input ``xp`` of one time step and the old state."""
@@ -79,7 +80,7 @@ class _Cell(Layer):
         """A checked ``state`` in the compute dtype, or zeros of ``(*batch, out_dims)``."""
         if state is None:
             return mx.zeros((*batch, self.out_dims), dtype=dtype)
-        return ops.operands(state, self["weight_hh"], layer=layer)[0]
+        return operands(state, self["weight_hh"], layer=layer)[0]
 
     def __call__(self, x: mx.array, state: State | None = None) -> State:
         name, in_dims = type(self).__name__, self.in_dims
@@ -90,7 +91,7 @@ class _Cell(Layer):
                 f"({in_dims},), got shape {tuple(x.shape)}; use {name[:-4]} for sequences"
             )
         self.check_state(state, (*x.shape[:-1], self.out_dims), name)
-        x = ops.operands(x, self["weight_ih"], layer=name)[0]
+        x = operands(x, self["weight_ih"], layer=name)[0]
         return self.step(self.project(x), self.prepare_state(state, x.shape[:-1], x.dtype, name))
 
     def _options(self) -> dict[str, Any]:
@@ -112,7 +113,7 @@ def _check_array_state(state: Any, shape: tuple[int, ...], layer: str, what: str
                          f"{tuple(state.shape)}; pass None for a zero initial state")
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class RNNCell(_Cell):
     """One step of an Elman RNN::
 
@@ -156,7 +157,7 @@ class RNNCell(_Cell):
         return signature_of(args, type(self).__name__, **self._options())
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class LSTMCell(_Cell):
     """One step of a long short-term memory, with PyTorch's gates ``i, f, g, o``::
 
@@ -214,10 +215,10 @@ class LSTMCell(_Cell):
             return zeros, zeros
         h, c = state
         weight = self["weight_hh"]
-        return (ops.operands(h, weight, layer=layer)[0], ops.operands(c, weight, layer=layer)[0])
+        return (operands(h, weight, layer=layer)[0], operands(c, weight, layer=layer)[0])
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class GRUCell(_Cell):
     """One step of a gated recurrent unit, with PyTorch's gates ``r, z, n``::
 
@@ -281,7 +282,7 @@ class _Recurrent(Layer):
     def __call__(self, x: mx.array, state: State | None = None) -> Any:
         name, cell = type(self).__name__, self["cell"]
         self._check(x, state, cell, name)
-        x = ops.operands(x, cell["weight_ih"], layer=name)[0]
+        x = operands(x, cell["weight_ih"], layer=name)[0]
         state = cell.prepare_state(state, x.shape[:-2], x.dtype, name)
         xp = cell.project(x)  # the input part of every step in one matmul
         outputs = []
@@ -312,7 +313,7 @@ class _Recurrent(Layer):
         return f"{type(self).__name__}{cell[cell.index('('):-1]}{options})"
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class RNN(_Recurrent):
     """An Elman RNN over a sequence: :class:`RNNCell` applied at each time step.
 
@@ -349,7 +350,7 @@ class RNN(_Recurrent):
         super().__init__(in_dims, out_dims, act, bias=bias, init=init, return_state=return_state)
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class LSTM(_Recurrent):
     """A long short-term memory over a sequence: :class:`LSTMCell` applied at each time step.
 
@@ -377,7 +378,7 @@ class LSTM(_Recurrent):
         super().__init__(in_dims, out_dims, bias=bias, init=init, return_state=return_state)
 
 
-@autocast_policy("down", forward="ops")
+@autocast_policy("down")
 class GRU(_Recurrent):
     """A gated recurrent unit over a sequence: :class:`GRUCell` applied at each time step.
 

@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from ..precision import ops
+from .. import native
 
 LearningRate = float | Callable[[mx.array], mx.array]
 Tree = Any
@@ -165,10 +165,10 @@ class _NativeAdam:
     weight_decay: float  # AdamW's
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
-        kernel = ops.adam_kernel()
+        kernel = native.adam_kernel()
         m, v, dtype = state.get("m"), state.get("v"), parameter.dtype
         if not (self.bias_correction
-                and _native_takes(kernel, self.learning_rate, parameter, gradient, m, v)):
+                and _native_update_takes(kernel, self.learning_rate, parameter, gradient, m, v)):
             return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
         assert kernel is not None
         # The scalars as MLX's Adam.apply_single (and AdamW's) compute them.
@@ -182,7 +182,7 @@ class _NativeAdam:
         return new
 
 
-def _native_takes(kernel: Callable | None, learning_rate: mx.array, parameter: mx.array,
+def _native_update_takes(kernel: Callable | None, learning_rate: mx.array, parameter: mx.array,
                   *arrays: mx.array | None) -> bool:
     """Whether a native update ``kernel`` takes this parameter: the kernels are in use, the
     default device is the CPU, the learning rate is one number, and the parameter is float32
@@ -206,8 +206,8 @@ class _NativeRMSprop:
     learning_rate: mx.array
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
-        kernel, v = ops.rmsprop_kernel(), state.get("v")
-        if not _native_takes(kernel, self.learning_rate, parameter, gradient, v):
+        kernel, v = native.rmsprop_kernel(), state.get("v")
+        if not _native_update_takes(kernel, self.learning_rate, parameter, gradient, v):
             return super().apply_single(gradient, parameter, state)  # type: ignore[misc]  # mixin
         assert kernel is not None
         new, state["v"] = kernel(parameter, gradient, v,

@@ -1,2 +1,2 @@
-"""Everything about dtypes: the autocast scope, the dispatch barrier and per-layer policies,
+"""Everything about dtypes: the autocast scope, per-layer policies and the routing of calls,
 the compute kernels' dtype rules, storage converters and loss scaling."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import workarounds
-from . import ops
+from . import kernels
 from .state import HALF
 
 Mask = mx.array | str | None
@@ -23,10 +23,10 @@ def attend(
     The fused kernel runs unless weights or dropout are asked for, the operands are float64
     (its softmax is only float32-accurate there) or they are half precision on the CPU, where
     it would run MLX's scalar half GEMM: then the scores and the weighted sum go through
-    :func:`~fluxlike.precision.ops.matmul` (oneDNN's bfloat16 kernels where the native
+    :func:`~fluxlike.precision.kernels.matmul` (oneDNN's bfloat16 kernels where the native
     companion has them, else float32 kernels; the same roundings either way: half operands,
     float32 accumulation, half results) and the softmax runs in float32, as in the fused
-    kernel (:func:`~fluxlike.precision.ops.softmax`: oneDNN's where the companion is in use).
+    kernel (:func:`~fluxlike.precision.kernels.softmax`: oneDNN's where the companion is in use).
 
     >>> import mlx.core as mx
     >>> q = mx.ones((1, 2, 3, 4), mx.bfloat16)
@@ -35,12 +35,12 @@ def attend(
     ((1, 2, 3, 4), mlx.core.bfloat16, (1, 2, 3, 3))
     """
     fused = workarounds.fast_kernels_exact(q.dtype) and not (dropout or return_weights)
-    half_cpu = ops.emulates(q, k, v)
+    half_cpu = kernels.half_on_cpu(q, k, v)
     if fused and not half_cpu:
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             mask = _finite(mask.astype(q.dtype))  # sdpa wants the scores' dtype
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
-    scores = ops.matmul(q * scale, k, transpose_b=True)
+    scores = kernels.matmul(q * scale, k, transpose_b=True)
     # The softmax runs in float32 at least, as sdpa's does.
     scores = scores.astype(mx.float32) if scores.dtype in HALF else scores
     if isinstance(mask, str):
@@ -52,12 +52,12 @@ def attend(
     elif mask is not None:
         scores = _finite(scores + mask.astype(scores.dtype))
     # exact in float64 too; CPU half precision's float32 scores on oneDNN where it is in use
-    weights = ops.softmax(scores) if half_cpu else workarounds.softmax(scores)
+    weights = kernels.softmax(scores) if half_cpu else workarounds.softmax(scores)
     if dropout:
         keep = mx.random.bernoulli(1 - dropout, weights.shape)
         weights = mx.where(keep, weights / (1 - dropout), mx.zeros_like(weights))
     weights = weights.astype(v.dtype)
-    return ops.matmul(weights, v), weights
+    return kernels.matmul(weights, v), weights
 
 
 def _finite(x: mx.array) -> mx.array:

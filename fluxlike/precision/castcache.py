@@ -3,7 +3,7 @@ cast every weight again on every call.
 
 Under autocast the down-policy kernels cast each weight to the compute dtype, and on the CPU
 the half operands of a GEMM or convolution are cast back up to run in float32 kernels
-(:mod:`~fluxlike.precision.ops`): two full passes over every weight per call. Here each cast
+(:mod:`~fluxlike.precision.emulation`): two full passes over every weight per call. Here each cast
 is made once and reused for as long as its source array is alive and not replaced.
 
 - Keys are array identities. An entry holds its source by weak reference and goes when the
@@ -17,7 +17,8 @@ is made once and reused for as long as its source array is alive and not replace
   under ``mx.grad``/``mx.compile`` the parameters are the transformation's arrays, new at
   every step or trace: their casts serve that step only (a layer applied several times, a
   recurrent layer's time steps) and go with them. The float32 values of the half casts
-  (:func:`reused`, :func:`rounded_upcast`) are never kept for them: computed as constants, they
+  (:func:`casts_if_seen`, :func:`rounded_f32_if_seen`) are never kept for them: computed as
+  constants, they
   would hold float32 copies for the backward pass.
 - MLX arrays are values, but ``w[i] = v`` and ``w += v`` rewrite an array in place, under
   the same identity; the cache cannot see that. Assign a new array instead (``layer.weight
@@ -81,7 +82,7 @@ def _casts(source: mx.array) -> dict:
     return entry[1]
 
 
-def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
+def cached_cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     """``source.astype(dtype)``, the same array object on every call while ``source`` lives.
     While fluxlike differentiates, the parameters are the transformation's own arrays, new at
     every step: their casts are kept for that step (a recurrent layer's weights are cast once
@@ -89,9 +90,9 @@ def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
 
     >>> import mlx.core as mx
     >>> w = mx.ones((2, 2))
-    >>> cast(w, mx.bfloat16) is cast(w, mx.bfloat16)
+    >>> cached_cast(w, mx.bfloat16) is cached_cast(w, mx.bfloat16)
     True
-    >>> cast(w, mx.bfloat16).dtype
+    >>> cached_cast(w, mx.bfloat16).dtype
     mlx.core.bfloat16
     """
     if source.dtype == dtype:
@@ -103,53 +104,10 @@ def cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     return result
 
 
-def kept(source: mx.array, dtype: mx.Dtype) -> mx.array | None:
-    """``source.astype(dtype)`` if an earlier call made it; otherwise ``None``, having made
-    it for the next call (as :func:`reused`: a hit means ``source`` is no tracer of a running
-    transformation).
-
-    >>> import mlx.core as mx
-    >>> w = mx.ones(2)
-    >>> kept(w, mx.bfloat16) is None, kept(w, mx.bfloat16).dtype
-    (True, mlx.core.bfloat16)
-    """
-    if source.dtype == dtype:
-        return None if context.get().differentiating else source
-    casts = _casts(source)
-    result = casts.get(dtype)
-    if result is None:
-        casts[dtype] = source.astype(dtype)
-    return result
-
-
-def rounded_upcast(source: mx.array, dtype: mx.Dtype) -> mx.array | None:
-    """``source.astype(dtype).astype(mx.float32)`` (``source``'s values rounded to the half
-    ``dtype``, held in float32, for a float32 kernel that computes half precision's numerics)
-    if an earlier call made it; otherwise ``None``, having made it for the next call. As
-    with :func:`reused`, a hit means ``source`` is no tracer of a running transformation.
-
-    >>> import mlx.core as mx
-    >>> w = mx.array([1.00390625])
-    >>> rounded_upcast(w, mx.bfloat16) is None
-    True
-    >>> rounded_upcast(w, mx.bfloat16).tolist(), rounded_upcast(w, mx.bfloat16).dtype
-    ([1.0], mlx.core.float32)
-    """
-    if context.get().differentiating:
-        return None
-    casts = _casts(source)
-    result = casts.get((dtype, mx.float32))
-    if result is None:
-        half = source if source.dtype == dtype else casts.get(dtype)
-        if half is None:
-            half = casts[dtype] = source.astype(dtype)
-        casts[(dtype, mx.float32)] = half.astype(mx.float32)
-    return result
-
-
-def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | None:
-    """The casts of ``sources`` to ``dtype`` if every one was cached by an earlier call;
-    otherwise ``None``, having cached the missing ones for the next call.
+def casts_if_seen(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | None:
+    """The casts of ``sources`` to ``dtype`` (a source of that dtype: itself) if an earlier
+    call made every one; otherwise ``None``, having made the missing ones for the next call,
+    and ``None`` while fluxlike differentiates.
 
     A hit means each source is an array seen before, so none is a tracer made for the
     transformation (``mx.grad``, ``mx.compile``) now running: the caller may then compute
@@ -157,24 +115,65 @@ def reused(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.array] | N
 
     >>> import mlx.core as mx
     >>> w = mx.ones((2, 2), mx.bfloat16)
-    >>> reused((w,), mx.float32) is None
+    >>> casts_if_seen((w,), mx.float32) is None
     True
-    >>> reused((w,), mx.float32)[0].dtype
+    >>> casts_if_seen((w,), mx.float32)[0].dtype
     mlx.core.float32
     """
     if context.get().differentiating:
         return None
+    try:
+        table = _thread.casts
+    except AttributeError:
+        table = _table()
     found: list[mx.array] = []
-    for source in sources:
-        result = _casts(source).get(dtype)
+    for source in sources:  # _casts(source).get(dtype), inline: every layer call
+        if source.dtype == dtype:
+            found.append(source)
+            continue
+        entry = table.get(id(source))
+        result = None if entry is None or entry[0]() is not source else entry[1].get(dtype)
         if result is None:
             break
         found.append(result)
     else:
         return found
     for source in sources:  # a miss: cache what is missing, for the next call
-        cast(source, dtype)
+        cached_cast(source, dtype)
     return None
+
+
+def rounded_f32_if_seen(sources: tuple[mx.array, ...], dtype: mx.Dtype
+                        ) -> list[mx.array] | None:
+    """``[s.astype(dtype).astype(mx.float32) for s in sources]`` (the values rounded to the
+    half ``dtype``, held in float32, for a float32 kernel that computes half precision's
+    numerics) if an earlier call made every one; otherwise ``None``, having made them for the
+    next call. As with :func:`casts_if_seen`, a hit means no source is a tracer.
+
+    >>> import mlx.core as mx
+    >>> w = mx.array([1.00390625])
+    >>> rounded_f32_if_seen((w,), mx.bfloat16) is None
+    True
+    >>> kept = rounded_f32_if_seen((w,), mx.bfloat16)
+    >>> kept[0].tolist(), kept[0].dtype
+    ([1.0], mlx.core.float32)
+    """
+    if context.get().differentiating:
+        return None
+    found: list[mx.array] = []
+    missed = False
+    for source in sources:
+        casts = _casts(source)
+        result = casts.get((dtype, mx.float32))
+        if result is None:
+            half = source if source.dtype == dtype else casts.get(dtype)
+            if half is None:
+                half = casts[dtype] = source.astype(dtype)
+            casts[(dtype, mx.float32)] = half.astype(mx.float32)
+            missed = True
+        else:
+            found.append(result)
+    return None if missed else found
 
 
 def clear_cast_cache() -> None:
@@ -183,9 +182,9 @@ def clear_cast_cache() -> None:
 
     >>> import mlx.core as mx
     >>> w = mx.ones(2)
-    >>> before = cast(w, mx.float16)
+    >>> before = cached_cast(w, mx.float16)
     >>> clear_cast_cache()
-    >>> cast(w, mx.float16) is before
+    >>> cached_cast(w, mx.float16) is before
     False
     """
     with _every_lock:

@@ -10,7 +10,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from . import policy
-from .state import HALF, barrier, context, device_index, with_dtype
+from .state import HALF, PLAIN, context, device_index, routing
 from .state import scope_entries as _entries
 
 _DEVICE_NAMES = {"cpu": mx.cpu, "gpu": mx.gpu}
@@ -98,12 +98,18 @@ class autocast:
         return f"autocast({self.dtype}{device}{enabled})"
 
     def __enter__(self) -> autocast:
-        if not barrier.crossed:
+        if not routing.on:
             policy.activate()
-        slot = device_index() if self._slot is None else self._slot
-        before = cast("mx.Dtype | None", context.get()[slot])  # a dtype slot: 0 cpu, 1 gpu
+        slot = self._slot
+        if slot is None:
+            slot = 1 if mx.default_device().type is mx.gpu else 0  # state.device_index()
+        state = context.get()
+        before = cast("mx.Dtype | None", state[slot])  # a dtype slot: 0 cpu, 1 gpu
         _entries.set(_entries.get() + ((self, slot, before),))
-        with_dtype(slot, self.dtype if self.enabled else None)
+        dtype = self.dtype if self.enabled else None
+        new = state._replace(cpu=dtype) if slot == 0 else state._replace(gpu=dtype)
+        context.set(new if new[0] is not None or new[1] is not None or new[2] or new[3]
+                    else PLAIN)  # state.with_dtype(), inline: every `with`
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -123,7 +129,10 @@ class autocast:
                 rest[j] = (rest[j][0], slot, before)
                 break
         else:
-            with_dtype(slot, before)
+            state = context.get()
+            new = state._replace(cpu=before) if slot == 0 else state._replace(gpu=before)
+            context.set(new if new[0] is not None or new[1] is not None or new[2] or new[3]
+                    else PLAIN)
         _entries.set(tuple(rest))
 
     def __call__(self, fn: Callable) -> Callable:

@@ -11,9 +11,10 @@ Context variables (private to each thread and each asyncio task):
 - :data:`scope_entries`: the live ``autocast`` entries of this context, each ``(scope, device
   slot, that slot's dtype before the entry)``; each exit removes its own.
 
-Process-wide: :data:`barrier`, whether autocast has been used in this process (see
-:mod:`.policy`), and :data:`mode_fixes`, how many times ``trainmode``/``testmode`` or
-``model.train()``/``model.eval()`` fixed a mode (compiled traces bake modes in).
+Process-wide: :data:`routing`, whether layer calls are routed through their policies (from
+the first use of autocast in the process: see :mod:`.policy`), and :data:`mode_fixes`, how
+many times ``trainmode``/``testmode`` or ``model.train()``/``model.eval()`` fixed a mode
+(compiled traces bake modes in).
 """
 
 from __future__ import annotations
@@ -58,18 +59,18 @@ def with_dtype(slot: int, dtype: mx.Dtype | None) -> Token:
     return context.set(PLAIN if plain else new)
 
 
-class _Barrier:
-    """Whether the process has crossed the dispatch barrier (``crossed``), and the lock
-    under which it is crossed and under which layer classes are routed."""
+class _Routing:
+    """Whether layer calls are routed through their policies (``on``: from the first use of
+    autocast), and the lock under which layer classes are routed."""
 
-    __slots__ = ("crossed", "lock")
+    __slots__ = ("on", "lock")
 
     def __init__(self) -> None:
-        self.crossed = False
+        self.on = False
         self.lock = threading.RLock()
 
 
-barrier = _Barrier()
+routing = _Routing()
 
 
 class _Count:

@@ -2,7 +2,7 @@
 
 Inside a scope, ``nn.Linear``, the convolutions, ``nn.MultiHeadAttention`` and the quantized
 linear layer run the forwards below instead of their own: the same computations through
-:mod:`.ops`, whose kernels cast at the op, so that half precision on the CPU takes the
+:mod:`.kernels`, which cast at the op, so that half precision on the CPU takes the
 float32 kernels instead of MLX's scalar half-precision GEMM. A tied embedding head
 (``nn.Embedding.as_linear``, ``nn.QuantizedEmbedding.as_linear``) computes in the compute
 dtype too; the lookups stay in the weights' dtype, as in PyTorch. ``nn.Bilinear`` and the
@@ -18,9 +18,9 @@ import numbers
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import ops
+from . import kernels
 from .attention import attend
-from .policy import autocast_policy, keep_float32
+from .policy import autocast_policy
 
 
 def _per_dim(value: int | tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -37,12 +37,12 @@ def _bias(layer: nn.Module) -> mx.array | None:
 
 
 def _linear(self: nn.Linear, x: mx.array) -> mx.array:
-    return ops.linear(x, self["weight"], _bias(self), None, type(self).__name__)
+    return kernels.linear(x, self["weight"], _bias(self), None, type(self).__name__)
 
 
 def _conv(self: nn.Module, x: mx.array) -> mx.array:
     n = self["weight"].ndim - 2
-    return ops.conv(
+    return kernels.conv(
         x, self["weight"], _per_dim(self.stride, n), _per_dim(self.padding, n),
         _per_dim(self.dilation, n), getattr(self, "groups", 1), _bias(self),
     )
@@ -50,7 +50,7 @@ def _conv(self: nn.Module, x: mx.array) -> mx.array:
 
 def _conv_transpose(self: nn.Module, x: mx.array) -> mx.array:
     n = self["weight"].ndim - 2
-    return ops.conv_transpose(
+    return kernels.conv_transpose(
         x, self["weight"], _per_dim(self.stride, n), _per_dim(self.padding, n),
         _per_dim(self.dilation, n), _per_dim(self.output_padding, n), getattr(self, "groups", 1),
         _bias(self),
@@ -72,7 +72,7 @@ def _multi_head_attention(
 
 
 def _quantized(self: nn.Module, x: mx.array, bias: mx.array | None) -> mx.array:
-    return ops.quantized_linear(
+    return kernels.quantized_linear(
         x, self["weight"], self["scales"], self.get("biases"), bias,
         group_size=self.group_size, bits=self.bits, mode=getattr(self, "mode", "affine"),
         layer=type(self).__name__,
@@ -84,7 +84,7 @@ def _quantized_linear(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
 
 
 def _tied_head(self: nn.Embedding, x: mx.array) -> mx.array:
-    return ops.linear(x, self["weight"], None, None, f"{type(self).__name__}.as_linear")
+    return kernels.linear(x, self["weight"], None, None, f"{type(self).__name__}.as_linear")
 
 
 def _quantized_tied_head(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
@@ -101,10 +101,10 @@ autocast_policy("down", forward=_quantized_linear)(nn.QuantizedLinear)
 autocast_policy("down", forward=_multi_head_attention)(nn.MultiHeadAttention)
 for _cls in (nn.Bilinear, nn.RNN, nn.GRU, nn.LSTM):
     autocast_policy("down")(_cls)
-for _cls in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm, nn.BatchNorm):
+for _cls in (nn.LayerNorm, nn.RMSNorm):
     autocast_policy("fp32")(_cls)
+for _cls in (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm):
+    autocast_policy("fp32", keep_float32=True)(_cls)
 autocast_policy("none", methods={"as_linear": _tied_head})(nn.Embedding)
 autocast_policy("none", methods={"as_linear": _quantized_tied_head})(nn.QuantizedEmbedding)
 autocast_policy("none")(nn.Dropout)
-for _cls in (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm):
-    keep_float32(_cls)

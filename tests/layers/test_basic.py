@@ -15,7 +15,7 @@ from fluxlike import (
     flatten,
     relu,
 )
-from fluxlike.precision import ops
+from fluxlike.precision import kernels
 
 
 class TestDense:
@@ -169,8 +169,8 @@ class TestBilinear:
         layer = Bilinear(3, 4, 2)
         calls = []
         for name in ("linear", "matmul"):
-            kernel = getattr(ops, name)
-            monkeypatch.setattr(ops, name, lambda *a, k=kernel, n=name: calls.append(
+            kernel = getattr(kernels, name)
+            monkeypatch.setattr(kernels, name, lambda *a, k=kernel, n=name: calls.append(
                 (n, a[0].dtype, a[1].dtype)) or k(*a))
         x1, x2 = mx.random.normal((5, 3)), mx.random.normal((5, 4))
         with autocast(mx.float16, device="cpu"):

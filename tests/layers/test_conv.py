@@ -8,7 +8,7 @@ from helpers import assert_unchanged, normal, np64, snapshot
 from mlx.utils import tree_flatten
 
 from fluxlike import Chain, Conv, ConvTranspose, autocast, relu
-from fluxlike.precision import ops
+from fluxlike.precision import kernels
 
 # --- numpy references (NHWC, weight (out, *kernel, in // groups)) ----------------------------
 
@@ -223,8 +223,8 @@ class TestConv:
     def test_autocast_bfloat16_through_ops_conv(self, monkeypatch):
         layer = with_random_bias(Conv((3, 3), 2, 4, padding=1))
         calls = []
-        kernel = ops.conv
-        monkeypatch.setattr(ops, "conv", lambda *a: calls.append((a[0].dtype, a[1].dtype))
+        kernel = kernels.conv
+        monkeypatch.setattr(kernels, "conv", lambda *a: calls.append((a[0].dtype, a[1].dtype))
                             or kernel(*a))
         x = normal(2, 5, 5, 2)
         with autocast(mx.bfloat16, device="cpu"):
@@ -419,8 +419,8 @@ class TestConvTranspose:
     def test_autocast_bfloat16_through_ops_conv_transpose(self, monkeypatch):
         layer = with_random_bias(ConvTranspose((3, 3), 2, 4, stride=2))
         calls = []
-        kernel = ops.conv_transpose
-        monkeypatch.setattr(ops, "conv_transpose",
+        kernel = kernels.conv_transpose
+        monkeypatch.setattr(kernels, "conv_transpose",
                             lambda *a: calls.append((a[0].dtype, a[1].dtype)) or kernel(*a))
         x = normal(2, 3, 3, 2)
         with autocast(mx.bfloat16, device="cpu"):

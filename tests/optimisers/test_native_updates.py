@@ -21,7 +21,6 @@ from mlx.utils import tree_flatten
 
 import fluxlike
 from fluxlike import native
-from fluxlike.precision import ops
 
 KERNEL = native.adam_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the native Adam update is not in use: "
@@ -290,7 +289,7 @@ def test_loss_scaled_steps_keep_the_kernel_and_skip_non_finite_ones(dtype, monke
     gradients are not finite changes nothing, the others match MLX's update bit for bit."""
     def run(kernel_on: bool):
         if not kernel_on:
-            monkeypatch.setattr(ops, "adam_kernel", lambda: None)
+            monkeypatch.setattr(native, "adam_kernel", lambda: None)
         mx.random.seed(0)
         model = fluxlike.Chain(fluxlike.Dense(4, 3))
         model.set_dtype(dtype)
@@ -335,13 +334,13 @@ def train(rule, steps: int = 4, dtype=mx.float32):
 
 def counting_kernel(monkeypatch) -> list[int]:
     calls = [0]
-    kernel = ops.adam_kernel()
+    kernel = native.adam_kernel()
 
     def counted(*args):
         calls[0] += 1
         return kernel(*args)
 
-    monkeypatch.setattr(ops, "adam_kernel",
+    monkeypatch.setattr(native, "adam_kernel",
                         lambda: counted if kernel is not None and native.available() else None)
     return calls
 
@@ -357,7 +356,7 @@ def test_fluxlike_adam_takes_the_kernel_and_trains_as_mlx_update(rule, monkeypat
     calls = counting_kernel(monkeypatch)
     mine = train(rule)
     assert calls[0] >= 4  # the four parameters, traced once (update compiles the step)
-    monkeypatch.setattr(ops, "adam_kernel", lambda: None)
+    monkeypatch.setattr(native, "adam_kernel", lambda: None)
     ref = train(rule)
     assert mine.keys() == ref.keys()
     for name in mine:
@@ -373,7 +372,7 @@ def test_bfloat16_parameters_take_the_kernel_in_bfloat16(rule, monkeypatch):
     calls = counting_kernel(monkeypatch)
     mine = train(rule, steps=3, dtype=mx.bfloat16)
     assert calls[0] >= 4
-    monkeypatch.setattr(ops, "adam_kernel", lambda: None)
+    monkeypatch.setattr(native, "adam_kernel", lambda: None)
     ref = train(rule, steps=3, dtype=mx.bfloat16)
     for name in mine:
         assert mine[name].dtype == mx.bfloat16 and same(mine[name], ref[name]), name
@@ -477,16 +476,16 @@ def test_rmsprop_non_finite_and_vmap(dtype):
 @needs_kernel
 def test_fluxlike_rmsprop_takes_the_kernel_and_trains_as_mlx_update(monkeypatch):
     calls = [0]
-    kernel = ops.rmsprop_kernel()
+    kernel = native.rmsprop_kernel()
 
     def counted(*args):
         calls[0] += 1
         return kernel(*args)
 
-    monkeypatch.setattr(ops, "rmsprop_kernel", lambda: counted)
+    monkeypatch.setattr(native, "rmsprop_kernel", lambda: counted)
     mine = train(fluxlike.RMSProp(1e-2))
     assert calls[0] >= 4
-    monkeypatch.setattr(ops, "rmsprop_kernel", lambda: None)
+    monkeypatch.setattr(native, "rmsprop_kernel", lambda: None)
     ref = train(fluxlike.RMSProp(1e-2))
     for name in mine:
         assert same(mine[name], ref[name]), name

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 import fluxlike as fl
 from fluxlike import bf16, bf16mix, f16, f16mix, f32, f64, keep_float32
-from fluxlike.precision import ops
+from fluxlike.precision import operands
 from fluxlike.precision.convert import keeps_float32
 
 F16, BF16, F32, F64 = mx.float16, mx.bfloat16, mx.float32, mx.float64
@@ -231,7 +231,7 @@ class TestRunning:
             np.testing.assert_allclose(np.array(out), np64(model(x)), rtol=1e-4, atol=1e-5)
 
     def test_float64_input_to_a_float32_model_warns_once(self, monkeypatch):
-        monkeypatch.setattr(ops, "_warned_float64", set())
+        monkeypatch.setattr(operands, "_warned_float64", set())
         model = f32(fl.Chain(fl.Dense(3, 4), fl.Dense(4, 2)))
         x = mx.ones((2, 3), dtype=F64)
         with mx.stream(mx.cpu):

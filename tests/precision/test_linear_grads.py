@@ -1,5 +1,5 @@
 """The float32/float64 linear kernels' backward pass under fluxlike's differentiation
-(fluxlike/precision/ops.py): the same gradients as MLX's own, with the weight gradient
+(fluxlike/precision/kernels.py): the same gradients as MLX's own, with the weight gradient
 in the parameter's (row-major) layout, which the optimiser's elementwise ops walk fastest."""
 
 import mlx.core as mx
@@ -9,7 +9,7 @@ from helpers import normal
 
 from fluxlike import Dense, bf16mix, gradient
 from fluxlike.modes import differentiating
-from fluxlike.precision import ops
+from fluxlike.precision import emulation, kernels
 
 
 def row_major(a: mx.array) -> bool:
@@ -30,7 +30,7 @@ def test_same_gradients_as_mlx_with_a_row_major_weight_gradient(dtype, shape, bi
 
     def routed(x, w, *b):
         with differentiating():
-            return ops.linear(x, w, *b) * dy
+            return kernels.linear(x, w, *b) * dy
 
     args = (x, weight, b) if bias else (x, weight)
     argnums = tuple(range(len(args)))
@@ -53,7 +53,7 @@ def test_dense_gradient_is_row_major():
 @pytest.mark.parametrize("rows", [8, 3000])  # one block, and ops' row blocks
 @pytest.mark.parametrize("mix", [False, True])
 def test_cpu_half_weight_gradient_is_row_major(rows, mix, monkeypatch):
-    monkeypatch.setattr(ops, "CHUNK_BYTES", 4096)  # row blocks from small shapes
+    monkeypatch.setattr(emulation, "CHUNK_BYTES", 4096)  # row blocks from small shapes
     layer, x = Dense(16, 8), normal(rows, 16)
     mx.eval(layer.parameters())
     if mix:

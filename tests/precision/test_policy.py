@@ -13,11 +13,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import np64
+from mlx.utils import tree_flatten
 
 import fluxlike as fl
 from fluxlike import autocast, autocast_policy, policy_of
-from fluxlike.precision import ops
-from fluxlike.precision.policy import is_dispatching, swapped
+from fluxlike.precision import kernels
+from fluxlike.precision.operands import match_input
+from fluxlike.precision.policy import is_routing
+from fluxlike.precision.swap import swapped
 
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
 HALVES = [F16, BF16]
@@ -29,7 +32,7 @@ def _dispatching():
     """These tests run after the barrier (the subprocess test covers before it)."""
     with autocast(device="cpu", enabled=False):
         pass
-    assert is_dispatching()
+    assert is_routing()
 
 
 def leaves(out):
@@ -356,12 +359,12 @@ class TestSubclasses:
     def test_own_call_defined_after_the_barrier(self):
         class Doubled(fl.Dense):  # no super() call: it must be wrapped itself
             def __call__(self, x):
-                x = ops.match_input(x, self.weight, "Doubled")
-                return 2 * ops.linear(x, self.weight, self.bias)
+                x = match_input(x, self.weight, "Doubled")
+                return 2 * kernels.linear(x, self.weight, self.bias)
 
         class Twice(Doubled):  # and so must its own subclasses
             def __call__(self, x):
-                return ops.linear(ops.match_input(x, self.weight, "Twice"), self.weight)
+                return kernels.linear(match_input(x, self.weight, "Twice"), self.weight)
 
         with autocast(BF16, device="cpu"):
             assert Doubled(2, 3)(mx.ones((1, 2))).dtype == BF16
@@ -443,10 +446,11 @@ BARRIER_SCRIPT = textwrap.dedent('''
 
     # Each class's own record: its kind, and whether its forward casts at fluxlike's kernels
     # (fluxlike's own layers: no wrapper at all).
-    registry = {cls: ("none" if r.forward == "ops" else r.kind)
-                for cls, r in policy._records.items() if r.owner is cls}
+    registry = {cls: ("none" if d["kind"] == "down" and d["forward"] is None
+                      and policy._ours(cls.__call__) else d["kind"])
+                for cls, d in policy._declared.items() if "kind" in d}
     plain = {cls: cls.__call__ for cls in list(registry) + [OwnCall]}
-    assert not policy.is_dispatching()
+    assert not policy.is_routing()
     assert fl.Dense.__call__ is fl.Dense.__dict__["__call__"]
     assert not is_wrapper(fl.Dense.__call__) and not hasattr(fl.Dense.__call__, "__wrapped__")
 
@@ -459,7 +463,7 @@ BARRIER_SCRIPT = textwrap.dedent('''
     scope = autocast(mx.float16)  # made, not entered
     assert not autocast.is_enabled() and autocast.get_dtype("gpu") is None
     fl.compile(lambda v: model(v))(x)
-    assert not policy.is_dispatching()
+    assert not policy.is_routing()
     for cls, f in plain.items():
         assert cls.__call__ is f and not is_wrapper(cls.__call__), cls
 
@@ -489,7 +493,7 @@ BARRIER_SCRIPT = textwrap.dedent('''
     for t in threads: t.join()
     policy._install = install
 
-    assert policy.is_dispatching()
+    assert policy.is_routing()
     assert results == [(mx.float16, mx.float16, mx.float32)] * n, results
     for cls, pol in registry.items():
         own = cls.__dict__.get("__call__")
@@ -514,3 +518,57 @@ def test_dispatch_barrier_in_a_fresh_interpreter():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "barrier ok"
+
+
+# fluxlike's own down layers get no wrapper: they cast at the kernels. Every one is here, with
+# an input, so that a new down layer that forgets to call the kernels fails this test.
+DOWN_EXAMPLES = {
+    "Dense": (lambda fl: fl.Dense(4, 3), (2, 4)),
+    "Bilinear": (lambda fl: fl.Bilinear(4, 4, 3), (2, 4)),
+    "Conv": (lambda fl: fl.Conv((3, 3), 2, 3), (1, 5, 5, 2)),
+    "ConvTranspose": (lambda fl: fl.ConvTranspose((3, 3), 2, 3), (1, 5, 5, 2)),
+    "RNNCell": (lambda fl: fl.RNNCell(4, 3), (2, 4)),
+    "LSTMCell": (lambda fl: fl.LSTMCell(4, 3), (2, 4)),
+    "GRUCell": (lambda fl: fl.GRUCell(4, 3), (2, 4)),
+    "RNN": (lambda fl: fl.RNN(4, 3), (2, 5, 4)),
+    "LSTM": (lambda fl: fl.LSTM(4, 3), (2, 5, 4)),
+    "GRU": (lambda fl: fl.GRU(4, 3), (2, 5, 4)),
+    "MultiHeadAttention": (lambda fl: fl.MultiHeadAttention(8, 2), (2, 5, 8)),
+}
+
+
+def _down_layers() -> list[str]:
+    import inspect
+
+    import fluxlike as fl
+
+    return sorted(name for name in fl.__all__ if inspect.isclass(getattr(fl, name))
+                  and issubclass(getattr(fl, name), nn.Module)
+                  and policy_of(getattr(fl, name)) == "down")
+
+
+def test_every_down_layer_has_an_example_here():
+    assert sorted(DOWN_EXAMPLES) == _down_layers()
+
+
+@pytest.mark.parametrize("name", sorted(DOWN_EXAMPLES))
+def test_every_down_layer_calls_the_kernels(name, monkeypatch):
+    """Under autocast, each of fluxlike's down layers runs unwrapped, computes through
+    fluxlike's kernels (which cast at the op) in the scope's dtype, and leaves its float32
+    parameters as they were."""
+    import fluxlike as fl
+
+    make, shape = DOWN_EXAMPLES[name]
+    layer = make(fl)
+    assert not hasattr(type(layer).__call__, "__fluxlike_plain__")
+    calls = []
+    for kernel in ("linear", "matmul", "conv", "conv_transpose"):
+        original = getattr(kernels, kernel)
+        monkeypatch.setattr(kernels, kernel, lambda *a, _k=original, _n=kernel, **kw: (
+            calls.append(_n), _k(*a, **kw))[1])
+    x = mx.random.normal(shape)
+    with autocast(BF16):
+        y = layer(x)
+    y = y[0] if isinstance(y, tuple) else y
+    assert calls and y.dtype == BF16, (calls, y.dtype)
+    assert all(p.dtype == mx.float32 for _, p in tree_flatten(layer.parameters()))

@@ -13,7 +13,7 @@ import pytest
 from helpers import half_copy, normal, np64
 
 from fluxlike import autocast
-from fluxlike.precision import castcache, ops
+from fluxlike.precision import castcache, kernels
 
 TOL = {mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -98,8 +98,8 @@ class TestRouted:
             "conv_transpose" if "Transpose" in name else "conv"
         )
         calls = []
-        original = getattr(ops, kernel)
-        monkeypatch.setattr(ops, kernel, lambda *a: calls.append(1) or original(*a))
+        original = getattr(kernels, kernel)
+        monkeypatch.setattr(kernels, kernel, lambda *a: calls.append(1) or original(*a))
         layer(x)
         assert calls == []  # outside a scope: the layer's own forward
         with autocast(dtype, device="cpu"):

@@ -1,4 +1,4 @@
-"""Half precision on the CPU through float32 kernels (fluxlike/precision/ops.py).
+"""Half precision on the CPU through float32 kernels (fluxlike/precision/emulation.py).
 
 Each kernel is checked against MLX's own (slow) half-precision kernel on small shapes: the
 dtype out, values within half-precision tolerance, gradients and their dtypes. The emulated
@@ -13,7 +13,7 @@ import pytest
 from helpers import np64
 
 from fluxlike import Chain, Dense, autocast, native, relu
-from fluxlike.precision import ops
+from fluxlike.precision import emulation, kernels
 
 HALVES = [mx.float16, mx.bfloat16]
 TOL = {mx.float16: 4e-3, mx.bfloat16: 3e-2}  # max error relative to the largest magnitude
@@ -90,8 +90,8 @@ def check_kernel(emulated, native, operands: list[mx.array], dtype: mx.Dtype) ->
 
 def check_conv(kernel, native_kernel, case: tuple, bias: bool, dtype: mx.Dtype) -> None:
     """:func:`check_kernel` for a convolution ``case`` (name, input shape, weight shape,
-    options) of ``kernel`` (an :mod:`ops` function) against MLX's ``native_kernel``, with a
-    bias when ``bias``."""
+    options) of ``kernel`` (a :mod:`fluxlike.precision.kernels` function) against MLX's
+    ``native_kernel``, with a bias when ``bias``."""
     _, xs, ws, *options = case
 
     def emulated(x, w, *b):
@@ -109,21 +109,21 @@ def check_conv(kernel, native_kernel, case: tuple, bias: bool, dtype: mx.Dtype) 
 class TestKernels:
     def test_linear_with_bias(self, dtype):
         ops_ = halves((3, 4, 6), (5, 6), (5,), dtype=dtype)
-        check_kernel(ops.linear, lambda x, w, b: mx.addmm(b, x, w.T), ops_, dtype)
+        check_kernel(kernels.linear, lambda x, w, b: mx.addmm(b, x, w.T), ops_, dtype)
 
     def test_linear_without_bias(self, dtype):
-        check_kernel(ops.linear, lambda x, w: x @ w.T, halves((7, 6), (5, 6), dtype=dtype),
+        check_kernel(kernels.linear, lambda x, w: x @ w.T, halves((7, 6), (5, 6), dtype=dtype),
                      dtype)
 
     def test_matmul_batched_broadcast(self, dtype):
-        check_kernel(ops.matmul, lambda a, b: a @ b,
+        check_kernel(kernels.matmul, lambda a, b: a @ b,
                      halves((2, 3, 4, 5), (3, 5, 6), dtype=dtype), dtype)
 
     @pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
     @pytest.mark.parametrize("case", CONVS, ids=[c[0] for c in CONVS])
     def test_conv(self, dtype, case, bias):
         # A bias is added in float32 before the one rounding, as for a linear layer.
-        check_conv(ops.conv, native_conv, case, bias, dtype)
+        check_conv(kernels.conv, native_conv, case, bias, dtype)
 
     @pytest.mark.parametrize("kind", ["linear", "conv"])
     def test_relu_folded_into_the_custom_gradient(self, dtype, kind):
@@ -131,7 +131,7 @@ class TestKernels:
         # gradients are those of a ReLU on the rounded result (ReLU commutes with rounding).
         if kind == "linear":
             operands = halves((9, 6), (5, 6), (5,), dtype=dtype)
-            kernel = ops.linear
+            kernel = kernels.linear
 
             def plain(x, w, b):
                 return mx.addmm(b, x, w.T)
@@ -140,7 +140,7 @@ class TestKernels:
             operands = halves(xs, ws, ws[:1], dtype=dtype)
 
             def kernel(x, w, b, act=None):
-                return ops.conv(x, w, *options, b, act)
+                return kernels.conv(x, w, *options, b, act)
 
             def plain(x, w, b):
                 return native_conv(x, w, *options) + b
@@ -164,14 +164,14 @@ class TestKernels:
     @pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
     @pytest.mark.parametrize("case", CONV_TRANSPOSES, ids=[c[0] for c in CONV_TRANSPOSES])
     def test_conv_transpose(self, dtype, case, bias):
-        check_conv(ops.conv_transpose, native_conv_transpose, case, bias, dtype)
+        check_conv(kernels.conv_transpose, native_conv_transpose, case, bias, dtype)
 
     def test_compile_matches_eager(self, dtype):
         x, w, b = halves((4, 6), (5, 6), (5,), dtype=dtype)
 
         def step(x, w, b):
             return mx.value_and_grad(
-                lambda x, w, b: ops.linear(x, w, b).astype(mx.float32).square().sum(),
+                lambda x, w, b: kernels.linear(x, w, b).astype(mx.float32).square().sum(),
                 argnums=(0, 1, 2),
             )(x, w, b)
 
@@ -184,9 +184,9 @@ class TestKernels:
 class TestDispatch:
     def test_half_operands_on_the_cpu_are_emulated(self):
         a = mx.ones((2, 2), mx.bfloat16)
-        assert ops.emulates(a, a) and ops.emulates(a, a, None)
+        assert kernels.half_on_cpu(a, a) and kernels.half_on_cpu(a, a, None)
         with mx.stream(mx.cpu):
-            assert ops.emulates(a.astype(mx.float16), a.astype(mx.float16))
+            assert kernels.half_on_cpu(a.astype(mx.float16), a.astype(mx.float16))
 
     @pytest.mark.parametrize("dtypes", [
         (mx.float32, mx.float32), (mx.float64, mx.float64), (mx.bfloat16, mx.float32),
@@ -194,11 +194,11 @@ class TestDispatch:
     ])
     def test_other_dtypes_are_left_to_mlx(self, dtypes):
         a, b = (mx.ones((2, 2), dtype=d) for d in dtypes)
-        assert not ops.emulates(a, b)
+        assert not kernels.half_on_cpu(a, b)
 
     def test_float32_results_unchanged(self):
         x, w, b = mx.random.normal((3, 4)), mx.random.normal((2, 4)), mx.random.normal((2,))
-        assert mx.array_equal(ops.linear(x, w, b), mx.addmm(b, x, w.T)).item()
+        assert mx.array_equal(kernels.linear(x, w, b), mx.addmm(b, x, w.T)).item()
 
     def test_gradients_reach_float32_master_weights_in_float32(self):
         layer = Dense(4, 3)
@@ -256,9 +256,7 @@ def mlp():
 def float32_peak(model, x, limit=1):
     """The float32 step's peak on MLX's own kernels, the ones the half path emulates on (the
     native oneDNN kernels, where installed, keep less: fluxlike.native)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "_native_cpu", lambda: False)
-        patch.setattr(ops, "_plain_kernel", lambda: None)
+    with native.disabled():
         return peak_of_training_step(model, x, None, limit)
 
 
@@ -280,24 +278,24 @@ class TestSavedActivations:
 
     @pytest.mark.skipif(not native.bfloat16_native(), reason="no oneDNN bfloat16 kernels here")
     def test_native_bfloat16_keeps_no_more_than_the_emulation(self, mlp, monkeypatch):
-        """Where bfloat16 training runs on oneDNN (ops._native_takes), its backward pass keeps
+        """Where bfloat16 training runs on oneDNN (kernels.choose), its backward pass keeps
         the bfloat16 activations only, and computes each layer's weight gradient while that
         layer's cotangent is live (not every cotangent held to the end of the pass)."""
         model, x, _ = mlp
         on_native = peak_of_training_step(model, x, mx.bfloat16)
-        monkeypatch.setattr(ops, "_native_takes", lambda *a: False)
-        assert on_native <= peak_of_training_step(model, x, mx.bfloat16)
+        with native.disabled():
+            assert on_native <= peak_of_training_step(model, x, mx.bfloat16)
 
     def test_plain_upcasts_would_keep_float32_copies(self, mlp, monkeypatch):
         """The control: float32 upcasts without the custom backward pass are kept."""
         model, x, float32_peak = mlp
 
-        def plain(x, w, b=None, act=None, layer=None):  # ops.linear casts at the op
+        def plain(x, w, b=None, act=None, layer=None):  # kernels.linear casts at the op
             x, w, b = (a.astype(mx.bfloat16) for a in (x, w, b))
             y = x.astype(mx.float32) @ w.astype(mx.float32).T + b.astype(mx.float32)
             return act(y.astype(x.dtype))
 
-        monkeypatch.setattr(ops, "linear", plain)
+        monkeypatch.setattr(kernels, "linear", plain)
         assert peak_of_training_step(model, x, mx.bfloat16) > 0.8 * float32_peak
 
 
@@ -313,19 +311,19 @@ class TestRowBlocks:
 
         def run():
             def loss(x, w, *b):
-                return (ops.linear(x, w, *b).astype(mx.float32) ** 2).sum()
+                return (kernels.linear(x, w, *b).astype(mx.float32) ** 2).sum()
 
-            y = ops.linear(x, w, *b)
+            y = kernels.linear(x, w, *b)
             grads = mx.grad(loss, argnums=list(range(2 + len(b))))(x, w, *b)
             mx.eval(y, grads)
             return y, grads
 
-        monkeypatch.setattr(ops, "_native_takes", lambda *a: False)  # the emulation's blocks
-        monkeypatch.setattr(ops, "CHUNK_BYTES", 2**40)  # one piece
-        whole, whole_grads = run()
-        monkeypatch.setattr(ops, "CHUNK_BYTES", 4 * 24)  # 64-row blocks (the minimum)
-        ops._in_float32_rows.cache_clear()
-        blocks, block_grads = run()
+        monkeypatch.setattr(emulation, "CHUNK_BYTES", 2**40)  # one piece
+        with native.disabled():  # the emulation's blocks
+            whole, whole_grads = run()
+            monkeypatch.setattr(emulation, "CHUNK_BYTES", 4 * 24)  # 64-row blocks (the minimum)
+            emulation._in_float32_rows.cache_clear()
+            blocks, block_grads = run()
         assert blocks.dtype == mx.bfloat16 and blocks.shape == (*shape[:-1], 24)
         assert mx.array_equal(blocks, whole)
         for g, h, a in zip(block_grads, whole_grads, [x, w, *b], strict=True):

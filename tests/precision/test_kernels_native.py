@@ -1,9 +1,9 @@
-"""Where fluxlike's linear kernel takes the native oneDNN companion (fluxlike/precision/ops.py,
-fluxlike/native.py): float32 layers forward and backward, and bfloat16 under autocast
+"""Where fluxlike's linear kernel takes the native oneDNN companion (fluxlike/precision/kernels.py,
+fluxlike/native/): float32 layers forward and backward, and bfloat16 under autocast
 (inference and training), of any size, where oneDNN has bfloat16 kernels; float16 and
 (without the companion) everything stay on MLX's kernels, with the same results to float32
 rounding. Attention's core under autocast(bfloat16) takes the native bfloat16 matmul
-(ops.matmul) with the emulation's numerics."""
+(kernels.matmul) with the emulation's numerics."""
 
 import ast
 import os
@@ -20,31 +20,41 @@ from mlx.utils import tree_flatten
 
 from fluxlike import Dense, MultiHeadAttention, autocast, gradient, native, relu, trainmode
 from fluxlike import compile as fl_compile
-from fluxlike.precision import ops
+from fluxlike.precision import kernels
 from fluxlike.precision.attention import attend
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=native.native_info().reason)
 
 
+class Counting:
+    """The companion's module as the routing sees it (``native.switch.ext``), recording the
+    operand dtype of each call of the entries ``names`` (``plain_linear``: only the calls it
+    computed, not those it declined)."""
+
+    def __init__(self, ext, seen, names):
+        self._ext, self._seen, self._names = ext, seen, names
+
+    def __getattr__(self, name):
+        entry = getattr(self._ext, name)
+        if name not in self._names:
+            return entry
+
+        def counted(x, *args, **kwargs):
+            y = entry(x, *args, **kwargs)
+            if y is not None:
+                self._seen.append(x.dtype)
+            return y
+
+        return counted
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    """The dtypes of the linear products the native kernel computed (through
-    ``native.linear``, or the everyday float32 call's ``plain_linear`` entry)."""
+    """The dtypes of the linear products the native kernel computed (the companion's
+    ``matmul``, or the everyday float32 call's ``plain_linear`` entry)."""
     seen = []
-    original, plain = native.linear, ops._plain_kernel()
-
-    def counting(*args, **kwargs):
-        seen.append(args[0].dtype)
-        return original(*args, **kwargs)
-
-    def counting_plain(x, w, bias, relu):
-        y = plain(x, w, bias, relu)
-        if y is not None:
-            seen.append(x.dtype)
-        return y
-
-    monkeypatch.setattr(ops.native, "linear", counting)
-    monkeypatch.setattr(ops, "_plain_kernel", lambda: counting_plain)
+    monkeypatch.setattr(native.switch, "ext",
+                        Counting(native.switch.ext, seen, ("matmul", "plain_linear")))
     return seen
 
 
@@ -107,7 +117,7 @@ def test_bfloat16_training_runs_native_and_float16_stays_on_the_emulation(calls)
     (g,) = gradient(lambda m: m(x).astype(mx.float32).sum(), layer, autocast=mx.bfloat16)
     assert g["weight"].dtype == g["bias"].dtype == mx.float32
     # oneDNN's bfloat16 kernel where the CPU has one: its backward pass keeps only bfloat16
-    # activations (and less than the emulation: tests/precision/test_cpu_half.py).
+    # activations (and less than the emulation: tests/precision/test_emulation.py).
     assert calls == ([mx.bfloat16] if native.bfloat16_native() else [])
     # d/dw of sum(x @ w.T) is the column sums of x, rounded to bfloat16 (accumulated in float32)
     expected = x.astype(mx.bfloat16).astype(mx.float32).sum(axis=0).astype(mx.bfloat16)
@@ -125,7 +135,7 @@ def test_a_nan_input_gives_nan_outputs_through_a_relu_layer(calls, dtype):
     assert np.isnan(np64(y)[0]).all() and not np.isnan(np64(y)[1]).any()
 
 
-# ---- attention's core (fluxlike/precision/attention.py: attend, through ops.matmul) ----------
+# ---- attention's core (fluxlike/precision/attention.py: attend, through kernels.matmul) ----------
 
 BF16 = mx.bfloat16
 SCALE = 0.3  # not a power of two: the scaled queries are rounded, as in the emulation
@@ -140,7 +150,7 @@ def matmuls(monkeypatch):
         seen.append(args[0].dtype)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ops.native, "matmul", counting)
+    monkeypatch.setattr(native.ops, "matmul", counting)
     return seen
 
 
@@ -151,10 +161,10 @@ def needs_bf16_kernels():
 
 
 def _emulated(monkeypatch, fn, *args):
-    """``fn(*args)`` with ops.matmul on the float32-kernel emulation, as without the native
+    """``fn(*args)`` with kernels.matmul on the float32-kernel emulation, as without the native
     companion (or with FLUXLIKE_NATIVE=0)."""
     with monkeypatch.context() as m:
-        m.setattr(ops, "_native_matmul", lambda a, b: False)
+        m.setattr(kernels, "_TAKES", {**kernels._TAKES, "matmul": kernels._never})
         return fn(*args)
 
 
@@ -336,8 +346,7 @@ def test_without_the_native_part_attention_takes_the_emulation():
 
 def test_half_attention_softmax_runs_native_in_float32(monkeypatch):
     seen = []
-    original = native.softmax
-    monkeypatch.setattr(ops.native, "softmax", lambda x: seen.append(x.dtype) or original(x))
+    monkeypatch.setattr(native.switch, "ext", Counting(native.switch.ext, seen, ("softmax",)))
     for dtype in (mx.float16, BF16):
         q, k, v = _qkv(dtype=dtype)
         out, weights = attend(q, k, v, SCALE, "causal", return_weights=True)
@@ -348,29 +357,6 @@ def test_half_attention_softmax_runs_native_in_float32(monkeypatch):
     q, k, v = _qkv(dtype=mx.float32)
     attend(q, k, v, SCALE, "causal", return_weights=True)  # float32: MLX's softmax, as before
     assert len(seen) == 2
-
-
-def test_a_build_without_softmax_keeps_mlxs(monkeypatch):
-    """A companion built from an older native/ (no softmax kernel yet): MLX's softmax."""
-    class Older:  # the extension module without its softmax
-        def __getattr__(self, name):
-            if name == "softmax":
-                raise AttributeError(name)
-            return getattr(original, name)
-
-    original = native._ext
-    monkeypatch.setattr(native, "_ext", Older())
-    ops.forget_native()
-    try:
-        assert not native.provides("softmax") and native.provides("matmul")
-        with pytest.raises(native.NativeUnavailable, match=r"rebuild it with ./dev setup"):
-            native.softmax(mx.zeros((2, 3)))
-        q, k, v = _qkv()
-        out, weights = attend(q, k, v, SCALE, "causal", return_weights=True)
-        np.testing.assert_allclose(np64(weights), _np_attention(q, k, v, SCALE, "causal")[1],
-                                   atol=2e-2)
-    finally:
-        ops.forget_native()
 
 
 def test_a_float32_layer_under_vmap_and_per_sample_gradients(calls):

@@ -1,0 +1,130 @@
+"""Optional native kernels for the CPU: oneDNN's matmul, convolution, max pooling and softmax,
+and the Adam and RMSprop updates, as primitives inside MLX's graph.
+
+The companion package ``fluxlike-native`` (built from ``native/`` by ``./dev setup`` on Linux
+x86-64) holds MLX primitives whose CPU evaluation runs a cached oneDNN primitive on MLX's CPU
+stream, with ``vjp``/``jvp``/``vmap`` and ``output_shapes`` (so ``mx.grad``, ``mx.jvp``,
+``mx.vmap`` and ``mx.compile``, shapeless too, work). fluxlike works without it.
+
+- :func:`native_info` says whether the kernels are in use, and why (or why not);
+  :func:`available` and :func:`bfloat16_native` are its two answers the routing needs.
+- :func:`disabled` switches fluxlike's routing off the kernels for a block.
+- The kernels themselves (:func:`linear`, :func:`matmul`, :func:`conv`,
+  :func:`conv_transpose`, :func:`max_pool`, :func:`softmax`, :func:`adam_kernel`,
+  :func:`rmsprop_kernel`) are in :mod:`fluxlike.native.ops`; which layer call takes them is
+  decided in one place, :func:`fluxlike.precision.kernels.choose`.
+
+The companion is found, checked against the running MLX and loaded when this package is
+imported (``import fluxlike`` does it): ``FLUXLIKE_NATIVE=0`` (or ``off``) leaves it unused,
+``FLUXLIKE_NATIVE_BF16=float32`` runs bfloat16 in float32 kernels even where oneDNN has
+bfloat16 ones, and ``ONEDNN_MAX_CPU_ISA`` caps oneDNN's instruction set; all three are read
+then. Numerics: float32 operands give float32 results (float32 accumulation, as
+``mx.matmul``); bfloat16 operands give bfloat16 results accumulated in float32 and rounded
+once, in oneDNN's bfloat16 kernels on a CPU with AVX512-BF16, else in float32 kernels with the
+same roundings.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ._loader import NativeInfo, switch
+from .ops import (
+    NativeUnavailable,
+    adam_kernel,
+    conv,
+    conv_transpose,
+    linear,
+    matmul,
+    max_pool,
+    rmsprop_kernel,
+    softmax,
+)
+
+__all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "available", "bfloat16_native",
+           "cache_info", "conv", "conv_transpose", "disabled", "linear", "matmul", "max_pool",
+           "native_info", "rmsprop_kernel", "softmax", "switch"]
+
+
+_lock = threading.Lock()
+_switched_off = 0  # how many disabled() blocks are open
+
+
+def native_info() -> NativeInfo:
+    """Whether the native kernels are in use, and why.
+
+    >>> from fluxlike.native import native_info
+    >>> info = native_info()
+    >>> isinstance(info.available, bool) and bool(info.reason)
+    True
+    """
+    return switch.info
+
+
+def available() -> bool:
+    """Whether fluxlike's routing takes the native kernels (:func:`native_info`'s
+    ``available``; ``False`` inside :func:`disabled`).
+
+    >>> from fluxlike import native
+    >>> native.available() == native.native_info().available
+    True
+    """
+    return switch.ext is not None
+
+
+def bfloat16_native() -> bool:
+    """Whether bfloat16 operands run in oneDNN's bfloat16 kernels here (:func:`native_info`'s
+    ``bfloat16 == "native"``, and not inside :func:`disabled`): the kernels are in use and the
+    CPU has AVX512_CORE_BF16."""
+    return switch.ext is not None and switch.bf16
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """fluxlike's routing switched off the native kernels while the block runs, in the whole
+    process: :func:`available` says no, and graphs built inside take MLX's kernels (the
+    layers', attention's and the optimiser updates'), as under ``FLUXLIKE_NATIVE=0``. For
+    comparisons, tests and ``mx.export_function``, which cannot serialise the native
+    primitives.
+
+    Unlike ``FLUXLIKE_NATIVE=0``: the functions of :mod:`fluxlike.native.ops` called directly
+    still run the kernels, and :func:`native_info` still describes the companion. Graphs and
+    ``mx.compile`` traces keep the kernels they were built with, inside or outside the block
+    (``fluxlike.update``'s compiled steps are traced again after a switch). Not for use while
+    other threads build graphs. Blocks nest.
+
+    >>> from fluxlike import native
+    >>> with native.disabled():
+    ...     native.available()
+    False
+    """
+    global _switched_off
+    with _lock:
+        _switched_off += 1
+        switch.ext = None
+    try:
+        yield
+    finally:
+        with _lock:
+            _switched_off -= 1
+            if _switched_off == 0:
+                switch.ext = switch.loaded
+
+
+def cache_info() -> dict | None:
+    """The companion's primitive caches: sizes, capacity, hits, misses, creations and the time
+    spent creating primitives (``None`` where the companion is not in use).
+
+    >>> from fluxlike import native
+    >>> info = native.cache_info()
+    >>> info is None or isinstance(info, dict)
+    True
+    """
+    ext = switch.loaded
+    if ext is None:
+        return None
+    return dict(ext.cache_info()) if hasattr(ext, "cache_info") else {
+        "matmul": ext.cache_size(), "conv": ext.conv_cache_size(),
+        "pool": ext.pool_cache_size(), "softmax": ext.softmax_cache_size()}

@@ -1,0 +1,427 @@
+"""The compute kernels of the down-policy layers, and the one place their backend is chosen.
+
+Layers call these instead of ``@``/``mx.conv_general`` directly. Each kernel takes its
+operands in the dtype :mod:`.operands` decides, asks :func:`choose` which backend computes
+them, and calls it:
+
+- ``"native"``: fluxlike's oneDNN primitives (:mod:`fluxlike.native`) on the CPU, where the
+  companion is in use: float32, and bfloat16 (in oneDNN's bfloat16 kernels where the CPU has
+  them; elsewhere in its float32 kernels with bfloat16's roundings, outside differentiation);
+- ``"emulated"``: half precision on the CPU in MLX's float32 kernels with half precision's
+  numerics (:mod:`.emulation`), since MLX's own half-precision CPU kernels are scalar loops;
+- ``"mlx"``: MLX's own kernel (on a GPU, for float64, for mixed dtypes, and for float32 where
+  the native companion is not in use).
+
+Numerics are the same whichever runs: half operands, float32 accumulation, one rounding of
+the result; a ReLU is applied before that rounding (it commutes with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from .. import workarounds
+from ..native import _loader
+from ..native import ops as native_ops
+from ..native.ops import _KNOWN_ACTS, split_act
+from . import castcache, emulation
+from .operands import operands
+from .state import HALF, PLAIN, Context, context
+
+NATIVE, EMULATED, MLX = "native", "emulated", "mlx"
+# Float32 convolutions outside differentiation take the native kernel from this many
+# multiply-adds of their implicit GEMM (N * prod(out) x prod(kernel) * C_in / groups x C_out);
+# below it MLX's own kernel was as fast (bench/native.py, "Convolutions"). In training, and in
+# bfloat16, the native kernel is faster at every size measured.
+NATIVE_CONV_MIN_MACS = 2**17
+
+_F32, _BF16 = mx.float32, mx.bfloat16
+_HALF = frozenset(HALF)
+_EMULABLE = frozenset(("linear", "conv", "conv_transpose", "matmul", "quantized_linear"))
+_switch = _loader.switch  # read once per call: the companion's module, or None
+_state = context.get  # bound once: read on every call of every layer
+
+Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]
+Activation = Callable[[mx.array], mx.array]
+
+
+def one_dtype(first: mx.array, *others: mx.array | None) -> mx.Dtype | None:
+    """The dtype of ``first`` if every other operand (``None`` aside) has it, else ``None``.
+
+    >>> import mlx.core as mx
+    >>> one_dtype(mx.ones(2), None, mx.ones(1)), one_dtype(mx.ones(2), mx.ones(2, mx.float16))
+    (mlx.core.float32, None)
+    """
+    dtype = first.dtype
+    for a in others:  # a plain loop: this runs on every kernel call
+        if a is not None and a.dtype != dtype:
+            return None
+    return dtype
+
+
+def half_on_cpu(first: mx.array, *others: mx.array | None) -> bool:
+    """Whether these operands are half precision, all of one dtype, on the CPU (the default
+    device): where MLX's own half kernels are slow, and fluxlike's kernels run natively or
+    emulated instead.
+
+    >>> import mlx.core as mx
+    >>> half_on_cpu(mx.ones(2, dtype=mx.bfloat16), mx.ones(2, dtype=mx.bfloat16))
+    True
+    >>> half_on_cpu(mx.ones(2), mx.ones(2))
+    False
+    """
+    if first.itemsize != 2:  # cheap: float32 operands pass here on every call
+        return False
+    dtype = one_dtype(first, *others)
+    return dtype in _HALF and mx.default_device().type is mx.cpu
+
+
+def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,
+           w: mx.array | None = None, geometry: tuple | None = None) -> str:
+    """The backend that computes kernel ``op`` on operands of one ``dtype`` (``None``: mixed
+    dtypes) on the default device now: ``"native"``, ``"emulated"`` or ``"mlx"`` (see the
+    module's docs). ``x`` and ``w`` are the operands where the choice depends on their shapes
+    (``matmul``, ``conv``, ``softmax``, ``max_pool``); ``geometry`` is a convolution's
+    ``(stride, padding, dilation)``.
+
+    >>> import mlx.core as mx
+    >>> choose("linear", mx.float16) in ("emulated", "mlx")
+    True
+    >>> choose("linear", None), choose("linear", mx.float64)
+    ('mlx', 'mlx')
+    """
+    if dtype is None or mx.default_device().type is not mx.cpu:
+        return MLX
+    half = dtype in _HALF
+    if not half and dtype != _F32:
+        return MLX
+    if _switch.ext is not None and dtype != mx.float16 and _TAKES[op](dtype, x, w, geometry):
+        return NATIVE
+    return EMULATED if half and op in _EMULABLE else MLX
+
+
+def _takes_linear(dtype: mx.Dtype, x: Any = None, w: Any = None, geometry: Any = None) -> bool:
+    """float32, or bfloat16 in oneDNN's bfloat16 kernels, or bfloat16 outside differentiation
+    (in float32 kernels with bfloat16's roundings: in training the emulation keeps less)."""
+    return dtype == _F32 or _switch.bf16 or not _state().differentiating
+
+
+def _takes_matmul(dtype: mx.Dtype, a: mx.array, b: mx.array, geometry: Any) -> bool:
+    """bfloat16 products of two or more axes (attention's scores and weighted sums: MLX's CPU
+    float32 matmul costs more on such small batched products than oneDNN's bfloat16 one)."""
+    return (dtype == _BF16 and _switch.bf16 and a.ndim >= 2 and b.ndim >= 2 and a.size > 0
+            and b.size > 0)
+
+
+def _takes_conv(dtype: mx.Dtype, x: mx.array, w: mx.array, geometry: tuple) -> bool:
+    """1-3 spatial axes; in training always (faster than MLX's at every size measured, and
+    MLX's convolution gradient has no ``mx.vmap``), else from :data:`NATIVE_CONV_MIN_MACS`
+    (bfloat16: always)."""
+    if x.ndim < 3 or x.ndim > 5 or not _takes_linear(dtype):
+        return False
+    if dtype == _BF16 or _state().differentiating:
+        return True
+    stride, padding, dilation = geometry
+    lo, hi = padding if isinstance(padding[0], tuple) else (padding, padding)
+    rows = x.shape[0]
+    for n, k, s, d, a, b in zip(x.shape[1:-1], w.shape[1:-1], stride, dilation, lo, hi,
+                                strict=True):
+        rows *= max(0, (n + a + b - d * (k - 1) - 1) // s + 1)
+    return rows * (w.size // w.shape[0]) * w.shape[0] >= NATIVE_CONV_MIN_MACS
+
+
+def _takes_softmax(dtype: mx.Dtype, x: mx.array, w: Any, geometry: Any) -> bool:
+    """float32 scores (attention's under CPU half precision): MLX's CPU softmax runs a scalar
+    ``exp`` on the Linux wheel."""
+    return dtype == _F32 and x.ndim >= 1 and x.size > 0
+
+
+def _takes_max_pool(dtype: mx.Dtype, x: mx.array, w: Any, geometry: Any) -> bool:
+    return x.size > 0
+
+
+def _never(*args: Any) -> bool:
+    return False
+
+
+_TAKES: dict[str, Callable[..., bool]] = {
+    "linear": _takes_linear, "matmul": _takes_matmul, "conv": _takes_conv,
+    "softmax": _takes_softmax, "max_pool": _takes_max_pool, "conv_transpose": _never,
+    "quantized_linear": _never,
+}
+
+
+def _split(act: Activation) -> tuple[bool, Activation | None]:
+    """``(fuse a ReLU into the native kernel, activation applied after it)``."""
+    try:
+        known = _KNOWN_ACTS.get(act)
+    except TypeError:  # an unhashable callable (an nn.Module): split_act says
+        known = None
+    return known if known is not None else split_act(act)
+
+
+def linear(
+    x: mx.array, weight: mx.array, bias: mx.array | None = None,
+    act: Activation | None = None, layer: str = "linear",
+) -> mx.array:
+    """``act(x @ weight.T + bias)`` with ``weight`` of shape ``(out, in)``, in the compute
+    dtype of :func:`~fluxlike.precision.operands.operands`; ``act`` (an activation, default
+    none) is given here so that a ReLU can run before the rounding of half precision, or
+    inside the native kernel; ``layer`` names the caller in errors.
+
+    >>> import mlx.core as mx
+    >>> y = linear(mx.ones((2, 3), mx.bfloat16), mx.ones((4, 3), mx.bfloat16))
+    >>> y.shape, y.dtype
+    ((2, 4), mlx.core.bfloat16)
+    """
+    state = _state()
+    if state is PLAIN:
+        # The everyday float32 call, with as little Python as can be: the companion's entry
+        # (which decides in C++ what choose() decides for float32 operands, and declines what
+        # is not its), or one addmm.
+        ext = _switch.ext
+        if ext is not None:
+            fused, after = (False, None) if act is None else _split(act)
+            try:
+                y = ext.plain_linear(x, weight, bias, fused)
+            except TypeError:  # not an mx.array: the general path below says what it is
+                y = None
+            if y is not None:
+                return y if after is None else after(y)
+        if weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
+            y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+            return y if act is None else act(y)
+    elif not (state.differentiating or state.shapeless) and type(x) is mx.array:
+        y = _on_kept_casts(state, x, weight, bias, act)  # repeated inference, CPU half
+        if y is not None:
+            return y
+    x, weight, bias = operands(x, weight, bias, layer=layer)
+    dtype = one_dtype(x, weight, bias)
+    backend = choose("linear", dtype)
+    if backend == NATIVE:
+        fused, after = (False, None) if act is None else _split(act)
+        try:
+            y = _switch.ext.matmul(x, weight, bias, False, True, fused, None, False,  # type: ignore[union-attr]  # NATIVE: in use
+                                   _switch.bf16)
+            return y if after is None else after(y)
+        except ValueError:  # a bias of another shape, or a shape error: MLX's says it
+            backend = EMULATED if dtype in _HALF else MLX
+    if backend == EMULATED:
+        return emulation.linear(act, x, weight, *(() if bias is None else (bias,)))
+    # The row-major custom gradients cannot be traced shapeless (MLX cannot infer their
+    # output shapes): there the plain ops are differentiated.
+    if state.differentiating and not state.shapeless:
+        y = workarounds.row_major_linear(x, weight, bias)
+    elif bias is None:
+        y = x @ weight.T
+    else:
+        y = workarounds.affine(x, weight, bias, state.shapeless)
+    return y if act is None else act(y)
+
+
+def _on_kept_casts(state: Context, x: mx.array, weight: mx.array, bias: mx.array | None,
+                   act: Activation | None) -> mx.array | None:
+    """``linear`` in half precision on the CPU outside differentiation (inside a scope, or a
+    half model's own dtype) on the weights' casts kept from earlier calls: the native kernel
+    on the kept half casts, or a float32 kernel on the kept float32 values of the rounded
+    weights. ``None`` where that does not apply, and the first time a weight is seen (or a
+    tracer of ``mx.grad``/``mx.compile``): then the custom gradient's path runs, which keeps
+    no float32 copies for a backward pass."""
+    if mx.default_device().type is not mx.cpu:  # an enum member: identity is enough
+        return None
+    dtype, wdtype = state.cpu, weight.dtype
+    if dtype is None:
+        if wdtype not in _HALF:
+            return None
+        dtype = wdtype
+    elif wdtype != _F32 and wdtype != dtype:
+        return None
+    given = x.dtype
+    if given != _F32 and given != dtype:
+        return None
+    params = (weight,) if bias is None else (weight, bias)
+    if choose("linear", dtype) == NATIVE:
+        fused, after = (False, None) if act is None else _split(act)
+        kept = castcache.casts_if_seen(params, dtype)
+        if kept is None:
+            return None
+        y = _switch.ext.matmul(x.astype(dtype) if given == _F32 else x, kept[0],  # type: ignore[union-attr]  # NATIVE: in use
+                               kept[1] if bias is not None else None, False, True, fused, None,
+                               False, _switch.bf16)
+        return y if after is None else after(y)
+    return emulation.linear_on_kept(x, params, dtype, act)
+
+
+def matmul(a: mx.array, b: mx.array, *, transpose_b: bool = False) -> mx.array:
+    """``a @ b`` for operands of one dtype (``a @ b.swapaxes(-1, -2)`` with
+    ``transpose_b``). Half operands on the CPU keep half-precision numerics (float32
+    accumulation, the result rounded once to their dtype).
+
+    >>> import mlx.core as mx
+    >>> matmul(mx.ones((2, 3), mx.float16), mx.ones((3, 5), mx.float16)).dtype
+    mlx.core.float16
+    >>> matmul(mx.ones((2, 3), mx.bfloat16), mx.ones((5, 3), mx.bfloat16), transpose_b=True).shape
+    (2, 5)
+    """
+    backend = choose("matmul", one_dtype(a, b), a, b)
+    if backend == NATIVE:
+        return native_ops.matmul(a, b, transpose_b=transpose_b)
+    b = b.swapaxes(-1, -2) if transpose_b else b
+    return emulation.matmul(a, b) if backend == EMULATED else a @ b
+
+
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis (:func:`fluxlike.workarounds.softmax`), for the float32
+    scores of half-precision attention: oneDNN's vectorised float32 softmax, forward and
+    backward, where the native companion is in use (MLX's CPU softmax runs a scalar ``exp``;
+    the numerics are float32's either way).
+
+    >>> import mlx.core as mx
+    >>> softmax(mx.zeros((1, 4))).tolist()
+    [[0.25, 0.25, 0.25, 0.25]]
+    """
+    if choose("softmax", x.dtype, x) == NATIVE:
+        return _switch.ext.softmax(x)  # type: ignore[union-attr]  # NATIVE: in use
+    return workarounds.softmax(x)
+
+
+def hashable(value: Any) -> Any:
+    """``value`` with lists turned into tuples, so that it can key a cache."""
+    if isinstance(value, (list, tuple)):
+        return tuple(hashable(v) for v in value)
+    return value
+
+
+def conv(
+    x: mx.array,
+    weight: mx.array,
+    stride: tuple[int, ...],
+    padding: Padding,
+    dilation: tuple[int, ...],
+    groups: int,
+    bias: mx.array | None = None,
+    act: Activation | None = None,
+) -> mx.array:
+    """``act(convolution + bias)``, N-d, channels last: ``x`` is ``(N, *spatial, C_in)``,
+    ``weight`` is ``(C_out, *kernel, C_in // groups)``, ``bias`` (optional) ``(C_out,)``;
+    ``padding`` is per dimension, or a ``(low, high)`` pair of per-dimension tuples. On CPU
+    half precision the bias is added (and a ReLU applied) in float32 before the one
+    rounding, as :func:`linear` does.
+
+    >>> import mlx.core as mx
+    >>> x, w = mx.ones((1, 5, 5, 2), mx.bfloat16), mx.ones((3, 3, 3, 2), mx.bfloat16)
+    >>> y = conv(x, w, (1, 1), (1, 1), (1, 1), 1)
+    >>> y.shape, y.dtype
+    ((1, 5, 5, 3), mlx.core.bfloat16)
+    """
+    options = ("conv", hashable(stride), hashable(padding), hashable(dilation), groups)
+    return _convolved(options, x, weight, bias, act)
+
+
+def conv_transpose(
+    x: mx.array,
+    weight: mx.array,
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    output_padding: tuple[int, ...],
+    groups: int,
+    bias: mx.array | None = None,
+    act: Activation | None = None,
+) -> mx.array:
+    """``act(transposed convolution + bias)``, N-d, channels last; ``weight`` is
+    ``(C_out, *kernel, C_in // groups)``; the bias and activation as in :func:`conv`.
+
+    >>> import mlx.core as mx
+    >>> x, w = mx.ones((1, 4, 2), mx.float16), mx.ones((3, 3, 2), mx.float16)
+    >>> y = conv_transpose(x, w, (2,), (0,), (1,), (0,), 1)
+    >>> y.shape, y.dtype
+    ((1, 9, 3), mlx.core.float16)
+    """
+    options = ("conv_transpose", hashable(stride), hashable(padding), hashable(dilation),
+               hashable(output_padding), groups)
+    return _convolved(options, x, weight, bias, act)
+
+
+def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | None,
+               act: Activation | None) -> mx.array:
+    """What :func:`conv` and :func:`conv_transpose` share: the kernel ``options``, then the
+    bias and activation (in float32 before the rounding on CPU half precision)."""
+    x, weight, bias = operands(x, weight, bias, layer=options[0])
+    backend = choose(options[0], one_dtype(x, weight, bias), x, weight, options[1:4])
+    if backend == NATIVE:
+        stride, padding, dilation, groups = options[1:]
+        return native_ops.conv(x, weight, bias, stride=stride, padding=padding,
+                               dilation=dilation, groups=groups, act=act)
+    if backend == EMULATED:
+        return emulation.convolved(options, act, x, weight, *(() if bias is None else (bias,)))
+    y = emulation.plain_kernel(*options)(x, weight)
+    if bias is not None:
+        y = y + bias
+    return y if act is None else act(y)
+
+
+def max_pool(x: mx.array, window: tuple[int, ...], stride: tuple[int, ...],
+             padding: tuple[tuple[int, int], ...]) -> mx.array | None:
+    """``MaxPool``'s native kernel (oneDNN's pooling) where :func:`choose` takes it: the CPU
+    with the native kernels in use, a float32 or bfloat16 input that is not empty; ``None``
+    elsewhere (the layer then runs MLX's ops). ``padding`` is ``(low, high)`` per spatial
+    axis."""
+    if choose("max_pool", x.dtype, x) != NATIVE:
+        return None
+    lo, hi = zip(*padding, strict=True)
+    return native_ops.max_pool(x, window, stride=stride, padding=(lo, hi))
+
+
+def quantized_linear(
+    x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None,
+    bias: mx.array | None = None, *, group_size: int, bits: int, mode: str = "affine",
+    layer: str = "quantized_linear",
+) -> mx.array:
+    """``x @ dequantize(weight).T + bias`` for a quantized ``weight`` (``mx.quantize``'s
+    ``weight``, ``scales``, ``biases``), as ``nn.QuantizedLinear`` computes it. Inside an
+    autocast scope the activations, scales, quantization biases and ``bias`` are in the
+    compute dtype (the packed weight is integer and never cast); on the CPU the product of
+    those half operands runs in float32 and is rounded once, as :func:`linear` does.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import autocast
+    >>> w, s, b = mx.quantize(mx.ones((64, 64)), group_size=64, bits=4)
+    >>> with autocast(mx.bfloat16):
+    ...     quantized_linear(mx.ones((2, 64)), w, s, b, group_size=64, bits=4).dtype
+    mlx.core.bfloat16
+    """
+    if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.floating):
+        got = x.dtype if isinstance(x, mx.array) else type(x).__name__
+        raise TypeError(f"[{layer}] expected a floating-point mx.array input, got {got}")
+    x, scales, biases, bias = _quantized_operands(x, scales, biases, bias)
+    options: dict[str, Any] = {"transpose": True, "group_size": group_size, "bits": bits,
+                               "mode": mode}
+    if choose("quantized_linear", one_dtype(x, scales, biases, bias)) == EMULATED:
+        cached = castcache.cached_cast
+        scales32, biases32, bias32 = (None if p is None else cached(p, _F32)
+                                      for p in (scales, biases, bias))
+        y = mx.quantized_matmul(x.astype(_F32), weight, scales32, biases32,  # type: ignore[arg-type]  # scales are given
+                                **options)
+        y = y if bias32 is None else y + bias32
+        return y.astype(x.dtype)
+    y = mx.quantized_matmul(x, weight, scales, biases, **options)
+    return y if bias is None else y + bias
+
+
+def _quantized_operands(x: mx.array, scales: mx.array, *params: mx.array | None
+                        ) -> tuple[Any, ...]:
+    """The activations, scales and floating parameters of a quantized product in the scope's
+    compute dtype (as :func:`~fluxlike.precision.operands.operands`, the packed weight
+    aside)."""
+    from .operands import scope_dtype
+
+    dtype = scope_dtype(scales)
+    if dtype is None:
+        return (x, scales, *params)
+    cached = castcache.cached_cast
+    return (x.astype(dtype) if x.dtype != dtype else x, cached(scales, dtype),
+            *(None if p is None else cached(p, dtype) for p in params))

@@ -1,0 +1,546 @@
+"""The native matmul/linear primitive (fluxlike/native/ops.py: linear and matmul,
+native/src/matmul.cpp) against float64 numpy and MLX's own kernels: values, layouts,
+gradients, mx.compile, threads, the cache, the ISA fallback.
+
+Tolerances (the documented numerics of fluxlike.native):
+- float32: float32 accumulation, so ``|y - exact| <= 1e-5 * (|x| @ |w|.T + |b|)`` elementwise
+  (a bound on the accumulated rounding for inner sizes up to a few thousand; MLX's own
+  ``mx.matmul`` meets the same bound).
+- bfloat16 result: the float32-accumulated result rounded once to bfloat16, so within half a
+  bfloat16 ulp (at most 2**-8 relative) of the float32 result, plus the float32 bound.
+Inputs are rounded to the dtype first, so the float64 reference sees the same operands.
+
+Without the extension these tests skip with the reason ``native_info()`` gives. To run them
+as if it were absent: ``FLUXLIKE_NATIVE=0 python -m pytest -q tests/native``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from helpers import in_threads
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from native_helpers import (
+    BF16_HALF_ULP,
+    DTYPES,
+    LAYOUTS,
+    _subprocess,
+    assert_close,
+    laid_out,
+    needs_native,
+    np64,
+    rand,
+    reference,
+)
+
+from fluxlike import native
+from fluxlike.activations import relu
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lead", [(), (1,), (7,), (2, 3)], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_linear_against_float64(dtype, lead, bias, act):
+    x = rand((*lead, 37), dtype)
+    w = rand((19, 37), dtype)
+    b = rand((19,), dtype) if bias else None
+    y = native.linear(x, w, b, act)
+    exact, scale = reference(x, w, b, act == "relu")
+    assert_close(y, exact, scale, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_against_mlx(dtype):
+    x, w, b = rand((33, 64), dtype), rand((48, 64), dtype), rand((48,), dtype)
+    y = native.linear(x, w, b)
+    theirs = mx.addmm(b, x, w.T)
+    assert y.dtype == theirs.dtype == dtype
+    exact, scale = reference(x, w, b)
+    assert_close(theirs, exact, scale, dtype)  # MLX meets the same bound ...
+    if dtype == mx.float32:
+        np.testing.assert_allclose(np64(y), np64(theirs), rtol=0, atol=2e-5 * scale.max())
+    else:  # ... and in bfloat16 the two differ by at most one rounding step
+        diff = np.abs(np64(y) - np64(theirs))
+        assert (diff <= 2 * BF16_HALF_ULP * np.abs(exact) + 1e-5 * scale).all()
+    mine = native.linear(x, w, None, relu)
+    np.testing.assert_array_equal(np64(mine), np64(mx.maximum(native.linear(x, w), 0)))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("out_dtype", [None, mx.float32], ids=["own", "f32"])
+def test_the_fused_relu_keeps_nan_as_mlx_does(dtype, out_dtype):
+    """relu(NaN) is NaN, as MLX's maximum and PyTorch's relu give it (oneDNN's ReLU post-op
+    gives 0, which would hide a diverged layer from a non-finite check); inf - inf is NaN;
+    -0 and negatives are 0, +inf stays."""
+    inf, nan = float("inf"), float("nan")
+    x = mx.array([[nan, 1, 2], [inf, -inf, 0], [-1, -1, -1], [inf, 0, 0], [-0.0, 0, 0]],
+                 dtype)
+    w = mx.array([[1, 1, 1], [2, 0, 0]], dtype)
+    y = native.linear(x, w, None, "relu", out_dtype=out_dtype)
+    expected = mx.maximum(x.astype(mx.float32) @ w.astype(mx.float32).T, 0)
+    got, want = np64(y), np64(expected)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+    assert not np.signbit(got[~np.isnan(got)]).any()
+
+
+@needs_native
+def test_bfloat16_is_the_rounded_float32_accumulation():
+    """bf16 x bf16 -> bf16 equals the bf16 x bf16 -> f32 result rounded to nearest even."""
+    x, w, b = rand((64, 96), mx.bfloat16), rand((80, 96), mx.bfloat16), rand((80,), mx.bfloat16)
+    y16 = native.linear(x, w, b, "relu")
+    y32 = native.linear(x, w, b, "relu", out_dtype=mx.float32)
+    assert y32.dtype == mx.float32 and y16.dtype == mx.bfloat16
+    np.testing.assert_array_equal(np64(y16), np64(y32.astype(mx.bfloat16)))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("ashape", "bshape", "ta", "tb"), [
+    ((5, 7), (7, 3), False, False),
+    ((7, 5), (7, 3), True, False),
+    ((7, 5), (3, 7), True, True),
+    ((2, 4, 5, 7), (7, 3), False, False),
+    ((2, 4, 5, 7), (2, 4, 6, 7), False, True),   # attention scores: q @ k.T
+    ((2, 4, 5, 6), (2, 4, 6, 7), False, False),  # attention output: p @ v
+    ((2, 1, 5, 7), (1, 3, 7, 4), False, False),  # broadcast batch axes
+    ((3, 7, 5), (3, 7, 4), True, False),
+    ((5, 7), (2, 7, 3), False, False),           # a broadcast over b's batch
+])
+def test_matmul_against_mlx_and_float64(dtype, ashape, bshape, ta, tb):
+    a, b = rand(ashape, dtype), rand(bshape, dtype)
+    y = native.matmul(a, b, transpose_a=ta, transpose_b=tb)
+    at = a.swapaxes(-1, -2) if ta else a
+    bt = b.swapaxes(-1, -2) if tb else b
+    theirs = at @ bt
+    assert y.shape == theirs.shape and y.dtype == theirs.dtype == dtype
+    a64, b64 = np64(at), np64(bt)
+    exact, scale = a64 @ b64, np.abs(a64) @ np.abs(b64)
+    assert_close(y, exact, scale, dtype)
+    if dtype == mx.float32:
+        np.testing.assert_allclose(np64(y), np64(theirs), rtol=0, atol=2e-5 * scale.max())
+
+
+@needs_native
+def test_matmul_float32_output_of_bfloat16():
+    a, b = rand((2, 3, 8, 16), mx.bfloat16), rand((2, 3, 8, 16), mx.bfloat16)
+    s = native.matmul(a, b, transpose_b=True, out_dtype=mx.float32)
+    assert s.dtype == mx.float32
+    a64, b64 = np64(a), np64(b).swapaxes(-1, -2)
+    assert_close(s, a64 @ b64, np.abs(a64) @ np.abs(b64), mx.float32)
+
+
+@needs_native
+def test_empty_operands():
+    for x in (mx.zeros((0, 5)), mx.zeros((3, 0))):
+        w, b = mx.ones((4, x.shape[1])), mx.ones((4,))
+        y = native.linear(x, w, b, "relu")
+        assert y.shape == (x.shape[0], 4) and y.dtype == mx.float32
+        np.testing.assert_array_equal(np.array(y), np.ones((x.shape[0], 4)))
+
+
+@needs_native
+def test_errors_name_the_function_and_the_fix():
+    x, w = mx.ones((2, 3)), mx.ones((4, 3))
+    with pytest.raises(ValueError, match=r"fluxlike\.native\.linear.*one dtype.*astype"):
+        native.linear(x, w.astype(mx.bfloat16))
+    with pytest.raises(ValueError, match=r"float32 or bfloat16, got float16"):
+        native.linear(x.astype(mx.float16), w.astype(mx.float16))
+    with pytest.raises(ValueError, match=r"inner dimensions differ.*3.*5"):
+        native.linear(x, mx.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
+        native.linear(x, w, mx.ones((3,)))
+    with pytest.raises(TypeError, match=r"fluxlike\.native\.linear: expected x to be an "):
+        native.linear(np.ones((2, 3)), w)
+    with pytest.raises(ValueError, match=r"act must be"):
+        native.linear(x, w, act="gelu")
+    with pytest.raises(ValueError, match=r"batch axes.*do not broadcast"):
+        native.matmul(mx.ones((2, 3, 4)), mx.ones((3, 4, 5)))
+
+
+@needs_native
+def test_other_activations_are_applied_after():
+    x, w = rand((6, 8)), rand((5, 8))
+    y = native.linear(x, w, act=nn.gelu)
+    np.testing.assert_allclose(np.array(y), np.array(nn.gelu(native.linear(x, w))), rtol=1e-6)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.integers(1, 40), inner=st.integers(1, 70), out=st.integers(1, 40),
+       lead=st.sampled_from([(), (2,), (2, 3)]), xl=st.sampled_from(LAYOUTS),
+       wl=st.sampled_from(LAYOUTS), dtype=st.sampled_from(DTYPES), bias=st.booleans(),
+       act=st.sampled_from([None, "relu"]), seed=st.integers(0, 2**16))
+def test_linear_random_shapes_and_layouts(rows, inner, out, lead, xl, wl, dtype, bias, act,
+                                          seed):
+    mx.random.seed(seed)
+    x = laid_out(rand((rows, inner), dtype), xl)
+    w = laid_out(rand((out, inner), dtype), wl)
+    b = rand((out,), dtype) if bias else None
+    if lead:
+        x = mx.broadcast_to(x, (*lead, rows, inner)) if xl == "broadcast" else mx.stack(
+            [x] * int(np.prod(lead))).reshape(*lead, rows, inner)
+    y = native.linear(x, w, b, act)
+    exact, scale = reference(x, w, b, act == "relu")
+    assert_close(y, exact, scale, dtype)
+    if dtype == mx.float32:
+        theirs = x @ w.T + (b if bias else 0)
+        theirs = mx.maximum(theirs, 0) if act else theirs
+        np.testing.assert_allclose(np64(y), np64(theirs), rtol=0, atol=2e-5 * scale.max())
+
+
+@needs_native
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=st.sampled_from([(1,), (3,), (2, 2), (2, 1)]), m=st.integers(1, 20),
+       k=st.integers(1, 20), n=st.integers(1, 20), ta=st.booleans(), tb=st.booleans(),
+       dtype=st.sampled_from(DTYPES), sliced=st.booleans(), seed=st.integers(0, 2**16))
+def test_batched_matmul_random(batch, m, k, n, ta, tb, dtype, sliced, seed):
+    mx.random.seed(seed)
+    a = rand((*batch, k, m) if ta else (*batch, m, k), dtype)
+    b = rand((*batch, n, k) if tb else (*batch, k, n), dtype)
+    if sliced:  # a non-contiguous view of the same values
+        a = mx.concatenate([a, a], axis=-1)[..., : a.shape[-1]]
+    y = native.matmul(a, b, transpose_a=ta, transpose_b=tb)
+    at = np64(a).swapaxes(-1, -2) if ta else np64(a)
+    bt = np64(b).swapaxes(-1, -2) if tb else np64(b)
+    assert_close(y, at @ bt, np.abs(at) @ np.abs(bt), dtype)
+
+
+def _mlx_linear(x, w, b=None, act=None):
+    y = x @ w.T if b is None else x @ w.T + b
+    return mx.maximum(y, 0) if act else y
+
+
+@needs_native
+@pytest.mark.parametrize("lead", [(), (6,), (2, 3)], ids=str)
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_gradients_against_mlx(lead, act):
+    x, w, b = rand((*lead, 9)), rand((5, 9)), rand((5,))
+    c = rand((*lead, 5))
+
+    def loss(f):
+        return lambda x, w, b: (f(x, w, b, act) * c).sum()
+
+    mine = mx.grad(loss(native.linear), argnums=(0, 1, 2))(x, w, b)
+    theirs = mx.grad(loss(_mlx_linear), argnums=(0, 1, 2))(x, w, b)
+    for g, h, p in zip(mine, theirs, (x, w, b), strict=True):
+        assert g.shape == p.shape and g.dtype == p.dtype
+        np.testing.assert_allclose(np.array(g), np.array(h), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_gradients_by_finite_differences(act):
+    """Directional derivatives (central differences) against <grad, direction>."""
+    x, w, b = rand((4, 6)), rand((3, 6)), rand((3,))
+    c = rand((4, 3))
+
+    def f(x, w, b):
+        return (native.linear(x, w, b, act) * c).sum()
+
+    grads = mx.grad(f, argnums=(0, 1, 2))(x, w, b)
+    for i, g in enumerate(grads):
+        d = rand(g.shape)
+        eps = 1e-2 if act is None else 1e-4  # small steps do not cross ReLU's kink
+        args_up = [x, w, b]
+        args_dn = [x, w, b]
+        args_up[i] = args_up[i] + eps * d
+        args_dn[i] = args_dn[i] - eps * d
+        numeric = (f(*args_up).item() - f(*args_dn).item()) / (2 * eps)
+        analytic = (g * d).sum().item()
+        assert abs(numeric - analytic) <= 2e-2 * (1 + abs(analytic)), (i, numeric, analytic)
+
+
+@needs_native
+def test_bfloat16_gradients():
+    """Gradients of bfloat16 operands come back bfloat16 (float32 through an astype) and
+    agree with float32 gradients of the same rounded operands to bfloat16 accuracy."""
+    x, w, b = rand((8, 16)), rand((4, 16)), rand((4,))
+
+    def loss(x, w, b):
+        y = native.linear(x.astype(mx.bfloat16), w.astype(mx.bfloat16),
+                          b.astype(mx.bfloat16), "relu")
+        return y.astype(mx.float32).sum()
+
+    g = mx.grad(loss, argnums=(0, 1, 2))(x, w, b)
+    assert all(gi.dtype == mx.float32 for gi in g)
+    xb, wb, bb = (a.astype(mx.bfloat16).astype(mx.float32) for a in (x, w, b))
+    h = mx.grad(lambda x, w, b: _mlx_linear(x, w, b, True).sum(), argnums=(0, 1, 2))(xb, wb, bb)
+    for gi, hi in zip(g, h, strict=True):
+        np.testing.assert_allclose(np.array(gi), np.array(hi), rtol=2e-2, atol=2e-2)
+    inner = mx.grad(lambda w: native.linear(x.astype(mx.bfloat16), w).sum())(
+        w.astype(mx.bfloat16))
+    assert inner.dtype == mx.bfloat16
+
+
+@needs_native
+@pytest.mark.parametrize("gdtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ydtype", DTYPES, ids=str)
+def test_relu_grad_is_where_positive(gdtype, ydtype):
+    """The fused ReLU's backward pass (one pass over bit patterns) is ``where(y > 0, g, 0)``
+    exactly, signed zeros, infinities and NaNs of ``y`` included; its own gradients too."""
+    from fluxlike_native import _ext
+
+    y, g = rand((37, 29), ydtype), rand((37, 29), gdtype)
+    y[0, :6] = mx.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan]).astype(ydtype)
+    y = y.T  # a transposed view: made contiguous first
+    g = g.T
+    mask = _ext.relu_grad(g, y)
+    expected = mx.where(y > 0, g, mx.array(0.0, gdtype))
+    assert mask.dtype == gdtype and mx.array_equal(mask, expected).item()
+    c = rand(g.shape, gdtype)
+    _, (dg, dy) = mx.vjp(lambda g, y: _ext.relu_grad(g, y), [g, y], [c])
+    assert mx.array_equal(dg, mx.where(y > 0, c, mx.array(0.0, gdtype))).item()
+    assert not dy.any().item()
+    _, (jg,) = mx.jvp(lambda g: _ext.relu_grad(g, y), [g], [c])
+    assert mx.array_equal(jg, dg).item()
+
+
+@needs_native
+def test_second_order_through_the_ordered_backward_pass():
+    """The backward pass computes the weight and bias gradients before the input's (an
+    ordering node with its own gradients): a gradient of a gradient still matches MLX's."""
+    x, w, b = rand((6, 5)), rand((4, 5)), rand((4,))
+
+    def inner(fn):
+        return lambda x, w: mx.grad(lambda x, w: (fn(x, w, b) ** 2).sum(), argnums=(0, 1))(
+            x, w)
+
+    def outer(fn):
+        return mx.grad(lambda x, w: sum((g**2).sum() for g in inner(fn)(x, w)),
+                       argnums=(0, 1))(x, w)
+
+    mine = outer(lambda x, w, b: native.linear(x, w, b))
+    theirs = outer(lambda x, w, b: _mlx_linear(x, w, b, False))
+    for m, t in zip(mine, theirs, strict=True):
+        np.testing.assert_allclose(np.array(m), np.array(t), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize(("ta", "tb"), [(False, False), (True, False), (False, True),
+                                        (True, True)])
+@pytest.mark.parametrize("batched", [False, True])
+def test_matmul_gradients_and_jvp(ta, tb, batched):
+    lead = (2, 3) if batched else ()
+    a = rand((*lead, 6, 4) if ta else (*lead, 4, 6))
+    b = rand((1, 3, 5, 6) if tb else (1, 3, 6, 5)) if batched else rand((5, 6) if tb else (6, 5))
+    c = rand((*lead, 4, 5))
+
+    def mlx_mm(a, b):
+        return (a.swapaxes(-1, -2) if ta else a) @ (b.swapaxes(-1, -2) if tb else b)
+
+    def mine(a, b):
+        return native.matmul(a, b, transpose_a=ta, transpose_b=tb)
+
+    g = mx.grad(lambda a, b: (mine(a, b) * c).sum(), argnums=(0, 1))(a, b)
+    h = mx.grad(lambda a, b: (mlx_mm(a, b) * c).sum(), argnums=(0, 1))(a, b)
+    for gi, hi, p in zip(g, h, (a, b), strict=True):
+        assert gi.shape == p.shape
+        np.testing.assert_allclose(np.array(gi), np.array(hi), rtol=1e-5, atol=1e-5)
+    ta_, tb_ = rand(a.shape), rand(b.shape)
+    _, jm = mx.jvp(mine, (a, b), (ta_, tb_))
+    _, jt = mx.jvp(mlx_mm, (a, b), (ta_, tb_))
+    np.testing.assert_allclose(np.array(jm[0]), np.array(jt[0]), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_jvp(dtype):
+    x, w, b = rand((5, 7), dtype), rand((3, 7), dtype), rand((3,), dtype)
+    tx, tw, tb = rand(x.shape, dtype), rand(w.shape, dtype), rand(b.shape, dtype)
+    _, (mine,) = mx.jvp(lambda x, w, b: native.linear(x, w, b, "relu"), (x, w, b), (tx, tw, tb))
+    up = [a.astype(mx.float32) for a in (x, w, b, tx, tw, tb)]
+    _, (theirs,) = mx.jvp(lambda x, w, b: _mlx_linear(x, w, b, True), up[:3], up[3:])
+    assert mine.dtype == dtype
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(np64(mine), np.array(theirs), rtol=tol, atol=tol * 10)
+
+
+@needs_native
+@pytest.mark.parametrize("shapeless", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inside_compile(shapeless, dtype):
+    w1, b1, w2 = rand((16, 8), dtype), rand((16,), dtype), rand((4, 16), dtype)
+
+    def loss(w1, b1, w2, x):
+        h = native.linear(x, w1, b1, "relu")
+        return native.linear(h, w2).astype(mx.float32).sum()
+
+    step = mx.compile(mx.value_and_grad(loss, argnums=(0, 1, 2)), shapeless=shapeless)
+    eager = mx.value_and_grad(loss, argnums=(0, 1, 2))
+    for rows in (5, 3, 9):  # new batch sizes: a shapeless trace is replayed
+        x = rand((rows, 8), dtype)
+        (v, g), (v0, g0) = step(w1, b1, w2, x), eager(w1, b1, w2, x)
+        assert v.item() == pytest.approx(v0.item(), rel=1e-5 if dtype == mx.float32 else 1e-2)
+        for gi, hi in zip(g, g0, strict=True):
+            assert gi.shape == hi.shape and gi.dtype == hi.dtype
+            np.testing.assert_allclose(np64(gi), np64(hi), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_from_several_threads():
+    shapes = [(8, 16, 4), (32, 64, 48), (5, 7, 3), (64, 128, 32)]
+
+    def work(k: int) -> None:
+        rows, inner, out = shapes[k % len(shapes)]
+        dtype = DTYPES[k % 2]
+        for _ in range(5):
+            x, w, b = rand((rows, inner), dtype), rand((out, inner), dtype), rand((out,),
+                                                                                  dtype)
+            y = native.linear(x, w, b, "relu")
+            gw = mx.grad(lambda w, x=x, b=b: native.linear(x, w, b).astype(
+                mx.float32).sum())(w)
+            mx.eval(y, gw)
+            exact, scale = reference(x, w, b, True)
+            assert_close(y, exact, scale, dtype)
+            expected = np.broadcast_to(np64(x).sum(0), (out, inner))
+            np.testing.assert_allclose(np64(gw), expected, rtol=2e-2, atol=2e-2 * rows)
+
+    in_threads(work, 6)
+
+
+@needs_native
+def test_primitives_are_cached_by_shape_dtype_and_layout():
+    from fluxlike_native import _ext
+
+    _ext.clear_cache()
+    x, w = rand((11, 13)), rand((17, 13))
+    mx.eval(native.linear(x, w))
+    assert _ext.cache_size() == 1
+    mx.eval(native.linear(rand((11, 13)), rand((17, 13))))  # same description: reused
+    assert _ext.cache_size() == 1
+    mx.eval(native.linear(mx.array(np.array(x).T.copy()).T, w))  # column-major x: a new one
+    assert _ext.cache_size() == 2
+    mx.eval(native.linear(x.astype(mx.bfloat16), w.astype(mx.bfloat16)))
+    # a bfloat16 primitive of its own where oneDNN has bfloat16 kernels; without them
+    # (ONEDNN_MAX_CPU_ISA=AVX2) bfloat16 runs upcast in the float32 one already made
+    expected = 3 if native.native_info().bfloat16 == "native" else 2
+    assert _ext.cache_size() == expected
+    names = dict(_ext.cache_impls())
+    assert sum(names.values()) == expected
+
+
+@needs_native
+def test_bfloat16_on_avx2_runs_in_float32_kernels():
+    """ONEDNN_MAX_CPU_ISA=AVX2 (no AVX-512, no BF16): bfloat16 still works, in float32 kernels,
+    with bfloat16 numerics and gradients; decided when the op is built."""
+    result = _subprocess("""
+        import mlx.core as mx, numpy as np
+        from fluxlike import native
+        info = native.native_info()
+        assert info.available and info.isa == "avx2" and info.bfloat16 == "float32 kernels", info
+        x, w, b = (mx.random.normal(s).astype(mx.bfloat16) for s in ((9, 40), (12, 40), (12,)))
+        y = native.linear(x, w, b, "relu")
+        up = [a.astype(mx.float32) for a in (x, w, b)]
+        ref = mx.maximum(up[0] @ up[1].T + up[2], 0).astype(mx.bfloat16)
+        assert y.dtype == mx.bfloat16
+        np.testing.assert_allclose(np.array(y.astype(mx.float32)),
+                                   np.array(ref.astype(mx.float32)), rtol=2**-8, atol=1e-5)
+        g = mx.grad(lambda w: native.linear(x, w, b, "relu").astype(mx.float32).sum())(w)
+        assert g.dtype == mx.bfloat16 and g.shape == w.shape
+        f = mx.compile(lambda x: native.linear(x, w, b), shapeless=True)
+        assert f(x[:4]).shape == (4, 12) and f(x).dtype == mx.bfloat16
+        s = native.matmul(x[None], x[None], transpose_b=True, out_dtype=mx.float32)
+        c = native.conv(x.reshape(1, 9, 40, 1), w.reshape(12, 1, 40, 1)[:2, :, :3], padding=1)
+        assert c.dtype == mx.bfloat16 and c.shape == (1, 11, 40, 2)
+        gc = mx.grad(lambda x: native.conv(x, w.reshape(12, 1, 40, 1)[:2, :, :3]).astype(
+            mx.float32).sum())(x.reshape(1, 9, 40, 1))
+        assert gc.dtype == mx.bfloat16
+        mx.eval(c, gc)
+        mx.eval(s)
+        from fluxlike.precision.attention import attend
+        q = x.reshape(1, 1, 9, 40)
+        att, _ = attend(q, q, q, 40**-0.5, "causal")
+        ct = native.conv_transpose(x.reshape(1, 9, 40, 1), w.reshape(12, 1, 40, 1)[:2, :, :3],
+                                   stride=2)
+        assert att.dtype == ct.dtype == mx.bfloat16 and ct.shape == (1, 17, 81, 2)
+        mx.eval(att, ct)
+        from fluxlike_native import _ext
+        impls = [name for name, _ in _ext.cache_impls() + _ext.conv_cache_impls()]
+        assert impls and not any("bf16" in name or "512" in name for name in impls), impls
+        print("ok")
+    """, ONEDNN_MAX_CPU_ISA="AVX2")
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
+
+
+@needs_native
+def test_forcing_bfloat16_into_float32_kernels():
+    result = _subprocess("""
+        import mlx.core as mx
+        from fluxlike import native
+        info = native.native_info()
+        assert info.bfloat16 == "float32 kernels" and "FLUXLIKE_NATIVE_BF16" in info.reason
+        y = native.linear(mx.ones((2, 3), mx.bfloat16), mx.ones((4, 3), mx.bfloat16))
+        assert y.dtype == mx.bfloat16 and y.tolist() == [[3.0] * 4] * 2
+        print("ok")
+    """, FLUXLIKE_NATIVE_BF16="float32")
+    assert result.returncode == 0, result.stderr
+
+
+@needs_native
+def test_the_plain_float32_entry_computes_or_declines():
+    """The companion's ``plain_linear``: fluxlike's everyday float32 layer call, checked in
+    C++; it gives ``native.linear``'s result or declines (``None``) whatever is not its to
+    compute."""
+    kernel = native.switch.loaded.plain_linear
+    x, w, b = rand((6, 5), mx.float32), rand((4, 5), mx.float32), rand((4,), mx.float32)
+    for bias in (b, None):
+        for relu_ in (False, True):
+            mine = kernel(x, w, bias, relu_)
+            theirs = native.linear(x, w, bias, "relu" if relu_ else None)
+            np.testing.assert_array_equal(np64(mine), np64(theirs))
+    assert kernel(rand((2, 3, 5), mx.float32), w, b, False).shape == (2, 3, 4)
+    declined = [
+        (x.astype(mx.float64), w, b), (x.astype(mx.bfloat16), w, b), (mx.ones((6, 5), mx.int32),
+        w, b), (x, w.astype(mx.bfloat16), b), (x, w, b.astype(mx.bfloat16)),
+        (x, w, b.reshape(1, 4)), (x, w, mx.zeros((5,))), (x, w.reshape(1, 4, 5), b),
+        (rand((6, 3), mx.float32), w, b), (mx.array(1.0), w, b),
+    ]
+    for args in declined:
+        assert kernel(*args, False) is None, [a.shape for a in args]
+    with pytest.raises(TypeError):
+        kernel(np.ones((6, 5), np.float32), w, b, False)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matmul_and_relu_grad_under_vmap(dtype):
+    """mx.vmap over the native matmul (any operand mapped, any axis; per-sample gradients
+    through a ReLU layer): MLX's matmul's results, in the operands' dtype."""
+    V, tol = 3, (1e-5 if dtype == mx.float32 else 2e-2)
+    x, w, b = rand((V, 4, 5), dtype), rand((6, 5), dtype), rand((6,), dtype)
+
+    def ref(x, w, b):
+        y = x.astype(mx.float32) @ w.astype(mx.float32).T + b.astype(mx.float32)
+        return mx.maximum(y, 0)
+
+    cases = [  # (in_axes, operands)
+        ((0, None, None), (x, w, b)),
+        ((1, None, None), (x.swapaxes(0, 1), w, b)),
+        ((None, 0, None), (x[0], mx.stack([w] * V), b)),
+        ((None, None, 0), (x[0], w, mx.stack([b, 2 * b, -b]))),
+        ((0, 2, 0), (x, mx.stack([w] * V, axis=2), mx.stack([b] * V))),
+    ]
+    for in_axes, args in cases:
+        mine = mx.vmap(lambda x, w, b: native.linear(x, w, b, "relu"), in_axes=in_axes)(*args)
+        theirs = mx.vmap(ref, in_axes=in_axes)(*args)
+        assert mine.dtype == dtype and mine.shape == theirs.shape, in_axes
+        np.testing.assert_allclose(np64(mine), np64(theirs), rtol=tol, atol=tol)
+    batched = mx.vmap(lambda a, c: native.matmul(a, c, transpose_b=True))(
+        rand((V, 2, 4, 5), dtype), rand((V, 2, 3, 5), dtype))
+    assert batched.shape == (V, 2, 4, 3)
+    # per-sample gradients of a ReLU layer (vmap of grad: the ReLU's backward is vmapped too)
+    xs = rand((V, 5), mx.float32)
+    w32, b32 = w.astype(mx.float32), b.astype(mx.float32)
+    per_sample = mx.vmap(mx.grad(lambda w, x: native.linear(x, w, b32, "relu").sum()),
+                         in_axes=(None, 0))(w32, xs)
+    expected = mx.vmap(mx.grad(lambda w, x: ref(x, w, b32).sum()), in_axes=(None, 0))(w32, xs)
+    np.testing.assert_allclose(np64(per_sample), np64(expected), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,162 @@
+"""The decision point (fluxlike/precision/kernels.py: choose): each predicate on its own, with
+the native companion in use (simulated where this machine lacks a piece of it) and without."""
+
+import mlx.core as mx
+import pytest
+
+from fluxlike import native
+from fluxlike.modes import differentiating
+from fluxlike.precision import kernels
+from fluxlike.precision.kernels import EMULATED, MLX, NATIVE, choose, half_on_cpu, one_dtype
+
+F32, BF16, F16, F64 = mx.float32, mx.bfloat16, mx.float16, mx.float64
+GEOMETRY = ((1, 1), (1, 1), (1, 1))  # stride, padding, dilation
+
+
+class Companion:
+    """A stand-in for the companion's module: the routing only asks whether there is one."""
+
+
+@pytest.fixture(params=["bf16 kernels", "float32 kernels"])
+def in_use(request, monkeypatch):
+    """The companion in use, with oneDNN's bfloat16 kernels or without them."""
+    monkeypatch.setattr(native.switch, "ext", native.switch.ext or Companion())
+    monkeypatch.setattr(native.switch, "bf16", request.param == "bf16 kernels")
+    return request.param == "bf16 kernels"
+
+
+@pytest.fixture
+def not_in_use():
+    with native.disabled():
+        yield
+
+
+def a(*shape, dtype=F32):
+    return mx.zeros(shape, dtype)
+
+
+class TestAnyOp:
+    @pytest.mark.parametrize("op", ["linear", "matmul", "conv", "softmax", "max_pool"])
+    def test_mixed_dtypes_and_float64_take_mlx(self, op, in_use):
+        assert choose(op, None) == MLX
+        assert choose(op, F64, a(1, 2, 2, 1), a(1, 1, 1, 1), GEOMETRY) == MLX
+
+    @pytest.mark.parametrize("op", ["linear", "matmul", "conv", "conv_transpose"])
+    def test_half_precision_without_the_companion_is_emulated(self, op, not_in_use):
+        assert choose(op, BF16, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == EMULATED
+        assert choose(op, F16, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == EMULATED
+
+    @pytest.mark.parametrize("op", ["linear", "matmul", "conv", "softmax", "max_pool"])
+    def test_float32_without_the_companion_takes_mlx(self, op, not_in_use):
+        assert choose(op, F32, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == MLX
+
+    @pytest.mark.parametrize("op", ["linear", "matmul", "conv", "conv_transpose"])
+    def test_float16_is_never_native(self, op, in_use):
+        assert choose(op, F16, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == EMULATED
+
+    def test_the_gpu_takes_mlx(self, in_use, monkeypatch):
+        class Gpu:
+            type = mx.gpu
+
+        monkeypatch.setattr(mx, "default_device", lambda: Gpu())
+        for dtype in (F32, BF16, F16):
+            assert choose("linear", dtype) == MLX
+
+
+class TestLinear:
+    def test_float32_is_native(self, in_use):
+        assert choose("linear", F32) == NATIVE
+        with differentiating():
+            assert choose("linear", F32) == NATIVE
+
+    def test_bfloat16_is_native_outside_differentiation(self, in_use):
+        assert choose("linear", BF16) == NATIVE
+
+    def test_bfloat16_training_needs_onednns_bfloat16_kernels(self, in_use):
+        with differentiating():
+            assert choose("linear", BF16) == (NATIVE if in_use else EMULATED)
+
+
+class TestMatmul:
+    def test_bfloat16_products_of_matrices_need_bfloat16_kernels(self, in_use):
+        want = NATIVE if in_use else EMULATED
+        assert choose("matmul", BF16, a(2, 3, dtype=BF16), a(3, 4, dtype=BF16)) == want
+        assert choose("matmul", BF16, a(2, 2, 3, dtype=BF16), a(2, 3, 4, dtype=BF16)) == want
+
+    def test_vectors_and_empty_operands_are_emulated(self, in_use):
+        assert choose("matmul", BF16, a(3, dtype=BF16), a(3, 4, dtype=BF16)) == EMULATED
+        assert choose("matmul", BF16, a(0, 3, dtype=BF16), a(3, 4, dtype=BF16)) == EMULATED
+
+    def test_float32_takes_mlx(self, in_use):
+        assert choose("matmul", F32, a(2, 3), a(3, 4)) == MLX
+
+
+class TestConv:
+    def test_float32_in_training_is_native_at_any_size(self, in_use):
+        with differentiating():
+            assert choose("conv", F32, a(1, 3, 3, 1), a(1, 3, 3, 1), GEOMETRY) == NATIVE
+
+    def test_float32_inference_from_the_size_that_pays(self, in_use):
+        small = choose("conv", F32, a(1, 8, 8, 2), a(4, 3, 3, 2), GEOMETRY)
+        large = choose("conv", F32, a(8, 32, 32, 16), a(32, 3, 3, 16), GEOMETRY)
+        assert (small, large) == (MLX, NATIVE)
+        # (1 * 8 * 8) x (3 * 3 * 2) x 4 multiply-adds, against the threshold
+        assert 64 * 18 * 4 < kernels.NATIVE_CONV_MIN_MACS <= 8 * 32 * 32 * 144 * 32
+
+    def test_padding_as_low_high_pairs_counts_the_output(self, in_use):
+        geometry = ((1, 1), ((0, 0), (0, 0)), (1, 1))
+        assert choose("conv", F32, a(8, 32, 32, 16), a(32, 3, 3, 16), geometry) == NATIVE
+
+    def test_bfloat16_is_native_at_any_size_and_in_training_needs_bfloat16_kernels(self, in_use):
+        x, w = a(1, 3, 3, 1, dtype=BF16), a(1, 3, 3, 1, dtype=BF16)
+        assert choose("conv", BF16, x, w, GEOMETRY) == NATIVE
+        with differentiating():
+            assert choose("conv", BF16, x, w, GEOMETRY) == (NATIVE if in_use else EMULATED)
+
+    def test_one_and_more_than_three_spatial_axes(self, in_use):
+        with differentiating():
+            assert choose("conv", F32, a(1, 5, 1), a(1, 3, 1), ((1,), (0,), (1,))) == NATIVE
+            x, w = a(1, 2, 2, 2, 2, 1), a(1, 1, 1, 1, 1, 1)
+            assert choose("conv", F32, x, w, ((1,) * 4, (0,) * 4, (1,) * 4)) == MLX
+
+    def test_transposed_convolutions_are_never_native(self, in_use):
+        assert choose("conv_transpose", F32, a(1, 4, 4, 1), a(1, 3, 3, 1), GEOMETRY) == MLX
+        assert choose("conv_transpose", BF16, a(1, 4, 4, 1), a(1, 3, 3, 1),
+                      GEOMETRY) == EMULATED
+
+
+class TestSoftmaxAndPooling:
+    def test_softmax_of_float32_scores(self, in_use):
+        assert choose("softmax", F32, a(2, 5)) == NATIVE
+        assert choose("softmax", F32, a(0, 5)) == MLX
+        assert choose("softmax", BF16, a(2, 5, dtype=BF16)) == MLX  # float32 scores only
+
+    def test_max_pool_of_float32_and_bfloat16(self, in_use):
+        assert choose("max_pool", F32, a(1, 4, 4, 2)) == NATIVE
+        assert choose("max_pool", BF16, a(1, 4, 4, 2, dtype=BF16)) == NATIVE
+        assert choose("max_pool", F32, a(0, 4, 4, 2)) == MLX
+        assert choose("max_pool", F16, a(1, 4, 4, 2, dtype=F16)) == MLX
+
+    def test_quantized_products_are_emulated_in_half_precision(self, in_use):
+        assert choose("quantized_linear", BF16) == EMULATED
+        assert choose("quantized_linear", F32) == MLX
+
+
+class TestOperandPredicates:
+    def test_one_dtype(self):
+        assert one_dtype(a(2), None, a(3)) == F32
+        assert one_dtype(a(2), a(2, dtype=BF16)) is None
+
+    def test_half_on_cpu(self):
+        assert half_on_cpu(a(2, dtype=BF16), a(2, dtype=BF16), None)
+        assert half_on_cpu(a(2, dtype=F16))
+        assert not half_on_cpu(a(2), a(2))
+        assert not half_on_cpu(a(2, dtype=BF16), a(2, dtype=F16))
+
+
+def test_the_routing_follows_the_choice(monkeypatch):
+    """A layer call computes with the backend ``choose`` names: forced to MLX's own kernels,
+    a bfloat16 linear layer gives MLX's bfloat16 product."""
+    x, w = mx.random.normal((3, 8)).astype(BF16), mx.random.normal((4, 8)).astype(BF16)
+    monkeypatch.setattr(kernels, "choose", lambda *args: MLX)
+    assert mx.array_equal(kernels.linear(x, w), x @ w.T).item()
