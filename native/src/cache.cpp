@@ -35,24 +35,10 @@ CacheCounts& CacheCounts::operator+=(const CacheCounts& o) {
   return *this;
 }
 
-namespace {
-
-// The op in front of the key: one map for all ops.
-CacheKey tagged(Op op, const CacheKey& key) {
-  CacheKey k;
-  k.reserve(key.size() + 1);
-  k.push_back(static_cast<int64_t>(op));
-  k.insert(k.end(), key.begin(), key.end());
-  return k;
-}
-
-} // namespace
-
 std::shared_ptr<const Prepared> PrimitiveCache::find(Op op, const CacheKey& key) {
-  auto k = tagged(op, key);
   std::lock_guard<std::mutex> lock(mutex_);
   auto& counts = counts_[static_cast<int>(op)];
-  auto it = index_.find(k);
+  auto it = index_.find(key);
   if (it == index_.end()) {
     counts.misses += 1;
     return nullptr;
@@ -65,13 +51,12 @@ std::shared_ptr<const Prepared> PrimitiveCache::find(Op op, const CacheKey& key)
 std::shared_ptr<const Prepared> PrimitiveCache::insert(Op op, CacheKey key,
                                                        std::shared_ptr<const Prepared> made,
                                                        uint64_t ns) {
-  auto k = tagged(op, key);
   std::vector<std::shared_ptr<const Prepared>> dropped;  // released after the lock
   std::lock_guard<std::mutex> lock(mutex_);
   auto& counts = counts_[static_cast<int>(op)];
   counts.creations += 1;
   counts.create_ns += ns;
-  auto it = index_.find(k);
+  auto it = index_.find(key);
   if (it != index_.end()) {  // another thread stored one first
     lru_.splice(lru_.begin(), lru_, it->second);
     dropped.push_back(std::move(made));
@@ -79,8 +64,8 @@ std::shared_ptr<const Prepared> PrimitiveCache::insert(Op op, CacheKey key,
   }
   counts.size += 1;
   counts.work_bytes += made->work_bytes;
-  lru_.push_front(Node{op, k, made});
-  index_.emplace(std::move(k), lru_.begin());
+  lru_.push_front(Node{op, key, made});
+  index_.emplace(std::move(key), lru_.begin());
   evict(dropped);
   return made;
 }

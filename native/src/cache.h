@@ -57,7 +57,8 @@ class PrimitiveCache {
  public:
   explicit PrimitiveCache(size_t capacity) : capacity_(capacity) {}
 
-  // The entry for (op, key), made the most recently used; nullptr (a miss) if there is none.
+  // The entry for `key` (whose first element is the op, see cached()), made the most
+  // recently used; nullptr (a miss) if there is none.
   std::shared_ptr<const Prepared> find(Op op, const CacheKey& key);
 
   // Stores `made` (created in `ns` nanoseconds) unless another thread stored an entry for
@@ -103,6 +104,7 @@ template <class T, class Create>
 std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char* what,
                                 Create&& create) {
   auto& cache = primitive_cache();
+  key.insert(key.begin(), static_cast<int64_t>(op));  // one map for all ops
   if (auto hit = cache.find(op, key)) {
     return std::static_pointer_cast<const T>(hit);
   }
