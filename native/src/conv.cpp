@@ -57,6 +57,7 @@ dnnl::memory::desc any_like(const dnnl::memory::desc& md) {
 // of it, for the weights gradient).
 struct ConvPrepared : Prepared {
   std::optional<Prepared> reorder;
+  size_t weights_bytes = 0;  // the weights in oneDNN's layout, where reordered
 };
 
 dims to_dims(const std::vector<int>& v, int minus = 0) {
@@ -136,7 +137,8 @@ std::shared_ptr<const ConvPrepared> lookup(
       e->reorder = prepare(dnnl::reorder::primitive_desc(eng, out ? w_prim_md : w_user_md, eng,
                                                          out ? w_user_md : w_prim_md),
                            {DNNL_ARG_FROM, DNNL_ARG_TO});
-      e->work_bytes += w_prim_md.get_size();
+      e->weights_bytes = w_prim_md.get_size();
+      e->work_bytes += e->weights_bytes;
     }
     return std::shared_ptr<const ConvPrepared>(std::move(e));
   });
@@ -146,11 +148,7 @@ std::shared_ptr<const ConvPrepared> lookup(
 void run(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, void* bias, void* out) {
   dnnl::stream strm(engine());
   // The weights (or their gradient) in oneDNN's layout, where it is not MLX's.
-  Buffer wtmp(e.reorder ? e.reorder->md(kind == ConvKind::BackwardWeights ? DNNL_ARG_FROM
-                                                                          : DNNL_ARG_TO)
-                              .get_size()
-                        : 0,
-              FN, "the reordered weights");
+  Buffer wtmp(e.weights_bytes, FN, "the reordered weights");
   if (kind == ConvKind::BackwardWeights) {
     void* dw = e.reorder ? wtmp.p : out;
     execute(e, strm, {{DNNL_ARG_SRC, in0}, {DNNL_ARG_DIFF_DST, in1}, {DNNL_ARG_DIFF_WEIGHTS, dw}},
