@@ -7,18 +7,56 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
-#include "adam.h"
+#include "cache.h"
+#include "common.h"
 #include "conv.h"
+#include "cpu.h"
 #include "matmul.h"
-#include "pool.h"
-#include "softmax.h"
 #include "mlx/version.h"
+#include "pool.h"
+#include "relu.h"
+#include "softmax.h"
+#include "updates.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 #define FLN_STR2(x) #x
 #define FLN_STR(x) FLN_STR2(x)
+
+namespace {
+
+using fluxlike_native::Op;
+
+nb::dict counts_dict(const fluxlike_native::CacheCounts& c) {
+  nb::dict d;
+  d["size"] = c.size;
+  d["hits"] = c.hits;
+  d["misses"] = c.misses;
+  d["creations"] = c.creations;
+  d["evictions"] = c.evictions;
+  d["create_ns"] = c.create_ns;
+  d["work_bytes"] = c.work_bytes;
+  return d;
+}
+
+nb::dict cache_info() {
+  auto info = fluxlike_native::primitive_cache().info();
+  nb::dict d = counts_dict(info.total);
+  d["capacity"] = info.capacity;
+  nb::dict ops;
+  for (int i = 0; i < fluxlike_native::OP_COUNT; ++i) {
+    ops[fluxlike_native::op_name(static_cast<Op>(i))] = counts_dict(info.ops[i]);
+  }
+  d["ops"] = ops;
+  return d;
+}
+
+uint64_t op_size(Op op) {
+  return fluxlike_native::primitive_cache().info().ops[static_cast<int>(op)].size;
+}
+
+} // namespace
 
 NB_MODULE(_ext, m) {
   m.doc() = "oneDNN kernels as MLX primitives for fluxlike (CPU). Use fluxlike.native.";
@@ -34,19 +72,40 @@ NB_MODULE(_ext, m) {
   m.def("isa_has_avx512", &fluxlike_native::isa_has_avx512,
         "Whether oneDNN has AVX-512 kernels here.");
   m.def("onednn_version", &fluxlike_native::onednn_version, "oneDNN's version.");
-  m.def("cache_size", &fluxlike_native::cache_size, "Cached oneDNN matmul primitives.");
-  m.def("clear_cache", []() {
-    fluxlike_native::clear_cache();
-    fluxlike_native::conv_clear_cache();
-    fluxlike_native::softmax_clear_cache();
-    fluxlike_native::pool_clear_cache();
-  }, "Drop the cached oneDNN primitives (matmul, convolution, softmax and pooling).");
-  m.def("cache_impls", &fluxlike_native::cache_impls,
+  // The one primitive cache of all ops (cache.h); the per-op functions before cache_info
+  // stay for the callers written against them.
+  m.def("cache_info", &cache_info,
+        R"(The primitive cache's counts: a dict of size, capacity, hits, misses, creations,
+evictions, create_ns (time spent creating primitives) and work_bytes (the temporary memory
+one execution of each cached primitive allocates, summed), and "ops": the same counts but
+capacity per op ("matmul", "conv", "softmax", "max_pool").)");
+  m.def(
+      "set_cache_capacity",
+      [](int64_t capacity) {
+        FLN_CHECK(capacity >= 0, "fluxlike_native.set_cache_capacity: the capacity must be a "
+                  "number of entries >= 0 (0 keeps none), got ", capacity);
+        return fluxlike_native::primitive_cache().set_capacity(static_cast<size_t>(capacity));
+      },
+      "capacity"_a,
+      "Set how many primitives the cache keeps (least recently used evicted first); returns "
+      "the old capacity.");
+  m.def("clear_cache", []() { fluxlike_native::primitive_cache().clear(); },
+        "Drop the cached oneDNN primitives (matmul, convolution, softmax and pooling) and "
+        "zero the cache's counts.");
+  m.def("cache_size", []() { return op_size(Op::Matmul); }, "Cached oneDNN matmul primitives.");
+  m.def("cache_impls", []() { return fluxlike_native::primitive_cache().impls(Op::Matmul); },
         "(oneDNN implementation name, count) of the cached matmul primitives.");
-  m.def("conv_cache_size", &fluxlike_native::conv_cache_size,
+  m.def("conv_cache_size", []() { return op_size(Op::Conv); },
         "Cached oneDNN convolution primitives.");
-  m.def("conv_cache_impls", &fluxlike_native::conv_cache_impls,
+  m.def("conv_cache_impls", []() { return fluxlike_native::primitive_cache().impls(Op::Conv); },
         "(oneDNN implementation name, count) of the cached convolution primitives.");
+  m.def("softmax_cache_size", []() { return op_size(Op::Softmax); },
+        "Cached oneDNN softmax primitives.");
+  m.def("pool_cache_size", []() { return op_size(Op::MaxPool); },
+        "Cached oneDNN pooling primitives.");
+  m.def("pool_cache_impls",
+        []() { return fluxlike_native::primitive_cache().impls(Op::MaxPool); },
+        "(oneDNN implementation name, count) of the cached pooling primitives.");
 
   m.def(
       "matmul",
@@ -90,8 +149,6 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
         "stream"_a = nb::none(),
         R"(g where y > 0, else 0, in one pass (a fused ReLU's backward; see matmul.h).)");
 
-  m.def("softmax_cache_size", &fluxlike_native::softmax_cache_size,
-        "Cached oneDNN softmax primitives.");
   m.def("softmax", &fluxlike_native::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         R"(softmax over the last axis of a float32 array on oneDNN (see softmax.h).)");
   m.def("softmax_grad", &fluxlike_native::softmax_grad, "g"_a, "y"_a, nb::kw_only(),
@@ -137,7 +194,7 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       "p"_a, "g"_a, "m"_a, "v"_a, "c1"_a, "c2"_a, "decay"_a.none(), "b1"_a, "b2"_a, "eps"_a,
       nb::kw_only(), "stream"_a = nb::none(),
       R"((p', m', v'): mlx.optimizers.Adam's bias-corrected update of a float32 or bfloat16
-parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see adam.h).)");
+parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see updates.h).)");
 
   m.def(
       "rmsprop_step",
@@ -148,12 +205,7 @@ parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit 
       },
       "p"_a, "g"_a, "v"_a, "lr"_a, "alpha"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
       R"((p', v'): mlx.optimizers.RMSprop's update of a float32 or bfloat16 parameter in one
-pass, bit for bit (see adam.h).)");
-
-  m.def("pool_cache_size", &fluxlike_native::pool_cache_size,
-        "Cached oneDNN pooling primitives.");
-  m.def("pool_cache_impls", &fluxlike_native::pool_cache_impls,
-        "(oneDNN implementation name, count) of the cached pooling primitives.");
+pass, bit for bit (see updates.h).)");
 
   m.def(
       "max_pool",

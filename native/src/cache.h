@@ -1,80 +1,125 @@
-// fluxlike-native: the process-wide cache of oneDNN primitives that every op shares.
+// fluxlike-native: the process-wide cache of prepared oneDNN primitives that every op shares.
 //
-// Keyed by a vector of integers (the op's kind, dtypes, shapes, strides and parameters);
-// guarded by a mutex. A primitive is created outside the lock, on the evaluating thread:
-// two threads may both create one for a key, and the first stored wins. When the cache is
-// full it is emptied (a training loop uses a handful of shapes; a sweep over many shapes
-// should not grow it without bound).
+// Keyed by the op and a vector of integers (its kind, dtypes, shapes, strides and
+// parameters). Least recently used entries are evicted when it is full (a sweep over many
+// shapes does not grow it without bound, and a training loop's few shapes stay). Guarded by
+// a mutex; a primitive is created outside the lock, on the evaluating thread: two threads
+// may both create one for a key, and the first stored wins. An evicted entry lives on while
+// an execution still holds it.
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <cstdint>
-#include <map>
+#include <list>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "engine.h"
+
 namespace fluxlike_native {
+
+// The ops whose primitives are cached; the cache counts each on its own.
+enum class Op { Matmul, Conv, Softmax, MaxPool };
+constexpr int OP_COUNT = 4;
+const char* op_name(Op op);  // "matmul", "conv", "softmax", "max_pool"
 
 using CacheKey = std::vector<int64_t>;
 
 struct CacheKeyHash {
-  size_t operator()(const CacheKey& k) const {
-    size_t h = 1469598103934665603ull;
-    for (auto v : k) {
-      h ^= static_cast<size_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-    }
-    return h;
-  }
+  size_t operator()(const CacheKey& k) const;
 };
 
-// Entry: any struct with a `std::string impl` (oneDNN's implementation name).
-template <class Entry>
+struct CacheCounts {
+  uint64_t size = 0;       // entries held
+  uint64_t hits = 0;       // lookups that found their entry
+  uint64_t misses = 0;     // lookups that did not (each then creates a primitive)
+  uint64_t creations = 0;  // primitives created (a thread that lost a race counts too)
+  uint64_t evictions = 0;  // entries dropped to keep within the capacity
+  uint64_t create_ns = 0;  // time spent creating primitives
+  uint64_t work_bytes = 0; // the entries' work_bytes (see Prepared), summed
+
+  CacheCounts& operator+=(const CacheCounts& o);
+};
+
+struct CacheInfo {
+  uint64_t capacity = 0;
+  CacheCounts total;
+  std::array<CacheCounts, OP_COUNT> ops;
+};
+
 class PrimitiveCache {
  public:
-  explicit PrimitiveCache(size_t max_entries) : max_(max_entries) {}
+  explicit PrimitiveCache(size_t capacity) : capacity_(capacity) {}
 
-  // The entry for `key`, or nullptr.
-  std::shared_ptr<Entry> find(const CacheKey& key) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = map_.find(key);
-    return it == map_.end() ? nullptr : it->second;
-  }
+  // The entry for `key` (whose first element is the op, see cached()), made the most
+  // recently used; nullptr (a miss) if there is none.
+  std::shared_ptr<const Prepared> find(Op op, const CacheKey& key);
 
-  // Stores `entry` under `key` unless another thread stored one first; returns the stored.
-  std::shared_ptr<Entry> insert(CacheKey key, std::shared_ptr<Entry> entry) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (map_.size() >= max_) map_.clear();
-    auto [it, inserted] = map_.emplace(std::move(key), std::move(entry));
-    return it->second;
-  }
+  // Stores `made` (created in `ns` nanoseconds) unless another thread stored an entry for
+  // the key first; returns the stored one. Evicts the least recently used beyond capacity.
+  std::shared_ptr<const Prepared> insert(Op op, CacheKey key,
+                                         std::shared_ptr<const Prepared> made, uint64_t ns);
 
-  size_t size() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return map_.size();
-  }
-
-  void clear() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    map_.clear();
-  }
-
-  // (implementation name, count) over the cached entries.
-  std::vector<std::pair<std::string, int>> impls() {
-    std::map<std::string, int> counts;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (auto& [k, e] : map_) counts[e->impl] += 1;
-    }
-    return {counts.begin(), counts.end()};
-  }
+  // Sets the capacity (0: nothing is kept), evicting down to it; returns the old one.
+  size_t set_capacity(size_t capacity);
+  // Drops every entry and zeroes the counts (as functools.lru_cache's cache_clear).
+  void clear();
+  CacheInfo info();
+  // (implementation name, count) over the op's entries.
+  std::vector<std::pair<std::string, int>> impls(Op op);
 
  private:
-  size_t max_;
+  struct Node {
+    Op op;
+    CacheKey key;
+    std::shared_ptr<const Prepared> value;
+  };
+  using Lru = std::list<Node>;  // most recently used first
+
+  // Drops entries from the back down to the capacity (under the lock); the entries are
+  // moved to `dropped`, to be released after it.
+  void evict(std::vector<std::shared_ptr<const Prepared>>& dropped);
+  void forget(Lru::iterator it);
+
+  size_t capacity_;
   std::mutex mutex_;
-  std::unordered_map<CacheKey, std::shared_ptr<Entry>, CacheKeyHash> map_;
+  Lru lru_;
+  std::unordered_map<CacheKey, Lru::iterator, CacheKeyHash> index_;
+  std::array<CacheCounts, OP_COUNT> counts_{};
 };
+
+// The cache every op uses (4096 entries unless set_capacity says otherwise).
+PrimitiveCache& primitive_cache();
+
+// The cached primitive of `op` for `key`, or the one `create()` makes (a shared_ptr to a
+// Prepared or a struct derived from it), timed and stored. oneDNN's refusal becomes
+// "<fn>: oneDNN has no <what> for these operands (...)".
+template <class T, class Create>
+std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char* what,
+                                Create&& create) {
+  auto& cache = primitive_cache();
+  key.insert(key.begin(), static_cast<int64_t>(op));  // one map for all ops
+  if (auto hit = cache.find(op, key)) {
+    return std::static_pointer_cast<const T>(hit);
+  }
+  auto start = std::chrono::steady_clock::now();
+  std::shared_ptr<const T> made;
+  try {
+    made = create();
+  } catch (const dnnl::error& err) {
+    throw std::runtime_error(std::string(fn) + ": oneDNN has no " + what +
+                             " for these operands (" + err.what() + ")");
+  }
+  auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now() - start).count();
+  return std::static_pointer_cast<const T>(
+      cache.insert(op, std::move(key), std::move(made), static_cast<uint64_t>(ns)));
+}
 
 } // namespace fluxlike_native

@@ -1,9 +1,8 @@
-// fluxlike-native: what every op's file uses - oneDNN's CPU engine, shapes and dtypes in
-// messages, oneDNN's descriptions of MLX's arrays, an aligned temporary buffer for a primitive's scratchpad (or reordered operands), and a
-// row-contiguous copy of a strided operand.
+// fluxlike-native: what every op's file uses - argument checks, shapes and dtypes in
+// messages, oneDNN's descriptions of MLX's arrays, a row-contiguous copy of a strided
+// operand, and derivatives and mx.vmap taken through MLX's ops.
 #pragma once
 
-#include <cstdlib>
 #include <functional>
 #include <sstream>
 #include <stdexcept>
@@ -13,6 +12,7 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
 #include "mlx/transforms.h"
 #include "mlx/utils.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -25,10 +25,20 @@ namespace mx = mlx::core;
 
 namespace fluxlike_native {
 
-// The one oneDNN CPU engine of the process.
-inline dnnl::engine& engine() {
-  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
-  return eng;
+// Throws std::invalid_argument (Python's ValueError) whose message is `parts` written one
+// after the other, unless `cond` holds: FLN_CHECK(n > 0, FN, ": n must be positive, got ", n).
+#define FLN_CHECK(cond, ...)                              \
+  do {                                                    \
+    if (!(cond)) {                                        \
+      ::fluxlike_native::throw_invalid(__VA_ARGS__);      \
+    }                                                     \
+  } while (0)
+
+template <class... Parts>
+[[noreturn]] void throw_invalid(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  throw std::invalid_argument(os.str());
 }
 
 // "(2, 3)", "(4,)": a shape as Python writes a tuple, for error messages.
@@ -83,23 +93,6 @@ inline dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
   return dnnl::memory::desc(d, dnnl_type(dt), st);
 }
 
-// `bytes` of 64-byte-aligned memory (none for 0), freed on scope exit; `fn` and `what` name
-// it when there is no memory for it.
-struct Buffer {
-  void* p = nullptr;
-  Buffer(size_t bytes, const char* fn, const char* what = "oneDNN's scratchpad") {
-    if (bytes > 0) {
-      p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-      if (p == nullptr) {
-        throw std::runtime_error(std::string(fn) + ": out of memory for " + what);
-      }
-    }
-  }
-  ~Buffer() { std::free(p); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-};
-
 // dst[i] = the i-th element of a strided array in row-major order (any strides, negative or
 // zero too; MLX does not export its CPU copy to extensions).
 template <typename T>
@@ -139,6 +132,20 @@ inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder
     }
   });
   return copy;
+}
+
+// The gradient of a bias added along the last axis of an output whose cotangent is `g`: g
+// summed over its other axes, in the bias's dtype. MLX's CPU sum of bfloat16 accumulates in
+// float32 and rounds once: the same result as summing a float32 upcast, without an upcast of
+// the whole cotangent.
+inline mx::array bias_grad(const mx::array& g, mx::Dtype bias_dt, mx::StreamOrDevice s) {
+  std::vector<int> axes;
+  for (int i = 0; i + 1 < g.ndim(); ++i) {
+    axes.push_back(i);
+  }
+  auto gb = bias_dt == g.dtype() ? mx::sum(g, axes, false, s)
+                                 : mx::sum(mx::astype(g, mx::float32, s), axes, false, s);
+  return gb.dtype() == bias_dt ? gb : mx::astype(gb, bias_dt, s);
 }
 
 // A primitive's derivatives taken of the same computation written in MLX's ops (`fn`: the

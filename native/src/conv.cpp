@@ -7,21 +7,17 @@
 // into it (or, for the weights gradient, out of it) inside the same task.
 
 #include "conv.h"
-#include "common.h"
 
-#include <cstdlib>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <sstream>
 #include <stdexcept>
-#include <unordered_map>
 
 #include "cache.h"
-#include "matmul.h"
+#include "common.h"
+#include "cpu.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "oneapi/dnnl/dnnl.hpp"
+#include "order.h"
+#include "relu.h"
 
 namespace fluxlike_native {
 
@@ -57,16 +53,12 @@ dnnl::memory::desc any_like(const dnnl::memory::desc& md) {
   return dnnl::memory::desc(md.get_dims(), md.get_data_type(), dnnl::memory::format_tag::any);
 }
 
-struct Entry {
-  dnnl::primitive prim;
-  dnnl::memory::desc x_md, y_md, w_user_md, w_prim_md, bias_md, scratch_md;
-  bool reorder_w = false;
-  dnnl::reorder w_reorder;
-  size_t scratch_bytes = 0;
-  std::string impl;
+// The convolution, and where oneDNN's weights layout is not MLX's, the reorder into it (out
+// of it, for the weights gradient).
+struct ConvPrepared : Prepared {
+  std::optional<Prepared> reorder;
+  size_t weights_bytes = 0;  // the weights in oneDNN's layout, where reordered
 };
-
-PrimitiveCache<Entry> cache(1024);
 
 dims to_dims(const std::vector<int>& v, int minus = 0) {
   dims d;
@@ -75,7 +67,7 @@ dims to_dims(const std::vector<int>& v, int minus = 0) {
 }
 
 // x: (N, *S, C_in) shape; w: weights shape; y: output shape.
-std::shared_ptr<Entry> lookup(
+std::shared_ptr<const ConvPrepared> lookup(
     ConvKind kind,
     const ConvParams& p,
     const mx::Shape& xs,
@@ -93,154 +85,115 @@ std::shared_ptr<Entry> lookup(
   for (auto* v : {&p.stride, &p.pad_lo, &p.pad_hi, &p.dilation}) {
     key.insert(key.end(), v->begin(), v->end());
   }
-  if (auto hit = cache.find(key)) return hit;
-  auto e = std::make_shared<Entry>();
-  e->x_md = act_md(xs, dt);
-  e->y_md = act_md(ys, dt);
-  e->w_user_md = weights_md(ws, p.groups, dt);
-  auto w_any = any_like(e->w_user_md);
-  auto strides = to_dims(p.stride), dil = to_dims(p.dilation, 1);
-  auto pl = to_dims(p.pad_lo), pr = to_dims(p.pad_hi);
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  auto& eng = engine();
-  double macs = static_cast<double>(ws.back());
-  for (auto d : ys) macs *= d;
-  for (size_t i = 1; i + 1 < ws.size(); ++i) macs *= ws[i];
-  OneThread one(macs < SINGLE_THREAD_MACS);
-  try {
+  return cached<ConvPrepared>(Op::Conv, std::move(key), FN, "convolution", [&] {
+    auto x_md = act_md(xs, dt), y_md = act_md(ys, dt), w_user_md = weights_md(ws, p.groups, dt);
+    auto w_any = any_like(w_user_md);
+    auto strides = to_dims(p.stride), dil = to_dims(p.dilation, 1);
+    auto pl = to_dims(p.pad_lo), pr = to_dims(p.pad_hi);
+    auto& eng = engine();
+    double macs = static_cast<double>(ws.back());
+    for (auto d : ys) macs *= d;
+    for (size_t i = 1; i + 1 < ws.size(); ++i) macs *= ws[i];
+    OneThread one(macs < SINGLE_THREAD_MACS);
+    auto attr = user_scratchpad();
     auto fwd_hint = dnnl::convolution_forward::primitive_desc(
-        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, e->x_md,
-        w_any, e->y_md, strides, dil, pl, pr);
+        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x_md,
+        w_any, y_md, strides, dil, pl, pr);
+    auto e = std::make_shared<ConvPrepared>();
+    dnnl::memory::desc w_prim_md;
     if (kind == ConvKind::Forward) {
       dnnl::convolution_forward::primitive_desc pd;
       if (bias_dt) {
-        e->bias_md = dnnl::memory::desc({ys.back()}, dnnl_type(*bias_dt),
-                                        dnnl::memory::format_tag::a);
+        dnnl::memory::desc bias_md({ys.back()}, dnnl_type(*bias_dt), dnnl::memory::format_tag::a);
         pd = dnnl::convolution_forward::primitive_desc(
-            eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
-            e->x_md, w_any, e->bias_md, e->y_md, strides, dil, pl, pr, attr);
+            eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x_md,
+            w_any, bias_md, y_md, strides, dil, pl, pr, attr);
       } else {
         pd = dnnl::convolution_forward::primitive_desc(
-            eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
-            e->x_md, w_any, e->y_md, strides, dil, pl, pr, attr);
+            eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x_md,
+            w_any, y_md, strides, dil, pl, pr, attr);
       }
-      e->w_prim_md = pd.weights_desc();
-      e->scratch_md = pd.scratchpad_desc();
-      e->impl = pd.impl_info_str();
-      e->prim = dnnl::convolution_forward(pd);
+      w_prim_md = pd.weights_desc();
+      // (Without a bias, its description is empty and no buffer is passed for it.)
+      static_cast<Prepared&>(*e) =
+          prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_BIAS, DNNL_ARG_DST});
     } else if (kind == ConvKind::BackwardData) {
       auto pd = dnnl::convolution_backward_data::primitive_desc(
-          eng, dnnl::algorithm::convolution_direct, e->x_md, w_any, e->y_md, strides, dil, pl,
-          pr, fwd_hint, attr);
-      e->w_prim_md = pd.weights_desc();
-      e->scratch_md = pd.scratchpad_desc();
-      e->impl = pd.impl_info_str();
-      e->prim = dnnl::convolution_backward_data(pd);
+          eng, dnnl::algorithm::convolution_direct, x_md, w_any, y_md, strides, dil, pl, pr,
+          fwd_hint, attr);
+      w_prim_md = pd.weights_desc();
+      static_cast<Prepared&>(*e) =
+          prepare(pd, {DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC});
     } else {
       auto pd = dnnl::convolution_backward_weights::primitive_desc(
-          eng, dnnl::algorithm::convolution_direct, e->x_md, w_any, e->y_md, strides, dil, pl,
-          pr, fwd_hint, attr);
-      e->w_prim_md = pd.diff_weights_desc();
-      e->scratch_md = pd.scratchpad_desc();
-      e->impl = pd.impl_info_str();
-      e->prim = dnnl::convolution_backward_weights(pd);
+          eng, dnnl::algorithm::convolution_direct, x_md, w_any, y_md, strides, dil, pl, pr,
+          fwd_hint, attr);
+      w_prim_md = pd.diff_weights_desc();
+      static_cast<Prepared&>(*e) =
+          prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS});
     }
-    e->reorder_w = e->w_prim_md != e->w_user_md;
-    if (e->reorder_w) {
-      e->w_reorder = kind == ConvKind::BackwardWeights
-          ? dnnl::reorder(dnnl::reorder::primitive_desc(eng, e->w_prim_md, eng, e->w_user_md))
-          : dnnl::reorder(dnnl::reorder::primitive_desc(eng, e->w_user_md, eng, e->w_prim_md));
+    if (w_prim_md != w_user_md) {
+      bool out = kind == ConvKind::BackwardWeights;  // the gradient out of oneDNN's layout
+      e->reorder = prepare(dnnl::reorder::primitive_desc(eng, out ? w_prim_md : w_user_md, eng,
+                                                         out ? w_user_md : w_prim_md),
+                           {DNNL_ARG_FROM, DNNL_ARG_TO});
+      e->weights_bytes = w_prim_md.get_size();
+      e->work_bytes += e->weights_bytes;
     }
-  } catch (const dnnl::error& err) {
-    throw std::runtime_error(
-        std::string(FN) + ": oneDNN has no convolution for these operands (" + err.what() +
-        ")");
-  }
-  e->scratch_bytes = e->scratch_md.get_size();
-  return cache.insert(std::move(key), e);
+    return std::shared_ptr<const ConvPrepared>(std::move(e));
+  });
 }
 
 // in0/in1/out as the primitive's inputs and output; see Conv's comment.
-void run(const Entry& e, ConvKind kind, void* in0, void* in1, void* bias, void* out) {
-  auto& eng = engine();
-  dnnl::stream strm(eng);
-  Buffer scratch(e.scratch_bytes, FN);
-  Buffer wtmp(e.reorder_w ? e.w_prim_md.get_size() : 0, FN, "the reordered weights");
-  std::unordered_map<int, dnnl::memory> args;
-  if (scratch.p) args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch.p));
+void run(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, void* bias, void* out) {
+  dnnl::stream strm(engine());
+  // The weights (or their gradient) in oneDNN's layout, where it is not MLX's.
+  Buffer wtmp(e.weights_bytes, FN, "the reordered weights");
   if (kind == ConvKind::BackwardWeights) {
-    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.x_md, eng, in0));
-    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.y_md, eng, in1));
-    dnnl::memory user(e.w_user_md, eng, out);
-    if (e.reorder_w) {
-      dnnl::memory prim(e.w_prim_md, eng, wtmp.p);
-      args.emplace(DNNL_ARG_DIFF_WEIGHTS, prim);
-      e.prim.execute(strm, args);
-      e.w_reorder.execute(strm, prim, user);
-    } else {
-      args.emplace(DNNL_ARG_DIFF_WEIGHTS, user);
-      e.prim.execute(strm, args);
+    void* dw = e.reorder ? wtmp.p : out;
+    execute(e, strm, {{DNNL_ARG_SRC, in0}, {DNNL_ARG_DIFF_DST, in1}, {DNNL_ARG_DIFF_WEIGHTS, dw}},
+            FN);
+    if (e.reorder) {
+      execute(*e.reorder, strm, {{DNNL_ARG_FROM, wtmp.p}, {DNNL_ARG_TO, out}}, FN);
     }
-    strm.wait();
     return;
   }
-  dnnl::memory wuser(e.w_user_md, eng, in1);
-  dnnl::memory w = wuser;
-  if (e.reorder_w) {
-    w = dnnl::memory(e.w_prim_md, eng, wtmp.p);
-    e.w_reorder.execute(strm, wuser, w);
+  void* w = in1;
+  if (e.reorder) {
+    execute(*e.reorder, strm, {{DNNL_ARG_FROM, in1}, {DNNL_ARG_TO, wtmp.p}}, FN);
+    w = wtmp.p;
   }
-  args.emplace(DNNL_ARG_WEIGHTS, w);
   if (kind == ConvKind::Forward) {
-    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.x_md, eng, in0));
-    args.emplace(DNNL_ARG_DST, dnnl::memory(e.y_md, eng, out));
-    if (bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory(e.bias_md, eng, bias));
+    execute(e, strm, {{DNNL_ARG_SRC, in0}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_BIAS, bias},
+                      {DNNL_ARG_DST, out}}, FN);
   } else {
-    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.y_md, eng, in0));
-    args.emplace(DNNL_ARG_DIFF_SRC, dnnl::memory(e.x_md, eng, out));
+    execute(e, strm, {{DNNL_ARG_DIFF_DST, in0}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DIFF_SRC, out}},
+            FN);
   }
-  e.prim.execute(strm, args);
-  strm.wait();
 }
 
 mx::Shape conv_out_shape(const mx::Shape& xs, const mx::Shape& ws, const ConvParams& p) {
-  std::ostringstream err;
-  err << FN << ": ";
   int k = static_cast<int>(xs.size()) - 2;
-  if (k < 1 || k > 3 || ws.size() != xs.size()) {
-    err << "expected x (N, *spatial, C_in) with 1-3 spatial axes and w (C_out, *kernel, "
-           "C_in / groups) of as many axes, got x "
-        << shape_str(xs) << " and w " << shape_str(ws);
-    throw std::invalid_argument(err.str());
-  }
+  FLN_CHECK(k >= 1 && k <= 3 && ws.size() == xs.size(), FN, ": expected x (N, *spatial, C_in) "
+            "with 1-3 spatial axes and w (C_out, *kernel, C_in / groups) of as many axes, got x ",
+            shape_str(xs), " and w ", shape_str(ws));
   for (auto* v : {&p.stride, &p.pad_lo, &p.pad_hi, &p.dilation}) {
-    if (static_cast<int>(v->size()) != k) {
-      err << "stride, padding and dilation need " << k << " values each, got "
-          << vec_str(*v);
-      throw std::invalid_argument(err.str());
-    }
+    FLN_CHECK(static_cast<int>(v->size()) == k, FN, ": stride, padding and dilation need ", k,
+              " values each, got ", vec_str(*v));
   }
-  if (p.groups < 1 || ws[0] % p.groups != 0 || xs.back() != ws.back() * p.groups) {
-    err << "channels do not match: x " << shape_str(xs) << " has " << xs.back()
-        << ", w " << shape_str(ws) << " takes " << ws.back() << " x groups=" << p.groups
-        << " (and C_out " << ws[0] << " must divide by groups)";
-    throw std::invalid_argument(err.str());
-  }
+  FLN_CHECK(p.groups >= 1 && ws[0] % p.groups == 0 && xs.back() == ws.back() * p.groups, FN,
+            ": channels do not match: x ", shape_str(xs), " has ", xs.back(), ", w ",
+            shape_str(ws), " takes ", ws.back(), " x groups=", p.groups, " (and C_out ", ws[0],
+            " must divide by groups)");
   mx::Shape out{xs[0]};
   for (int i = 0; i < k; ++i) {
-    if (p.stride[i] < 1 || p.dilation[i] < 1 || p.pad_lo[i] < 0 || p.pad_hi[i] < 0) {
-      err << "stride and dilation must be >= 1 and padding >= 0, got stride "
-          << vec_str(p.stride) << ", dilation " << vec_str(p.dilation) << ", padding "
-          << vec_str(p.pad_lo) << " / " << vec_str(p.pad_hi);
-      throw std::invalid_argument(err.str());
-    }
+    FLN_CHECK(p.stride[i] >= 1 && p.dilation[i] >= 1 && p.pad_lo[i] >= 0 && p.pad_hi[i] >= 0,
+              FN, ": stride and dilation must be >= 1 and padding >= 0, got stride ",
+              vec_str(p.stride), ", dilation ", vec_str(p.dilation), ", padding ",
+              vec_str(p.pad_lo), " / ", vec_str(p.pad_hi));
     int span = xs[i + 1] + p.pad_lo[i] + p.pad_hi[i] - p.dilation[i] * (ws[i + 1] - 1) - 1;
-    if (span < 0) {
-      err << "the (dilated) kernel " << shape_str(ws) << " is larger than the padded input "
-          << shape_str(xs) << " on spatial axis " << i;
-      throw std::invalid_argument(err.str());
-    }
+    FLN_CHECK(span >= 0, FN, ": the (dilated) kernel ", shape_str(ws), " is larger than the "
+              "padded input ", shape_str(xs), " on spatial axis ", i);
     out.push_back(span / p.stride[i] + 1);
   }
   out.push_back(ws[0]);
@@ -291,49 +244,20 @@ mx::array forward(const mx::array& x, const mx::array& w, const std::optional<mx
 
 } // namespace
 
-size_t conv_cache_size() {
-  return cache.size();
-}
-
-void conv_clear_cache() {
-  cache.clear();
-}
-
-std::vector<std::pair<std::string, int>> conv_cache_impls() {
-  return cache.impls();
-}
-
-mx::array conv(
-    const mx::array& x,
-    const mx::array& w,
-    const std::optional<mx::array>& bias,
-    const ConvParams& p,
-    bool native_bf16,
-    bool relu,
-    mx::StreamOrDevice s) {
+mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+               const ConvParams& p, bool native_bf16, bool relu, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(std::string(FN) +
-                                ": oneDNN kernels run on the CPU, the stream is on the GPU; "
-                                "use mx.conv_general there");
-  }
+  FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU, the stream "
+            "is on the GPU; use mx.conv_general there");
   auto dt = x.dtype();
-  if (w.dtype() != dt || (dt != mx::float32 && dt != mx::bfloat16)) {
-    std::ostringstream os;
-    os << FN << ": x and w must both be float32 or both bfloat16, got " << x.dtype()
-       << " and " << w.dtype();
-    throw std::invalid_argument(os.str());
-  }
-  auto shape = conv_out_shape(x.shape(), w.shape(), p);
+  FLN_CHECK(w.dtype() == dt && (dt == mx::float32 || dt == mx::bfloat16), FN, ": x and w must "
+            "both be float32 or both bfloat16, got ", x.dtype(), " and ", w.dtype());
+  conv_out_shape(x.shape(), w.shape(), p);  // its checks
   if (bias) {
-    if (bias->ndim() != 1 || bias->shape(0) != w.shape(0)) {
-      throw std::invalid_argument(std::string(FN) + ": bias must have shape (" +
-                                  std::to_string(w.shape(0)) + ",), got " +
-                                  shape_str(bias->shape()));
-    }
-    if (bias->dtype() != dt && bias->dtype() != mx::float32) {
-      throw std::invalid_argument(std::string(FN) + ": bias must be of x's dtype or float32");
-    }
+    FLN_CHECK(bias->ndim() == 1 && bias->shape(0) == w.shape(0), FN, ": bias must have shape (",
+              w.shape(0), ",), got ", shape_str(bias->shape()));
+    FLN_CHECK(bias->dtype() == dt || bias->dtype() == mx::float32, FN, ": bias must be of x's "
+              "dtype or float32");
   }
   if (dt == mx::bfloat16 && !native_bf16) {
     std::optional<mx::array> b32;
@@ -342,55 +266,33 @@ mx::array conv(
                   p, false, relu, stream);
     return mx::astype(y, dt, stream);
   }
-  if (dt == mx::bfloat16 && !isa_has_bf16()) {
-    throw std::invalid_argument(std::string(FN) + ": native bfloat16 kernels were asked for, "
-                                "but oneDNN's CPU ISA is " + cpu_isa() +
-                                "; pass native_bf16=False");
-  }
-  if (x.size() == 0 || w.size() == 0) {
-    throw std::invalid_argument(std::string(FN) + ": empty operands (x " +
-                                shape_str(x.shape()) + ", w " + shape_str(w.shape()) +
-                                "); use mx.conv_general");
-  }
+  FLN_CHECK(dt != mx::bfloat16 || isa_has_bf16(), FN, ": native bfloat16 kernels were asked "
+            "for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
+  FLN_CHECK(x.size() != 0 && w.size() != 0, FN, ": empty operands (x ", shape_str(x.shape()),
+            ", w ", shape_str(w.shape()), "); use mx.conv_general");
   return forward(x, w, bias, p, stream, relu);
 }
 
-mx::array conv_backward_data(
-    const mx::array& dy,
-    const mx::array& w,
-    const mx::Shape& x_tail,
-    const ConvParams& p,
-    bool native_bf16,
-    mx::StreamOrDevice s) {
+mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::Shape& x_tail,
+                             const ConvParams& p, bool native_bf16, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(std::string(FN) + ": oneDNN kernels run on the CPU");
-  }
+  FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU");
   auto dt = dy.dtype();
-  if (w.dtype() != dt || (dt != mx::float32 && dt != mx::bfloat16)) {
-    std::ostringstream os;
-    os << FN << ": dy and w must both be float32 or both bfloat16, got " << dy.dtype()
-       << " and " << w.dtype();
-    throw std::invalid_argument(os.str());
-  }
+  FLN_CHECK(w.dtype() == dt && (dt == mx::float32 || dt == mx::bfloat16), FN, ": dy and w must "
+            "both be float32 or both bfloat16, got ", dy.dtype(), " and ", w.dtype());
   mx::Shape xs{dy.ndim() > 0 ? dy.shape(0) : 0};
   xs.insert(xs.end(), x_tail.begin(), x_tail.end());
   auto expect = conv_out_shape(xs, w.shape(), p);
-  if (expect != dy.shape()) {
-    throw std::invalid_argument(std::string(FN) + ": a convolution of an input " +
-                                shape_str(xs) + " with w " + shape_str(w.shape()) +
-                                " gives " + shape_str(expect) + ", not dy's " +
-                                shape_str(dy.shape()));
-  }
+  FLN_CHECK(expect == dy.shape(), FN, ": a convolution of an input ", shape_str(xs), " with w ",
+            shape_str(w.shape()), " gives ", shape_str(expect), ", not dy's ",
+            shape_str(dy.shape()));
   if (dt == mx::bfloat16 && !native_bf16) {
     auto y = conv_backward_data(mx::astype(dy, mx::float32, stream),
                                 mx::astype(w, mx::float32, stream), x_tail, p, false, stream);
     return mx::astype(y, dt, stream);
   }
-  if (dt == mx::bfloat16 && !isa_has_bf16()) {
-    throw std::invalid_argument(std::string(FN) + ": native bfloat16 kernels were asked for, "
-                                "but oneDNN's CPU ISA is " + cpu_isa());
-  }
+  FLN_CHECK(dt != mx::bfloat16 || isa_has_bf16(), FN, ": native bfloat16 kernels were asked "
+            "for, but oneDNN's CPU ISA is ", cpu_isa());
   return backward_data(dy, w, x_tail, p, stream);
 }
 
@@ -429,10 +331,6 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       relu_keeping_nan(po, n, bf16);
     }
   });
-}
-
-void Conv::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("fluxlike_native.conv has no GPU kernel: build it on a CPU stream");
 }
 
 std::vector<mx::Shape> Conv::output_shapes(const std::vector<mx::array>& inputs) {
@@ -491,13 +389,7 @@ std::vector<mx::array> Conv::vjp(
       } else if (arg == 1) {
         grads.push_back(backward_weights(a, c, b.shape(), p_, s));
       } else {
-        std::vector<int> axes;
-        for (int i = 0; i + 1 < c.ndim(); ++i) axes.push_back(i);
-        // MLX's CPU sum of bfloat16 accumulates in float32 (see Matmul::vjp).
-        auto bdt = primals[2].dtype();
-        auto gb = bdt == g.dtype() ? mx::sum(g, axes, false, s)
-                                   : mx::sum(mx::astype(g, mx::float32, s), axes, false, s);
-        grads.push_back(gb.dtype() == bdt ? gb : mx::astype(gb, bdt, s));
+        grads.push_back(bias_grad(g, primals[2].dtype(), s));
       }
     } else if (kind_ == ConvKind::BackwardData) {  // dx = conv^T(dy, w)
       grads.push_back(arg == 0 ? forward(c, b, std::nullopt, p_, s)
@@ -507,10 +399,8 @@ std::vector<mx::array> Conv::vjp(
                                : forward(a, c, std::nullopt, p_, s));
     }
   }
-  // The input's gradient waits for the weight's and bias's, as in Matmul::vjp: they are
-  // computed while this layer's cotangent is live, not at the end of the backward pass.
-  if (kind_ == ConvKind::Forward && grads.size() > 1 && argnums[0] == 0) {
-    grads[0] = after(grads[0], std::vector<mx::array>(grads.begin() + 1, grads.end()), s);
+  if (kind_ == ConvKind::Forward) {
+    order_input_grad(grads, argnums, s);
   }
   return grads;
 }

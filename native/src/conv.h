@@ -2,14 +2,10 @@
 #pragma once
 
 #include <optional>
-#include <string>
 #include <utility>
 #include <vector>
 
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
-namespace mx = mlx::core;
+#include "primitive.h"
 
 namespace fluxlike_native {
 
@@ -28,29 +24,14 @@ struct ConvParams {
 // relu == true: max(y, 0), fused into the primitive (a pass after oneDNN's kernel that keeps
 // NaN, relu_keeping_nan; the backward pass masks
 // the cotangent by the kept output, ReluGrad).
-mx::array conv(
-    const mx::array& x,
-    const mx::array& w,
-    const std::optional<mx::array>& bias,
-    const ConvParams& p,
-    bool native_bf16,
-    bool relu = false,
-    mx::StreamOrDevice s = {});
+mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+               const ConvParams& p, bool native_bf16, bool relu = false,
+               mx::StreamOrDevice s = {});
 
 // The input gradient of that convolution (a transposed convolution): dy (N, *out_spatial,
 // C_out), w as above, x_tail = (*spatial, C_in) of the convolution's input; -> (N, *x_tail).
-mx::array conv_backward_data(
-    const mx::array& dy,
-    const mx::array& w,
-    const mx::Shape& x_tail,
-    const ConvParams& p,
-    bool native_bf16,
-    mx::StreamOrDevice s = {});
-
-// The convolution primitive cache (as matmul's).
-size_t conv_cache_size();
-void conv_clear_cache();
-std::vector<std::pair<std::string, int>> conv_cache_impls();
+mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::Shape& x_tail,
+                             const ConvParams& p, bool native_bf16, mx::StreamOrDevice s = {});
 
 enum class ConvKind { Forward, BackwardData, BackwardWeights };
 
@@ -67,35 +48,19 @@ class Conv : public mx::UnaryPrimitive {
         relu_(relu),
         fixed_(std::move(fixed)) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-
-  std::vector<mx::array> jvp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& tangents,
-      const std::vector<int>& argnums) override;
-
-  std::vector<mx::array> vjp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& cotangents,
-      const std::vector<int>& argnums,
-      const std::vector<mx::array>& outputs) override;
-
+  FLN_DEFINE_EVAL_CPU_ONLY("fluxlike_native.conv has no GPU kernel: build it on a CPU stream")
+  FLN_DEFINE_GRADS()
   // Over x (Forward) or dy (BackwardData) alone: the mapped axis folded into the batch;
   // otherwise once per member (see vmap_rows).
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
-      const std::vector<mx::array>& inputs,
-      const std::vector<int>& axes) override;
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  FLN_DEFINE_VMAP()
+  FLN_DEFINE_OUTPUT_SHAPES()
+  FLN_DEFINE_IS_EQUIVALENT()
 
   const char* name() const override {
     return kind_ == ConvKind::Forward ? "FluxlikeNativeConv"
         : kind_ == ConvKind::BackwardData ? "FluxlikeNativeConvBackwardData"
                                           : "FluxlikeNativeConvBackwardWeights";
   }
-
-  bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
   ConvKind kind_;

@@ -8,19 +8,16 @@
 // cotangent, instead of MLX's strided view, comparison and division.
 
 #include "pool.h"
-#include "common.h"
 
-#include <cstdlib>
+#include <algorithm>
 #include <memory>
-#include <sstream>
 #include <stdexcept>
-#include <unordered_map>
 
 #include "cache.h"
-#include "matmul.h"
+#include "common.h"
+#include "cpu.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "oneapi/dnnl/dnnl.hpp"
 
 namespace fluxlike_native {
 
@@ -37,92 +34,52 @@ mx::Dtype workspace_dtype(const PoolParams& p) {
   return n < 256 ? mx::uint8 : mx::int32;
 }
 
-struct Entry {
-  dnnl::primitive prim;
-  dnnl::memory::desc x_md, y_md, ws_md, scratch_md;
-  size_t scratch_bytes = 0;
-  std::string impl;
-};
-
-PrimitiveCache<Entry> cache(1024);
-
 dims to_dims(const std::vector<int>& v) {
   return dims(v.begin(), v.end());
 }
 
-std::shared_ptr<Entry> lookup(bool backward, const PoolParams& p, const mx::Shape& xs,
-                              const mx::Shape& ys, mx::Dtype dt) {
+std::shared_ptr<const Prepared> lookup(bool backward, const PoolParams& p, const mx::Shape& xs,
+                                       const mx::Shape& ys, mx::Dtype dt) {
   CacheKey key{backward, static_cast<int64_t>(dt.val()), static_cast<int64_t>(xs.size())};
   key.insert(key.end(), xs.begin(), xs.end());
   key.insert(key.end(), ys.begin(), ys.end());
   for (auto* v : {&p.kernel, &p.stride, &p.pad_lo, &p.pad_hi}) {
     key.insert(key.end(), v->begin(), v->end());
   }
-  if (auto hit = cache.find(key)) return hit;
-  auto e = std::make_shared<Entry>();
-  e->x_md = act_md(xs, dt);
-  e->y_md = act_md(ys, dt);
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  auto& eng = engine();
-  auto kernel = to_dims(p.kernel), strides = to_dims(p.stride);
-  auto pl = to_dims(p.pad_lo), pr = to_dims(p.pad_hi);
-  dims dil(kernel.size(), 0);
-  double work = 1;
-  for (auto d : ys) work *= d;
-  for (int k : p.kernel) work *= k;
-  OneThread one(work < SINGLE_THREAD_MACS);
-  try {
+  return cached<Prepared>(Op::MaxPool, std::move(key), FN, "max pooling", [&] {
+    auto x_md = act_md(xs, dt), y_md = act_md(ys, dt);
+    auto attr = user_scratchpad();
+    auto& eng = engine();
+    auto kernel = to_dims(p.kernel), strides = to_dims(p.stride);
+    auto pl = to_dims(p.pad_lo), pr = to_dims(p.pad_hi);
+    dims dil(kernel.size(), 0);
+    double work = 1;
+    for (auto d : ys) work *= d;
+    for (int k : p.kernel) work *= k;
+    OneThread one(work < SINGLE_THREAD_MACS);
     auto fwd = dnnl::pooling_forward::primitive_desc(
-        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, e->x_md, e->y_md,
+        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, x_md, y_md,
         strides, kernel, dil, pl, pr, attr);
-    e->ws_md = fwd.workspace_desc();
-    if (backward) {
-      auto pd = dnnl::pooling_backward::primitive_desc(
-          eng, dnnl::algorithm::pooling_max, e->x_md, e->y_md, strides, kernel, dil, pl, pr,
-          fwd, attr);
-      e->scratch_md = pd.scratchpad_desc();
-      e->impl = pd.impl_info_str();
-      e->prim = dnnl::pooling_backward(pd);
-    } else {
-      e->scratch_md = fwd.scratchpad_desc();
-      e->impl = fwd.impl_info_str();
-      e->prim = dnnl::pooling_forward(fwd);
+    // The workspace travels as an MLX array of y's shape (workspace_dtype): check that
+    // oneDNN's is exactly that big.
+    size_t ws_bytes = 1;
+    for (auto d : ys) ws_bytes *= d;
+    ws_bytes *= workspace_dtype(p).size();
+    if (fwd.workspace_desc().get_size() != ws_bytes) {
+      throw std::runtime_error(std::string(FN) + ": internal error: oneDNN's workspace (" +
+                               std::to_string(fwd.workspace_desc().get_size()) + " bytes) is " +
+                               "not one entry per output (" + std::to_string(ws_bytes) +
+                               " bytes)");
     }
-  } catch (const dnnl::error& err) {
-    throw std::runtime_error(std::string(FN) + ": oneDNN has no max pooling for these operands (" +
-                             err.what() + ")");
-  }
-  // The workspace travels as an MLX array of y's shape (workspace_dtype): check that oneDNN's
-  // is exactly that big.
-  size_t ws_bytes = 1;
-  for (auto d : ys) ws_bytes *= d;
-  ws_bytes *= workspace_dtype(p).size();
-  if (e->ws_md.get_size() != ws_bytes) {
-    throw std::runtime_error(std::string(FN) + ": internal error: oneDNN's workspace (" +
-                             std::to_string(e->ws_md.get_size()) + " bytes) is not one " +
-                             "entry per output (" + std::to_string(ws_bytes) + " bytes)");
-  }
-  e->scratch_bytes = e->scratch_md.get_size();
-  return cache.insert(std::move(key), e);
-}
-
-void run(const Entry& e, bool backward, void* in0, void* ws, void* out) {
-  auto& eng = engine();
-  dnnl::stream strm(eng);
-  Buffer scratch(e.scratch_bytes, FN);
-  std::unordered_map<int, dnnl::memory> args;
-  if (scratch.p) args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch.p));
-  args.emplace(DNNL_ARG_WORKSPACE, dnnl::memory(e.ws_md, eng, ws));
-  if (backward) {
-    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.y_md, eng, in0));
-    args.emplace(DNNL_ARG_DIFF_SRC, dnnl::memory(e.x_md, eng, out));
-  } else {
-    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.x_md, eng, in0));
-    args.emplace(DNNL_ARG_DST, dnnl::memory(e.y_md, eng, out));
-  }
-  e.prim.execute(strm, args);
-  strm.wait();
+    if (!backward) {
+      return std::make_shared<const Prepared>(
+          prepare(fwd, {DNNL_ARG_SRC, DNNL_ARG_DST, DNNL_ARG_WORKSPACE}));
+    }
+    auto pd = dnnl::pooling_backward::primitive_desc(
+        eng, dnnl::algorithm::pooling_max, x_md, y_md, strides, kernel, dil, pl, pr, fwd, attr);
+    return std::make_shared<const Prepared>(
+        prepare(pd, {DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_SRC, DNNL_ARG_WORKSPACE}));
+  });
 }
 
 // NaN in a window makes its maximum NaN, as MLX's max and PyTorch's max pooling give it;
@@ -239,36 +196,23 @@ void keep_nan(const void* x, void* y, const mx::Shape& xs, const mx::Shape& ys,
 }
 
 mx::Shape pool_out_shape(const mx::Shape& xs, const PoolParams& p) {
-  std::ostringstream err;
-  err << FN << ": ";
   int k = static_cast<int>(xs.size()) - 2;
-  if (k < 1 || k > 3) {
-    err << "expected x (N, *spatial, C) with 1-3 spatial axes, got " << shape_str(xs);
-    throw std::invalid_argument(err.str());
-  }
+  FLN_CHECK(k >= 1 && k <= 3, FN, ": expected x (N, *spatial, C) with 1-3 spatial axes, got ",
+            shape_str(xs));
   for (auto* v : {&p.kernel, &p.stride, &p.pad_lo, &p.pad_hi}) {
-    if (static_cast<int>(v->size()) != k) {
-      err << "kernel, stride and padding need " << k << " values each (x " << shape_str(xs)
-          << "), got " << vec_str(*v);
-      throw std::invalid_argument(err.str());
-    }
+    FLN_CHECK(static_cast<int>(v->size()) == k, FN, ": kernel, stride and padding need ", k,
+              " values each (x ", shape_str(xs), "), got ", vec_str(*v));
   }
   mx::Shape out{xs[0]};
   for (int i = 0; i < k; ++i) {
-    if (p.kernel[i] < 1 || p.stride[i] < 1 || p.pad_lo[i] < 0 || p.pad_hi[i] < 0 ||
-        p.pad_lo[i] >= p.kernel[i] || p.pad_hi[i] >= p.kernel[i]) {
-      err << "kernel and stride must be >= 1 and padding >= 0 and smaller than the kernel, "
-             "got kernel "
-          << vec_str(p.kernel) << ", stride " << vec_str(p.stride) << ", padding "
-          << vec_str(p.pad_lo) << " / " << vec_str(p.pad_hi);
-      throw std::invalid_argument(err.str());
-    }
+    FLN_CHECK(p.kernel[i] >= 1 && p.stride[i] >= 1 && p.pad_lo[i] >= 0 && p.pad_hi[i] >= 0 &&
+                  p.pad_lo[i] < p.kernel[i] && p.pad_hi[i] < p.kernel[i],
+              FN, ": kernel and stride must be >= 1 and padding >= 0 and smaller than the "
+              "kernel, got kernel ", vec_str(p.kernel), ", stride ", vec_str(p.stride),
+              ", padding ", vec_str(p.pad_lo), " / ", vec_str(p.pad_hi));
     int span = xs[i + 1] + p.pad_lo[i] + p.pad_hi[i] - p.kernel[i];
-    if (span < 0) {
-      err << "the window " << vec_str(p.kernel) << " is larger than the padded input "
-          << shape_str(xs) << " on spatial axis " << i;
-      throw std::invalid_argument(err.str());
-    }
+    FLN_CHECK(span >= 0, FN, ": the window ", vec_str(p.kernel), " is larger than the padded "
+              "input ", shape_str(xs), " on spatial axis ", i);
     out.push_back(span / p.stride[i] + 1);
   }
   out.push_back(xs.back());
@@ -324,35 +268,16 @@ mx::array gather_at_max(const mx::array& v, const mx::array& ws, const PoolParam
 
 } // namespace
 
-size_t pool_cache_size() {
-  return cache.size();
-}
-
-void pool_clear_cache() {
-  cache.clear();
-}
-
-std::vector<std::pair<std::string, int>> pool_cache_impls() {
-  return cache.impls();
-}
-
 mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
                    mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(std::string(FN) +
-                                ": oneDNN kernels run on the CPU, the stream is on the GPU");
-  }
+  FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU, the "
+            "stream is on the GPU");
   auto dt = x.dtype();
-  if (dt != mx::float32 && dt != mx::bfloat16) {
-    std::ostringstream os;
-    os << FN << ": x must be float32 or bfloat16, got " << dt;
-    throw std::invalid_argument(os.str());
-  }
+  FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16, FN, ": x must be float32 or bfloat16, "
+            "got ", dt);
   auto shape = pool_out_shape(x.shape(), p);
-  if (x.size() == 0) {
-    throw std::invalid_argument(std::string(FN) + ": empty input " + shape_str(x.shape()));
-  }
+  FLN_CHECK(x.size() != 0, FN, ": empty input ", shape_str(x.shape()));
   if (dt == mx::bfloat16 && (!native_bf16 || !isa_has_bf16())) {
     // The maximum is exact in any dtype: through float32 kernels, rounded back exactly.
     return mx::astype(max_pool(mx::astype(x, mx::float32, stream), p, false, stream), dt,
@@ -382,13 +307,9 @@ void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   encoder.dispatch([entry, px = const_cast<void*>(x.data<void>()), py = y.data<void>(),
                     pw = ws.data<void>(), xs = x.shape(), ys = y.shape(), p = p_,
                     bf16 = x.dtype() == mx::bfloat16, n = x.size()]() {
-    run(*entry, false, px, pw, py);
+    execute(*entry, {{DNNL_ARG_SRC, px}, {DNNL_ARG_DST, py}, {DNNL_ARG_WORKSPACE, pw}}, FN);
     keep_nan(px, py, xs, ys, p, bf16, n);
   });
-}
-
-void MaxPool::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("fluxlike_native.max_pool has no GPU kernel: build it on a CPU stream");
 }
 
 std::vector<mx::Shape> MaxPool::output_shapes(const std::vector<mx::array>& inputs) {
@@ -472,11 +393,10 @@ void MaxPoolBackward::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   encoder.set_output_array(out);
   encoder.dispatch([entry, pd = const_cast<void*>(dy.data<void>()),
                     pw = const_cast<void*>(ws.data<void>()),
-                    po = out.data<void>()]() { run(*entry, true, pd, pw, po); });
-}
-
-void MaxPoolBackward::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("fluxlike_native.max_pool has no GPU kernel: build it on a CPU stream");
+                    po = out.data<void>()]() {
+    execute(*entry, {{DNNL_ARG_DIFF_DST, pd}, {DNNL_ARG_DIFF_SRC, po}, {DNNL_ARG_WORKSPACE, pw}},
+            FN);
+  });
 }
 
 std::vector<mx::Shape> MaxPoolBackward::output_shapes(const std::vector<mx::array>& inputs) {

@@ -1,14 +1,10 @@
 // fluxlike-native: oneDNN max pooling (channels-last, 1-3 spatial axes) as MLX primitives.
 #pragma once
 
-#include <string>
 #include <utility>
 #include <vector>
 
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
-namespace mx = mlx::core;
+#include "primitive.h"
 
 namespace fluxlike_native {
 
@@ -28,42 +24,20 @@ struct PoolParams {
 mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
                    mx::StreamOrDevice s = {});
 
-size_t pool_cache_size();
-void pool_clear_cache();
-std::vector<std::pair<std::string, int>> pool_cache_impls();
-
 // Forward: x -> (y, workspace); the workspace (uint8, or int32 for windows of 256 entries
 // or more, y's shape) says where each window's maximum is, for the backward pass.
 class MaxPool : public mx::Primitive {
  public:
   MaxPool(mx::Stream stream, PoolParams p) : mx::Primitive(stream), p_(std::move(p)) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-
-  std::vector<mx::array> jvp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& tangents,
-      const std::vector<int>& argnums) override;
-
-  std::vector<mx::array> vjp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& cotangents,
-      const std::vector<int>& argnums,
-      const std::vector<mx::array>& outputs) override;
-
+  FLN_DEFINE_EVAL_CPU_ONLY_MULTI(
+      "fluxlike_native.max_pool has no GPU kernel: build it on a CPU stream")
+  FLN_DEFINE_GRADS()
   // The mapped axis folded into the batch (see vmap_rows).
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
-      const std::vector<mx::array>& inputs,
-      const std::vector<int>& axes) override;
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-
-  const char* name() const override {
-    return "FluxlikeNativeMaxPool";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override;
+  FLN_DEFINE_VMAP()
+  FLN_DEFINE_OUTPUT_SHAPES()
+  FLN_DEFINE_NAME(MaxPool)
+  FLN_DEFINE_IS_EQUIVALENT()
 
  private:
   PoolParams p_;
@@ -76,31 +50,13 @@ class MaxPoolBackward : public mx::UnaryPrimitive {
   MaxPoolBackward(mx::Stream stream, PoolParams p, mx::Shape x_tail)
       : mx::UnaryPrimitive(stream), p_(std::move(p)), x_tail_(std::move(x_tail)) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-
-  std::vector<mx::array> jvp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& tangents,
-      const std::vector<int>& argnums) override;
-
-  std::vector<mx::array> vjp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& cotangents,
-      const std::vector<int>& argnums,
-      const std::vector<mx::array>& outputs) override;
-
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
-      const std::vector<mx::array>& inputs,
-      const std::vector<int>& axes) override;
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-
-  const char* name() const override {
-    return "FluxlikeNativeMaxPoolBackward";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override;
+  FLN_DEFINE_EVAL_CPU_ONLY(
+      "fluxlike_native.max_pool has no GPU kernel: build it on a CPU stream")
+  FLN_DEFINE_GRADS()
+  FLN_DEFINE_VMAP()
+  FLN_DEFINE_OUTPUT_SHAPES()
+  FLN_DEFINE_NAME(MaxPoolBackward)
+  FLN_DEFINE_IS_EQUIVALENT()
 
  private:
   PoolParams p_;

@@ -3,25 +3,17 @@
 // mutex-guarded cache, and executed on MLX's CPU stream with its own scratchpad.
 
 #include "softmax.h"
-#include "cache.h"
-#include "common.h"
-
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <tuple>
-#include <unordered_map>
 
+#include "cache.h"
+#include "common.h"
 #include "mlx/allocator.h"
-#include "mlx/transforms.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "oneapi/dnnl/dnnl.hpp"
 
 namespace fluxlike_native {
 
@@ -29,66 +21,27 @@ namespace {
 
 const char* FN = "fluxlike_native.softmax";
 
-struct Entry {
-  dnnl::primitive prim;
-  dnnl::memory::desc md, scratch_md;
-  size_t scratch_bytes;
-  std::string impl;
-};
-
-PrimitiveCache<Entry> cache(1024);
-
-std::shared_ptr<Entry> lookup(bool backward, int64_t rows, int64_t cols) {
-  CacheKey key{backward, rows, cols};
-  if (auto hit = cache.find(key)) return hit;
-  auto& eng = engine();
-  auto e = std::make_shared<Entry>();
-  e->md = dnnl::memory::desc({rows, cols}, dnnl::memory::data_type::f32, {cols, 1});
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  auto fwd = dnnl::softmax_forward::primitive_desc(
-      eng, dnnl::prop_kind::forward_training, dnnl::algorithm::softmax_accurate, e->md, e->md,
-      1, attr);
-  if (backward) {
+std::shared_ptr<const Prepared> lookup(bool backward, int64_t rows, int64_t cols) {
+  return cached<Prepared>(Op::Softmax, {backward, rows, cols}, FN, "softmax", [&] {
+    auto& eng = engine();
+    dnnl::memory::desc md({rows, cols}, dnnl::memory::data_type::f32, {cols, 1});
+    auto attr = user_scratchpad();
+    auto fwd = dnnl::softmax_forward::primitive_desc(
+        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::softmax_accurate, md, md, 1,
+        attr);
+    if (!backward) {
+      return std::make_shared<const Prepared>(prepare(fwd, {DNNL_ARG_SRC, DNNL_ARG_DST}));
+    }
     auto bwd = dnnl::softmax_backward::primitive_desc(
-        eng, dnnl::algorithm::softmax_accurate, e->md, e->md, e->md, 1, fwd, attr);
-    e->prim = dnnl::softmax_backward(bwd);
-    e->scratch_md = bwd.scratchpad_desc();
-    e->impl = bwd.impl_info_str();
-  } else {
-    e->prim = dnnl::softmax_forward(fwd);
-    e->scratch_md = fwd.scratchpad_desc();
-    e->impl = fwd.impl_info_str();
-  }
-  e->scratch_bytes = e->scratch_md.get_size();
-  return cache.insert(std::move(key), e);
-}
-
-void run(const Entry& e, bool backward, void* in0, void* in1, void* dst) {
-  auto& eng = engine();
-  dnnl::stream strm(eng);
-  std::unordered_map<int, dnnl::memory> args;
-  if (backward) {  // in0 = g (diff_dst), in1 = y (dst)
-    args.emplace(DNNL_ARG_DIFF_DST, dnnl::memory(e.md, eng, in0));
-    args.emplace(DNNL_ARG_DST, dnnl::memory(e.md, eng, in1));
-    args.emplace(DNNL_ARG_DIFF_SRC, dnnl::memory(e.md, eng, dst));
-  } else {
-    args.emplace(DNNL_ARG_SRC, dnnl::memory(e.md, eng, in0));
-    args.emplace(DNNL_ARG_DST, dnnl::memory(e.md, eng, dst));
-  }
-  Buffer scratch(e.scratch_bytes, FN);
-  if (scratch.p) {
-    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(e.scratch_md, eng, scratch.p));
-  }
-  e.prim.execute(strm, args);
-  strm.wait();
+        eng, dnnl::algorithm::softmax_accurate, md, md, md, 1, fwd, attr);
+    return std::make_shared<const Prepared>(
+        prepare(bwd, {DNNL_ARG_DIFF_DST, DNNL_ARG_DST, DNNL_ARG_DIFF_SRC}));
+  });
 }
 
 void check(const mx::array& x, const char* what) {
-  if (x.dtype() != mx::float32 || x.ndim() < 1) {
-    throw std::invalid_argument(std::string(FN) + ": expected " + what +
-                                " to be a float32 array of one or more axes");
-  }
+  FLN_CHECK(x.dtype() == mx::float32 && x.ndim() >= 1, FN, ": expected ", what,
+            " to be a float32 array of one or more axes");
 }
 
 // The backward pass in MLX's ops: what the primitive's own derivatives are made of.
@@ -122,21 +75,11 @@ void nan_rows(const void* x, void* y, int64_t rows, int64_t cols) {
 }
 
 void on_the_cpu(const mx::Stream& stream) {
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(std::string(FN) + ": oneDNN kernels run on the CPU, the stream "
-                                "is on the GPU; use MLX's own softmax there (mx.softmax)");
-  }
+  FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU, the stream "
+            "is on the GPU; use MLX's own softmax there (mx.softmax)");
 }
 
 } // namespace
-
-size_t softmax_cache_size() {
-  return cache.size();
-}
-
-void softmax_clear_cache() {
-  cache.clear();
-}
 
 mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
   check(x, "x");
@@ -149,9 +92,7 @@ mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
 mx::array softmax_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s) {
   check(g, "g");
   check(y, "y");
-  if (g.shape() != y.shape()) {
-    throw std::invalid_argument(std::string(FN) + "_grad: g and y must have one shape");
-  }
+  FLN_CHECK(g.shape() == y.shape(), FN, "_grad: g and y must have one shape");
   auto stream = mx::to_stream(s);
   on_the_cpu(stream);
   return mx::array(g.shape(), mx::float32, std::make_shared<Softmax>(stream, true),
@@ -174,8 +115,11 @@ void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   void* in1 = backward_ ? const_cast<void*>(inputs[1].data<void>()) : nullptr;
   encoder.dispatch([entry, backward = backward_, in0 = const_cast<void*>(inputs[0].data<void>()),
                     in1, dst = out.data<void>(), rows, cols]() {
-    run(*entry, backward, in0, in1, dst);
-    if (!backward) {
+    if (backward) {  // in0 = g (diff_dst), in1 = y (dst)
+      execute(*entry, {{DNNL_ARG_DIFF_DST, in0}, {DNNL_ARG_DST, in1}, {DNNL_ARG_DIFF_SRC, dst}},
+              FN);
+    } else {
+      execute(*entry, {{DNNL_ARG_SRC, in0}, {DNNL_ARG_DST, dst}}, FN);
       nan_rows(in0, dst, rows, cols);
     }
   });
@@ -204,10 +148,6 @@ std::pair<std::vector<mx::array>, std::vector<int>> Softmax::vmap(
   auto g = front(0, inputs[1], axes[1]);
   auto y = front(1, inputs[0], axes[0]);
   return {{softmax_grad(g, y, s)}, {0}};
-}
-
-void Softmax::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("fluxlike_native.softmax has no GPU kernel");
 }
 
 std::vector<mx::array> Softmax::vjp(

@@ -1,18 +1,17 @@
-// fluxlike-native: the Adam and RMSprop updates as MLX primitives (see adam.h), float32 and
+// fluxlike-native: the Adam and RMSprop updates as MLX primitives (see updates.h), float32 and
 // bfloat16. A pass runs on MLX's CPU stream like the oneDNN kernels, split over OpenMP's
 // threads (the libgomp oneDNN uses) for a large parameter. Built with -fno-math-errno (so that sqrt
 // vectorises: it gives the same results, it only never sets errno), -ffp-contract=off (no
 // fused multiply-add: each operation rounds, as MLX's ops do) and 512-bit vectors preferred
 // in the AVX-512 build (the bfloat16 pass is compute-bound).
 
-#include "adam.h"
+#include "updates.h"
 #include "common.h"
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -133,38 +132,26 @@ const Names ADAM{"fluxlike_native.adam_step", "mlx.optimizers.Adam"};
 const Names RMSPROP{"fluxlike_native.rmsprop_step", "mlx.optimizers.RMSprop"};
 
 void check(const Names& n, const mx::array& x, const char* what, const mx::array& p) {
-  if (p.dtype() != mx::float32 && p.dtype() != mx::bfloat16) {
-    throw std::invalid_argument(std::string(n.fn) + ": expected a float32 or bfloat16 "
-                                "parameter, got " + dtype_str(p.dtype()) + "; use " + n.rule);
-  }
-  if (x.dtype() != p.dtype()) {
-    throw std::invalid_argument(std::string(n.fn) + ": expected " + what + " of the " +
-                                "parameter's dtype " + dtype_str(p.dtype()) + ", got " +
-                                dtype_str(x.dtype()) + "; cast it to " +
-                                dtype_str(p.dtype()) + ", or use " + n.rule);
-  }
-  if (x.shape() != p.shape()) {
-    throw std::invalid_argument(std::string(n.fn) + ": " + what + " has shape " +
-                                shape_str(x.shape()) + ", the parameter " +
-                                shape_str(p.shape()) + "; they must have one shape");
-  }
+  FLN_CHECK(p.dtype() == mx::float32 || p.dtype() == mx::bfloat16, n.fn, ": expected a float32 "
+            "or bfloat16 parameter, got ", dtype_str(p.dtype()), "; use ", n.rule);
+  FLN_CHECK(x.dtype() == p.dtype(), n.fn, ": expected ", what, " of the parameter's dtype ",
+            dtype_str(p.dtype()), ", got ", dtype_str(x.dtype()), "; cast it to ",
+            dtype_str(p.dtype()), ", or use ", n.rule);
+  FLN_CHECK(x.shape() == p.shape(), n.fn, ": ", what, " has shape ", shape_str(x.shape()),
+            ", the parameter ", shape_str(p.shape()), "; they must have one shape");
 }
 
 void check_scalar(const Names& n, const mx::array& x, const char* what, const mx::array& p) {
-  if (x.dtype() != p.dtype() || x.ndim() != 0) {
-    throw std::invalid_argument(std::string(n.fn) + ": expected " + what + " to be a 0-d " +
-                                dtype_str(p.dtype()) + " array (the parameter's dtype), got " +
-                                dtype_str(x.dtype()) + " of shape " + shape_str(x.shape()) +
-                                "; use " + n.rule + " for a broadcast learning rate");
-  }
+  FLN_CHECK(x.dtype() == p.dtype() && x.ndim() == 0, n.fn, ": expected ", what, " to be a 0-d ",
+            dtype_str(p.dtype()), " array (the parameter's dtype), got ", dtype_str(x.dtype()),
+            " of shape ", shape_str(x.shape()), "; use ", n.rule,
+            " for a broadcast learning rate");
 }
 
 mx::Stream cpu_stream(const Names& n, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(std::string(n.fn) + ": this kernel runs on the CPU, the "
-                                "stream is on the GPU; use " + n.rule + "'s own update there");
-  }
+  FLN_CHECK(stream.device == mx::Device::cpu, n.fn, ": this kernel runs on the CPU, the stream "
+            "is on the GPU; use ", n.rule, "'s own update there");
   return stream;
 }
 

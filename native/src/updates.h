@@ -7,10 +7,7 @@
 #include <optional>
 #include <vector>
 
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
-namespace mx = mlx::core;
+#include "primitive.h"
 
 namespace fluxlike_native {
 
@@ -45,17 +42,7 @@ class UpdateStep : public mx::Primitive {
   virtual std::vector<mx::array> reference(const std::vector<mx::array>& inputs) = 0;
 
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-
-  std::vector<mx::array> jvp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& tangents,
-      const std::vector<int>& argnums) override;
-
-  std::vector<mx::array> vjp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& cotangents,
-      const std::vector<int>& argnums,
-      const std::vector<mx::array>& outputs) override;
+  FLN_DEFINE_GRADS()
 };
 
 // inputs: {p, g, m, v, c1, c2} or {p, g, m, v, c1, c2, decay}; outputs {p', m', v'}.
@@ -71,21 +58,14 @@ class AdamStep : public UpdateStep {
   // Elementwise: the mapped axis moves to the front (broadcast where an operand is not
   // mapped), then the same kernel; scalars mapped too (one learning rate per member) take
   // the formula in MLX's ops.
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
-      const std::vector<mx::array>& inputs,
-      const std::vector<int>& axes) override;
-
+  FLN_DEFINE_VMAP()
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[0].shape(), inputs[0].shape()};
   }
-
-  const char* name() const override {
-    return "FluxlikeNativeAdamStep";
-  }
-
+  FLN_DEFINE_NAME(AdamStep)
   // The constants only: mx.compile merges two steps only if their inputs are the same too
   // (the same arrays, hence the same count and dtypes).
-  bool is_equivalent(const mx::Primitive& other) const override;
+  FLN_DEFINE_IS_EQUIVALENT()
 
   // The same update in MLX's ops (what the derivatives are taken of, and the reference the
   // tests hold the kernel to).
@@ -115,19 +95,12 @@ class RmsPropStep : public UpdateStep {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
-  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
-      const std::vector<mx::array>& inputs,
-      const std::vector<int>& axes) override;
-
+  FLN_DEFINE_VMAP()
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[0].shape()};
   }
-
-  const char* name() const override {
-    return "FluxlikeNativeRmsPropStep";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override;
+  FLN_DEFINE_NAME(RmsPropStep)
+  FLN_DEFINE_IS_EQUIVALENT()
 
   std::vector<mx::array> reference(const std::vector<mx::array>& inputs) override;
 

@@ -1,0 +1,136 @@
+// fluxlike-native: the least-recently-used primitive cache (see cache.h).
+
+#include "cache.h"
+
+#include <map>
+
+namespace fluxlike_native {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::Matmul: return "matmul";
+    case Op::Conv: return "conv";
+    case Op::Softmax: return "softmax";
+    case Op::MaxPool: return "max_pool";
+  }
+  return "unknown";
+}
+
+size_t CacheKeyHash::operator()(const CacheKey& k) const {
+  size_t h = 1469598103934665603ull;
+  for (auto v : k) {
+    h ^= static_cast<size_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  }
+  return h;
+}
+
+CacheCounts& CacheCounts::operator+=(const CacheCounts& o) {
+  size += o.size;
+  hits += o.hits;
+  misses += o.misses;
+  creations += o.creations;
+  evictions += o.evictions;
+  create_ns += o.create_ns;
+  work_bytes += o.work_bytes;
+  return *this;
+}
+
+std::shared_ptr<const Prepared> PrimitiveCache::find(Op op, const CacheKey& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& counts = counts_[static_cast<int>(op)];
+  auto it = index_.find(key);
+  if (it == index_.end()) {
+    counts.misses += 1;
+    return nullptr;
+  }
+  counts.hits += 1;
+  lru_.splice(lru_.begin(), lru_, it->second);
+  return it->second->value;
+}
+
+std::shared_ptr<const Prepared> PrimitiveCache::insert(Op op, CacheKey key,
+                                                       std::shared_ptr<const Prepared> made,
+                                                       uint64_t ns) {
+  std::vector<std::shared_ptr<const Prepared>> dropped;  // released after the lock
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& counts = counts_[static_cast<int>(op)];
+  counts.creations += 1;
+  counts.create_ns += ns;
+  auto it = index_.find(key);
+  if (it != index_.end()) {  // another thread stored one first
+    lru_.splice(lru_.begin(), lru_, it->second);
+    dropped.push_back(std::move(made));
+    return it->second->value;
+  }
+  counts.size += 1;
+  counts.work_bytes += made->work_bytes;
+  lru_.push_front(Node{op, key, made});
+  index_.emplace(std::move(key), lru_.begin());
+  evict(dropped);
+  return made;
+}
+
+void PrimitiveCache::forget(Lru::iterator it) {
+  auto& counts = counts_[static_cast<int>(it->op)];
+  counts.size -= 1;
+  counts.work_bytes -= it->value->work_bytes;
+  index_.erase(it->key);
+  lru_.erase(it);
+}
+
+void PrimitiveCache::evict(std::vector<std::shared_ptr<const Prepared>>& dropped) {
+  while (lru_.size() > capacity_) {
+    auto last = std::prev(lru_.end());
+    counts_[static_cast<int>(last->op)].evictions += 1;
+    dropped.push_back(last->value);
+    forget(last);
+  }
+}
+
+size_t PrimitiveCache::set_capacity(size_t capacity) {
+  std::vector<std::shared_ptr<const Prepared>> dropped;
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t old = capacity_;
+  capacity_ = capacity;
+  evict(dropped);
+  return old;
+}
+
+void PrimitiveCache::clear() {
+  Lru dropped;
+  std::lock_guard<std::mutex> lock(mutex_);
+  index_.clear();
+  dropped.swap(lru_);
+  counts_ = {};
+}
+
+CacheInfo PrimitiveCache::info() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CacheInfo info;
+  info.capacity = capacity_;
+  info.ops = counts_;
+  for (const auto& c : counts_) {
+    info.total += c;
+  }
+  return info;
+}
+
+std::vector<std::pair<std::string, int>> PrimitiveCache::impls(Op op) {
+  std::map<std::string, int> counts;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& node : lru_) {
+      if (node.op == op) {
+        counts[node.value->impl] += 1;
+      }
+    }
+  }
+  return {counts.begin(), counts.end()};
+}
+
+PrimitiveCache& primitive_cache() {
+  static PrimitiveCache cache(4096);
+  return cache;
+}
+
+} // namespace fluxlike_native

@@ -1,0 +1,164 @@
+// fluxlike-native: the fused ReLU's passes (see relu.h).
+
+#include "relu.h"
+#include "common.h"
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace fluxlike_native {
+
+namespace {
+
+// Whether the float32 / bfloat16 bit pattern is > 0 (positive and finite or +inf; not NaN).
+inline bool positive(uint32_t bits) {
+  return bits - 1u < 0x7F800000u;
+}
+inline bool positive(uint16_t bits) {
+  return static_cast<uint16_t>(bits - 1u) < 0x7F80u;
+}
+
+// Branch-free (a mask of the bits: random signs would mispredict a branch half the time),
+// so that the compiler vectorises it.
+template <typename G, typename Y>
+void relu_grad_loop(const G* g, const Y* y, G* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = g[i] & static_cast<G>(G(0) - static_cast<G>(positive(y[i])));
+  }
+}
+
+} // namespace
+
+// relu(y) as MLX's maximum(y, 0) computes it, in place: NaN stays NaN, -0 becomes 0 (oneDNN's
+// ReLU post-op is a vmaxps that returns 0 for NaN, which would make a layer that diverged look
+// finite). Branch-free, and built for AVX-512 and AVX2 as well, picked at load time: the pass
+// runs after a GEMM, on one thread, over its whole output.
+FLN_VECTOR_CLONES void relu_float32(float* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    float v = y[i];
+    y[i] = ((v > 0.f) | (v != v)) ? v : 0.f;
+  }
+}
+
+FLN_VECTOR_CLONES void relu_bfloat16(uint16_t* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t b = y[i];
+    uint16_t keep = static_cast<uint16_t>(static_cast<uint16_t>(b - 1u) < 0x7F80u) |
+        static_cast<uint16_t>((b & 0x7FFFu) > 0x7F80u);
+    y[i] = static_cast<uint16_t>(b & static_cast<uint16_t>(0u - keep));
+  }
+}
+
+void relu_keeping_nan(void* y, size_t n, bool bf16) {
+  if (bf16) {
+    relu_bfloat16(static_cast<uint16_t*>(y), n);
+  } else {
+    relu_float32(static_cast<float*>(y), n);
+  }
+}
+
+
+mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  auto ok = [](mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; };
+  if (g.shape() != y.shape() || !ok(g.dtype()) || !ok(y.dtype())) {
+    // Anything else (never built by Matmul::vjp): MLX's ops.
+    auto mask = mx::greater(y, mx::array(0.0f, y.dtype()), stream);
+    return mx::where(mask, g, mx::array(0.0f, g.dtype()), stream);
+  }
+  return mx::array(g.shape(), g.dtype(), std::make_shared<ReluGrad>(stream), {g, y});
+}
+
+void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  // A flat pass: operands not row-contiguous are copied first (references otherwise, so that
+  // the cotangent stays donatable).
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::optional<mx::array> g_copy, y_copy;
+  if (!inputs[0].flags().row_contiguous) {
+    g_copy = row_contiguous_copy(inputs[0], encoder);
+  }
+  if (!inputs[1].flags().row_contiguous) {
+    y_copy = row_contiguous_copy(inputs[1], encoder);
+  }
+  const mx::array& g = g_copy ? *g_copy : inputs[0];
+  const mx::array& y = y_copy ? *y_copy : inputs[1];
+  // The cotangent's buffer is reused when nothing else holds it, as MLX's elementwise ops
+  // do (an elementwise pass can run in place): a new buffer per layer would raise the peak
+  // of a backward pass that MLX's scheduler queues ahead.
+  if (!g_copy && g.is_donatable() && g.itemsize() == out.itemsize() &&
+      g.buffer_size() <= out.nbytes() + 16384) {
+    out.copy_shared_buffer(g);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+  encoder.set_input_array(inputs[0]);
+  encoder.set_input_array(inputs[1]);
+  encoder.set_output_array(out);
+  size_t n = out.size();
+  const void* pg = g.data<void>();
+  const void* py = y.data<void>();
+  void* po = out.data<void>();
+  bool g16 = g.dtype() == mx::bfloat16, y16 = y.dtype() == mx::bfloat16;
+  encoder.dispatch([pg, py, po, n, g16, y16]() {
+    if (g16 && y16) {
+      relu_grad_loop(static_cast<const uint16_t*>(pg), static_cast<const uint16_t*>(py),
+                     static_cast<uint16_t*>(po), n);
+    } else if (g16) {
+      relu_grad_loop(static_cast<const uint16_t*>(pg), static_cast<const uint32_t*>(py),
+                     static_cast<uint16_t*>(po), n);
+    } else if (y16) {
+      relu_grad_loop(static_cast<const uint32_t*>(pg), static_cast<const uint16_t*>(py),
+                     static_cast<uint32_t*>(po), n);
+    } else {
+      relu_grad_loop(static_cast<const uint32_t*>(pg), static_cast<const uint32_t*>(py),
+                     static_cast<uint32_t*>(po), n);
+    }
+  });
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> ReluGrad::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  // Elementwise: both operands with the mapped axis in front, broadcast where one lacks it.
+  auto s = stream();
+  auto g = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, s) : inputs[0];
+  auto y = axes[1] >= 0 ? mx::moveaxis(inputs[1], axes[1], 0, s) : inputs[1];
+  if (axes[0] < 0) {
+    g = mx::broadcast_to(mx::expand_dims(g, 0, s), y.shape(), s);
+  }
+  if (axes[1] < 0) {
+    y = mx::broadcast_to(mx::expand_dims(y, 0, s), g.shape(), s);
+  }
+  return {{relu_grad(g, y, s)}, {0}};
+}
+
+std::vector<mx::array> ReluGrad::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {  // linear in g; piecewise constant in y
+    grads.push_back(arg == 0 ? relu_grad(cotangents[0], primals[1], stream())
+                             : mx::zeros_like(primals[1], stream()));
+  }
+  return grads;
+}
+
+std::vector<mx::array> ReluGrad::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    if (argnums[i] == 0) {
+      return {relu_grad(tangents[i], primals[1], stream())};
+    }
+  }
+  return {mx::zeros_like(primals[0], stream())};
+}
+
+} // namespace fluxlike_native
