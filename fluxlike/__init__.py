@@ -23,20 +23,45 @@ except ImportError as _error:  # MLX's Linux wheel alone has no backend (libmlx.
 
 from ._blas import BlasInfo, BlasWarning, blas_info  # first: it puts an optimised BLAS under MLX
 from .activations import (
+    celu,
     elu,
     gelu,
+    gelu_erf,
+    gelu_tanh,
+    hardsigmoid,
+    hardswish,
+    hardtanh,
     identity,
     leakyrelu,
+    lisht,
+    logcosh,
     logsoftmax,
     logsumexp,
+    mish,
     relu,
+    relu6,
+    selu,
     sigmoid,
     softmax,
     softplus,
+    softsign,
     swish,
     tanh,
+    tanhshrink,
 )
 from . import losses  # noqa: F401  (fluxlike.losses.*)
+from .init import (
+    glorot_normal,
+    glorot_uniform,
+    identity_init,
+    kaiming_normal,
+    kaiming_uniform,
+    ones32,
+    orthogonal,
+    sparse_init,
+    truncated_normal,
+    zeros32,
+)
 from .layers.base import Layer
 from .layers.basic import (
     Bilinear,
@@ -92,7 +117,12 @@ __all__ = [
     "BlasInfo", "BlasWarning", "blas_info",
     # activations
     "elu", "gelu", "identity", "leakyrelu", "logsoftmax", "logsumexp", "relu", "sigmoid",
-    "softmax", "softplus", "swish", "tanh",
+    "softmax", "softplus", "swish", "tanh", "celu", "gelu_erf", "gelu_tanh", "hardsigmoid",
+    "hardswish", "hardtanh", "lisht", "logcosh", "mish", "relu6", "selu", "softsign",
+    "tanhshrink",
+    # initialisers
+    "glorot_normal", "glorot_uniform", "identity_init", "kaiming_normal", "kaiming_uniform",
+    "ones32", "orthogonal", "sparse_init", "truncated_normal", "zeros32",
     # layers
     "Layer", "Bilinear", "Chain", "Dense", "Embedding", "Parallel", "Scale", "SkipConnection",
     "flatten", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "Conv", "ConvTranspose",
