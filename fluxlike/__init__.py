@@ -74,7 +74,7 @@ from .layers.basic import (
     flatten,
 )
 from .layers.recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
-from .layers.conv import Conv, ConvTranspose
+from .layers.conv import Conv, ConvTranspose, CrossCor, DepthwiseConv
 from .layers.pooling import AdaptiveMeanPool, GlobalMaxPool, GlobalMeanPool, MaxPool, MeanPool
 from .layers.attention import MultiHeadAttention
 from .layers.normalise import BatchNorm, Dropout, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
@@ -126,6 +126,7 @@ __all__ = [
     # layers
     "Layer", "Bilinear", "Chain", "Dense", "Embedding", "Parallel", "Scale", "SkipConnection",
     "flatten", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "Conv", "ConvTranspose",
+    "CrossCor", "DepthwiseConv",
     "AdaptiveMeanPool", "GlobalMaxPool", "GlobalMeanPool", "MaxPool", "MeanPool",
     "MultiHeadAttention", "BatchNorm", "Dropout", "GroupNorm", "InstanceNorm", "LayerNorm",
     "RMSNorm", "testmode", "trainmode",
