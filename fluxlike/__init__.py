@@ -75,6 +75,7 @@ from .layers.basic import (
 )
 from .layers.recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 from .layers.conv import Conv, ConvTranspose, CrossCor, DepthwiseConv
+from .layers.upsample import PixelShuffle, Upsample
 from .layers.pooling import AdaptiveMeanPool, GlobalMaxPool, GlobalMeanPool, MaxPool, MeanPool
 from .layers.attention import MultiHeadAttention
 from .layers.normalise import BatchNorm, Dropout, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
@@ -128,6 +129,7 @@ __all__ = [
     "flatten", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "Conv", "ConvTranspose",
     "CrossCor", "DepthwiseConv",
     "AdaptiveMeanPool", "GlobalMaxPool", "GlobalMeanPool", "MaxPool", "MeanPool",
+    "PixelShuffle", "Upsample",
     "MultiHeadAttention", "BatchNorm", "Dropout", "GroupNorm", "InstanceNorm", "LayerNorm",
     "RMSNorm", "testmode", "trainmode",
     # precision
