@@ -78,7 +78,15 @@ from .layers.conv import Conv, ConvTranspose, CrossCor, DepthwiseConv
 from .layers.upsample import PixelShuffle, Upsample
 from .layers.pooling import AdaptiveMeanPool, GlobalMaxPool, GlobalMeanPool, MaxPool, MeanPool
 from .layers.attention import MultiHeadAttention
-from .layers.normalise import BatchNorm, Dropout, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
+from .layers.normalise import (
+    AlphaDropout,
+    BatchNorm,
+    Dropout,
+    GroupNorm,
+    InstanceNorm,
+    LayerNorm,
+    RMSNorm,
+)
 from .modes import testmode, trainmode
 from .precision.policy import autocast_policy, keep_float32, policy_of
 from .precision.scope import autocast
@@ -131,7 +139,7 @@ __all__ = [
     "AdaptiveMeanPool", "GlobalMaxPool", "GlobalMeanPool", "MaxPool", "MeanPool",
     "PixelShuffle", "Upsample",
     "MultiHeadAttention", "BatchNorm", "Dropout", "GroupNorm", "InstanceNorm", "LayerNorm",
-    "RMSNorm", "testmode", "trainmode",
+    "RMSNorm", "AlphaDropout", "testmode", "trainmode",
     # precision
     "autocast", "autocast_policy", "policy_of", "clear_cast_cache", "bf16", "bf16mix", "f16",
     "f16mix", "f32", "f64", "keep_float32", "DynamicLossScale", "StaticLossScale", "all_finite",
