@@ -73,6 +73,7 @@ from .layers.basic import (
     SkipConnection,
     flatten,
 )
+from .layers.embeddingbag import EmbeddingBag
 from .layers.fusion import Maxout, PairwiseFusion
 from .layers.recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
 from .layers.conv import Conv, ConvTranspose, CrossCor, DepthwiseConv
@@ -136,7 +137,7 @@ __all__ = [
     # layers
     "Layer", "Bilinear", "Chain", "Dense", "Embedding", "Parallel", "Scale", "SkipConnection",
     "flatten", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "Conv", "ConvTranspose",
-    "CrossCor", "DepthwiseConv", "Maxout", "PairwiseFusion",
+    "CrossCor", "DepthwiseConv", "EmbeddingBag", "Maxout", "PairwiseFusion",
     "AdaptiveMeanPool", "GlobalMaxPool", "GlobalMeanPool", "MaxPool", "MeanPool",
     "PixelShuffle", "Upsample",
     "MultiHeadAttention", "BatchNorm", "Dropout", "GroupNorm", "InstanceNorm", "LayerNorm",
