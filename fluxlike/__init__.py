@@ -90,6 +90,7 @@ from .layers.normalise import (
     RMSNorm,
 )
 from .modes import testmode, trainmode
+from .utils import modules, outputsize
 from .precision.policy import autocast_policy, keep_float32, policy_of
 from .precision.scope import autocast
 from .precision import stock as _stock  # noqa: F401  (registers mlx.nn's layers)
@@ -142,6 +143,8 @@ __all__ = [
     "PixelShuffle", "Upsample",
     "MultiHeadAttention", "BatchNorm", "Dropout", "GroupNorm", "InstanceNorm", "LayerNorm",
     "RMSNorm", "AlphaDropout", "testmode", "trainmode",
+    # model utilities
+    "modules", "outputsize",
     # precision
     "autocast", "autocast_policy", "policy_of", "clear_cast_cache", "bf16", "bf16mix", "f16",
     "f16mix", "f32", "f64", "keep_float32", "DynamicLossScale", "StaticLossScale", "all_finite",
