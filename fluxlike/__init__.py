@@ -80,6 +80,7 @@ from .layers.conv import Conv, ConvTranspose, CrossCor, DepthwiseConv
 from .layers.upsample import PixelShuffle, Upsample
 from .layers.pooling import AdaptiveMeanPool, GlobalMaxPool, GlobalMeanPool, MaxPool, MeanPool
 from .layers.attention import MultiHeadAttention
+from .layers.weightnorm import WeightNorm
 from .layers.normalise import (
     AlphaDropout,
     BatchNorm,
@@ -142,7 +143,7 @@ __all__ = [
     "AdaptiveMeanPool", "GlobalMaxPool", "GlobalMeanPool", "MaxPool", "MeanPool",
     "PixelShuffle", "Upsample",
     "MultiHeadAttention", "BatchNorm", "Dropout", "GroupNorm", "InstanceNorm", "LayerNorm",
-    "RMSNorm", "AlphaDropout", "testmode", "trainmode",
+    "RMSNorm", "AlphaDropout", "WeightNorm", "testmode", "trainmode",
     # model utilities
     "modules", "outputsize",
     # precision
