@@ -23,20 +23,45 @@ except ImportError as _error:  # MLX's Linux wheel alone has no backend (libmlx.
 
 from ._blas import BlasInfo, BlasWarning, blas_info  # first: it puts an optimised BLAS under MLX
 from .activations import (
+    celu,
     elu,
     gelu,
+    gelu_erf,
+    gelu_tanh,
+    hardsigmoid,
+    hardswish,
+    hardtanh,
     identity,
     leakyrelu,
+    lisht,
+    logcosh,
     logsoftmax,
     logsumexp,
+    mish,
     relu,
+    relu6,
+    selu,
     sigmoid,
     softmax,
     softplus,
+    softsign,
     swish,
     tanh,
+    tanhshrink,
 )
 from . import losses  # noqa: F401  (fluxlike.losses.*)
+from .init import (
+    glorot_normal,
+    glorot_uniform,
+    identity_init,
+    kaiming_normal,
+    kaiming_uniform,
+    ones32,
+    orthogonal,
+    sparse_init,
+    truncated_normal,
+    zeros32,
+)
 from .layers.base import Layer
 from .layers.basic import (
     Bilinear,
@@ -48,12 +73,25 @@ from .layers.basic import (
     SkipConnection,
     flatten,
 )
+from .layers.embeddingbag import EmbeddingBag
+from .layers.fusion import Maxout, PairwiseFusion
 from .layers.recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
-from .layers.conv import Conv, ConvTranspose
+from .layers.conv import Conv, ConvTranspose, CrossCor, DepthwiseConv
+from .layers.upsample import PixelShuffle, Upsample
 from .layers.pooling import AdaptiveMeanPool, GlobalMaxPool, GlobalMeanPool, MaxPool, MeanPool
 from .layers.attention import MultiHeadAttention
-from .layers.normalise import BatchNorm, Dropout, GroupNorm, InstanceNorm, LayerNorm, RMSNorm
+from .layers.weightnorm import WeightNorm
+from .layers.normalise import (
+    AlphaDropout,
+    BatchNorm,
+    Dropout,
+    GroupNorm,
+    InstanceNorm,
+    LayerNorm,
+    RMSNorm,
+)
 from .modes import testmode, trainmode
+from .utils import modules, outputsize
 from .precision.policy import autocast_policy, keep_float32, policy_of
 from .precision.scope import autocast
 from .precision import stock as _stock  # noqa: F401  (registers mlx.nn's layers)
@@ -92,13 +130,22 @@ __all__ = [
     "BlasInfo", "BlasWarning", "blas_info",
     # activations
     "elu", "gelu", "identity", "leakyrelu", "logsoftmax", "logsumexp", "relu", "sigmoid",
-    "softmax", "softplus", "swish", "tanh",
+    "softmax", "softplus", "swish", "tanh", "celu", "gelu_erf", "gelu_tanh", "hardsigmoid",
+    "hardswish", "hardtanh", "lisht", "logcosh", "mish", "relu6", "selu", "softsign",
+    "tanhshrink",
+    # initialisers
+    "glorot_normal", "glorot_uniform", "identity_init", "kaiming_normal", "kaiming_uniform",
+    "ones32", "orthogonal", "sparse_init", "truncated_normal", "zeros32",
     # layers
     "Layer", "Bilinear", "Chain", "Dense", "Embedding", "Parallel", "Scale", "SkipConnection",
     "flatten", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "Conv", "ConvTranspose",
+    "CrossCor", "DepthwiseConv", "EmbeddingBag", "Maxout", "PairwiseFusion",
     "AdaptiveMeanPool", "GlobalMaxPool", "GlobalMeanPool", "MaxPool", "MeanPool",
+    "PixelShuffle", "Upsample",
     "MultiHeadAttention", "BatchNorm", "Dropout", "GroupNorm", "InstanceNorm", "LayerNorm",
-    "RMSNorm", "testmode", "trainmode",
+    "RMSNorm", "AlphaDropout", "WeightNorm", "testmode", "trainmode",
+    # model utilities
+    "modules", "outputsize",
     # precision
     "autocast", "autocast_policy", "policy_of", "clear_cast_cache", "bf16", "bf16mix", "f16",
     "f16mix", "f32", "f64", "keep_float32", "DynamicLossScale", "StaticLossScale", "all_finite",

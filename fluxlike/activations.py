@@ -142,6 +142,166 @@ def softplus(x: mx.array) -> mx.array:
     return mx.logaddexp(x, mx.zeros_like(x))
 
 
+def relu6(x: mx.array) -> mx.array:
+    """``min(max(x, 0), 6)``, in the input's dtype (MLX's ``nn.relu6``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import relu6
+    >>> relu6(mx.array([-1.0, 3.0, 8.0]))
+    array([0, 3, 6], dtype=float32)
+    """
+    return nn.relu6(x)
+
+
+def hardtanh(x: mx.array) -> mx.array:
+    """``x`` clamped to ``[-1, 1]``, in the input's dtype (MLX's ``nn.hard_tanh``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import hardtanh
+    >>> hardtanh(mx.array([-3.0, 0.5, 2.0]))
+    array([-1, 0.5, 1], dtype=float32)
+    """
+    return nn.hard_tanh(x)
+
+
+def hardsigmoid(x: mx.array) -> mx.array:
+    """``(x + 3) / 6`` clamped to ``[0, 1]`` (NNlib's ``hardσ``, PyTorch's ``hardsigmoid``),
+    in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import hardsigmoid
+    >>> hardsigmoid(mx.array([-4.0, 0.0, 1.5, 4.0]))
+    array([0, 0.5, 0.75, 1], dtype=float32)
+    """
+    return mx.clip((x + 3) / 6, 0, 1)
+
+
+def hardswish(x: mx.array) -> mx.array:
+    """``x * hardsigmoid(x)``, in the input's dtype (MLX's ``nn.hardswish``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import hardswish
+    >>> hardswish(mx.array([-4.0, 0.0, 1.5, 4.0]))
+    array([-0, 0, 1.125, 4], dtype=float32)
+    """
+    return nn.hardswish(x)
+
+
+# Klambauer et al. (2017), to the digits NNlib and PyTorch use (MLX's nn.selu rounds them to 5).
+_SELU_LAMBDA = 1.0507009873554804934193349852946
+_SELU_ALPHA = 1.6732632423543772848170429916717
+
+
+def selu(x: mx.array) -> mx.array:
+    """Scaled ELU, ``λ * elu(x, α)`` with ``λ ≈ 1.0507`` and ``α ≈ 1.6733`` (the
+    self-normalising constants, full precision), in the input's dtype. Pair it with
+    :class:`~fluxlike.AlphaDropout` and ``lecun_normal``-style initialisation.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import selu
+    >>> selu(mx.array([-1.0, 0.0, 2.0]))
+    array([-1.1113, 0, 2.1014], dtype=float32)
+    """
+    return _SELU_LAMBDA * workarounds.elu(x, _SELU_ALPHA)  # not nn.selu: see elu
+
+
+def celu(x: mx.array, alpha: float = 1.0) -> mx.array:
+    """Continuously differentiable ELU: ``x`` where positive, ``alpha * (exp(x / alpha) - 1)``
+    elsewhere, in the input's dtype (slope 1 at 0, finite gradients for large ``x``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import celu
+    >>> celu(mx.array([-1.0, 0.0, 2.0])), celu(mx.array([-1.0]), 2.0)
+    (array([-0.632121, 0, 2], dtype=float32), array([-0.786939], dtype=float32))
+    """
+    # exp sees only minimum(0, x) (in that order: the tie's gradient goes to x), as in elu
+    return mx.where(x > 0, x, alpha * mx.expm1(mx.minimum(0, x) / alpha))
+
+
+def mish(x: mx.array) -> mx.array:
+    """``x * tanh(softplus(x))``, in the input's dtype (MLX's ``nn.mish``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import mish
+    >>> mish(mx.array([-1.0, 0.0, 2.0]))
+    array([-0.303401, 0, 1.94395], dtype=float32)
+    """
+    return nn.mish(x)
+
+
+def softsign(x: mx.array) -> mx.array:
+    """``x / (1 + |x|)``, in the input's dtype (MLX's ``nn.softsign``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import softsign
+    >>> softsign(mx.array([-1.0, 0.0, 3.0]))
+    array([-0.5, 0, 0.75], dtype=float32)
+    """
+    return nn.softsign(x)
+
+
+def tanhshrink(x: mx.array) -> mx.array:
+    """``x - tanh(x)``, in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import tanhshrink
+    >>> tanhshrink(mx.array([-1.0, 0.0, 2.0]))
+    array([-0.238406, 0, 1.03597], dtype=float32)
+    """
+    return x - mx.tanh(x)
+
+
+def logcosh(x: mx.array) -> mx.array:
+    """``log(cosh(x))``, computed stably as ``x + softplus(-2x) - log(2)`` (as NNlib), in
+    the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import logcosh
+    >>> logcosh(mx.array([-1.0, 0.0, 100.0]))
+    array([0.433781, 0, 99.3069], dtype=float32)
+    """
+    return x + mx.logaddexp(-2 * x, mx.zeros_like(x)) - _LOG2
+
+
+_LOG2 = 0.6931471805599453
+
+
+def lisht(x: mx.array) -> mx.array:
+    """``x * tanh(x)`` (linearly scaled hyperbolic tangent), in the input's dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import lisht
+    >>> lisht(mx.array([-1.0, 0.0, 2.0]))
+    array([0.761594, 0, 1.92806], dtype=float32)
+    """
+    return x * mx.tanh(x)
+
+
+def gelu_erf(x: mx.array) -> mx.array:
+    """GELU in its exact form ``x * Φ(x)`` (``0.5 x (1 + erf(x / √2))``), in the input's
+    dtype: the same function as :func:`gelu`, under NNlib's name.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import gelu_erf
+    >>> gelu_erf(mx.array([-1.0, 0.0, 2.0]))
+    array([-0.158655, 0, 1.9545], dtype=float32)
+    """
+    return nn.gelu(x)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """GELU's tanh approximation ``0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`` (NNlib's
+    ``gelu``, PyTorch's ``approximate="tanh"``, MLX's ``nn.gelu_approx``), in the input's
+    dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import gelu_tanh
+    >>> gelu_tanh(mx.array([-1.0, 0.0, 2.0]))
+    array([-0.158808, 0, 1.95459], dtype=float32)
+    """
+    return nn.gelu_approx(x)
+
+
 def _in_float32(fn: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
     """Apply ``fn`` in float32 to half-precision ``x`` (fp32 policy)."""
     if x.dtype not in HALF:
@@ -257,7 +417,8 @@ def logsumexp(x: mx.array, axis: int | None = -1, keepdims: bool = False) -> mx.
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     f.__name__: f
     for f in (identity, relu, leakyrelu, elu, gelu, sigmoid, tanh, swish, softplus, softmax,
-              logsoftmax)
+              logsoftmax, relu6, hardtanh, hardsigmoid, hardswish, selu, celu, mish, softsign,
+              tanhshrink, logcosh, lisht, gelu_erf, gelu_tanh)
 }
 
 

@@ -16,6 +16,10 @@ def np_gelu(x):
     return x * 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
 
 
+# NNlib's and PyTorch's constants, which fluxlike's selu uses in full
+SELU_L, SELU_A = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
+
+
 def np_logsumexp(x, axis=-1, keepdims=False):
     m = np.max(x, axis=axis, keepdims=True)
     out = m + np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
@@ -39,6 +43,22 @@ ELEMENTWISE = {
     "tanh": (A.tanh, np.tanh),
     "swish": (A.swish, lambda x: x / (1 + np.exp(-x))),
     "softplus": (A.softplus, lambda x: np.logaddexp(x, 0)),
+    "relu6": (A.relu6, lambda x: np.clip(x, 0, 6)),
+    "hardtanh": (A.hardtanh, lambda x: np.clip(x, -1, 1)),
+    "hardsigmoid": (A.hardsigmoid, lambda x: np.clip((x + 3) / 6, 0, 1)),
+    "hardswish": (A.hardswish, lambda x: x * np.clip((x + 3) / 6, 0, 1)),
+    "selu": (A.selu, lambda x: SELU_L * np.where(x > 0, x, SELU_A * np.expm1(np.minimum(x, 0)))),
+    "celu": (A.celu, lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0)))),
+    "celu_alpha": (lambda x: A.celu(x, 2.0),
+                   lambda x: np.where(x > 0, x, 2 * np.expm1(np.minimum(x, 0) / 2))),
+    "mish": (A.mish, lambda x: x * np.tanh(np.logaddexp(x, 0))),
+    "softsign": (A.softsign, lambda x: x / (1 + np.abs(x))),
+    "tanhshrink": (A.tanhshrink, lambda x: x - np.tanh(x)),
+    "logcosh": (A.logcosh, lambda x: np.abs(x) + np.log1p(np.exp(-2 * np.abs(x))) - np.log(2)),
+    "lisht": (A.lisht, lambda x: x * np.tanh(x)),
+    "gelu_erf": (A.gelu_erf, np_gelu),
+    "gelu_tanh": (A.gelu_tanh, lambda x: 0.5 * x * (1 + np.tanh(
+        math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))),
 }
 REDUCING = {
     "softmax": (A.softmax, np_softmax),
@@ -49,7 +69,10 @@ ALL = {**ELEMENTWISE, **REDUCING}
 # MLX's float64 exp and erf on the CPU are only float32-accurate (relative error ~1e-7 and
 # ~1e-6), too noisy for finite differences of the MLX function itself with a 1e-6 step:
 # for these the finite differences are taken of the float64 numpy reference instead.
-EXP_BASED = {"gelu", "sigmoid", "swish", "softplus", "softmax", "logsoftmax", "logsumexp"}
+EXP_BASED = {"gelu", "sigmoid", "swish", "softplus", "softmax", "logsoftmax", "logsumexp",
+             "selu", "celu", "celu_alpha", "mish", "tanhshrink", "logcosh", "lisht", "gelu_erf",
+             "gelu_tanh"}
+# (the clamps' kinks are where finite differences disagree: no sample lands within 1e-6 of one)
 
 
 def check_gradients_vs_reference(fn, ref, x, r, rtol=1e-4, atol=1e-6, step=1e-6):
@@ -164,7 +187,7 @@ def test_softmax_of_large_half_logits_is_finite_and_normalised():
 
 def test_public_names():
     for name in ALL:
-        if name in ("leakyrelu_a2", "elu_alpha"):
+        if name in ("leakyrelu_a2", "elu_alpha", "celu_alpha"):
             continue
         assert getattr(fluxlike, name) is getattr(A, name)
 
@@ -249,3 +272,49 @@ class TestActIsChecked:
         mx.random.seed(3)
         assert A.resolve(noisy, "Dense") is noisy
         assert mx.array_equal(mx.random.normal((4,)), expected).item()
+
+
+@pytest.mark.parametrize("name", sorted(set(ELEMENTWISE) - {"leakyrelu_a2", "elu_alpha",
+                                                             "celu_alpha"}))
+def test_every_elementwise_activation_resolves_by_name(name):
+    assert A.resolve(name, "Dense") is ELEMENTWISE[name][0]
+
+
+@pytest.mark.parametrize("name", ["selu", "celu", "mish", "logcosh", "gelu_tanh", "hardswish",
+                                  "softsign", "lisht", "tanhshrink"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_new_activations_in_half_precision_are_close_to_float32(name, dtype):
+    # policy "none": computed in the input's dtype, inside a scope too; the error is that of
+    # a few half-precision roundings
+    fn, ref = ELEMENTWISE[name]
+    x = mx.random.normal((64,)) * 3
+    with autocast(dtype, device="cpu"):
+        out = fn(x.astype(dtype))
+    assert out.dtype == dtype
+    tol = 1e-2 if dtype == mx.float16 else 5e-2
+    np.testing.assert_allclose(np64(out), ref(np64(x.astype(dtype))), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float64, mx.float16])
+def test_celu_and_selu_slopes_at_zero(dtype):
+    # the left slope, as elu's: celu's is 1, selu's is lambda * alpha (PyTorch, NNlib)
+    x = mx.array([0.0, -0.0], dtype=dtype)
+    with mx.stream(mx.cpu):
+        celu_grad = mx.grad(lambda v: mx.sum(A.celu(v, 2.0).astype(mx.float32)))(x)
+        selu_grad = mx.grad(lambda v: mx.sum(A.selu(v).astype(mx.float32)))(x)
+    np.testing.assert_allclose(np64(celu_grad), [1, 1], rtol=1e-3)
+    np.testing.assert_allclose(np64(selu_grad), [SELU_L * SELU_A] * 2, rtol=1e-3)
+
+
+def test_selu_keeps_unit_variance():
+    # the self-normalising fixed point: standard normal in, mean ~0 and variance ~1 out
+    y = np64(A.selu(mx.random.normal((200_000,))))
+    assert abs(y.mean()) < 0.01 and abs(y.var() - 1) < 0.01
+
+
+def test_logcosh_is_finite_where_cosh_overflows():
+    x = mx.array([-1000.0, 1000.0])
+    np.testing.assert_allclose(np64(A.logcosh(x)), [1000 - math.log(2)] * 2, rtol=1e-6)
+    np.testing.assert_allclose(np64(mx.grad(lambda v: mx.sum(A.logcosh(v)))(x)), [-1, 1])
+    half = A.logcosh(mx.array([20.0], dtype=mx.float16))  # cosh(20) overflows float16
+    assert half.dtype == mx.float16 and abs(half.item() - (20 - math.log(2))) < 0.05

@@ -468,6 +468,28 @@ class Parallel(_Container):
         return [(None, self.connection)] + self._items()
 
 
+def lookup(weight: mx.array, x: Any, layer: str) -> mx.array:
+    """The rows ``weight[x]`` of a table for integer indices ``x``, checked to lie in
+    ``[0, len(weight))`` (eagerly; traced, out-of-range rows are NaN): :class:`Embedding`'s
+    lookup, which ``layer`` names in errors."""
+    if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.integer):
+        got = x.dtype if isinstance(x, mx.array) else type(x).__name__
+        raise TypeError(
+            f"[{layer}] expected an mx.array of integer indices, got {got}; "
+            f"convert class labels with x.astype(mx.int32)"
+        )
+    vocab = weight.shape[0]
+    bounds = index_range(x)
+    if bounds is None:  # traced (or empty): nothing to read back, mask instead
+        return workarounds.take_rows(weight, x)
+    if bounds[0] < 0 or bounds[1] >= vocab:
+        raise ValueError(
+            f"[{layer}] indices must lie in [0, {vocab}), "
+            f"got values from {bounds[0]} to {bounds[1]}"
+        )
+    return weight[x]
+
+
 class Embedding(Layer):
     """A lookup table: integer indices ``(...)`` give rows of ``weight``, ``(..., dims)``.
 
@@ -507,23 +529,7 @@ class Embedding(Layer):
         self.weight = initialise(init, (vocab, dims), "Embedding")
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.integer):
-            got = x.dtype if isinstance(x, mx.array) else type(x).__name__
-            raise TypeError(
-                f"[Embedding] expected an mx.array of integer indices, got {got}; "
-                f"convert class labels with x.astype(mx.int32)"
-            )
-        weight = self["weight"]
-        vocab = weight.shape[0]
-        bounds = index_range(x)
-        if bounds is None:  # traced (or empty): nothing to read back, mask instead
-            return workarounds.take_rows(weight, x)
-        if bounds[0] < 0 or bounds[1] >= vocab:
-            raise ValueError(
-                f"[Embedding] indices must lie in [0, {vocab}), "
-                f"got values from {bounds[0]} to {bounds[1]}"
-            )
-        return weight[x]
+        return lookup(self["weight"], x, "Embedding")
 
     def as_linear(self, x: mx.array) -> mx.array:
         """``x @ weight.T``: the table as the output layer of a model with tied embeddings

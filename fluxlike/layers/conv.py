@@ -1,4 +1,9 @@
-"""Convolution layers: ``Conv`` and ``ConvTranspose``, channels last, batch first.
+"""Convolution layers: ``Conv`` (and its Flux names ``CrossCor`` and ``DepthwiseConv``) and
+``ConvTranspose``, channels last, batch first.
+
+Every one is a cross-correlation, as in MLX and PyTorch: the kernel is not flipped. Flux's
+``Conv`` flips it (a true convolution) and its ``CrossCor`` does not, so a Flux ``Conv`` weight
+needs its spatial axes reversed to load here, a ``CrossCor`` weight does not.
 
 The kernel tuple's length chooses the dimension: ``(3,)`` is a 1-D convolution over
 ``(N, L, C)``, ``(3, 3)`` a 2-D one over ``(N, H, W, C)``, ``(3, 3, 3)`` a 3-D one over
@@ -270,21 +275,23 @@ class Conv(_ConvBase):
         init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
     ):
         super().__init__()
-        kernel = self._setup("Conv", kernel, in_channels, out_channels, act, stride, dilation,
+        name = type(self).__name__  # CrossCor's too
+        kernel = self._setup(name, kernel, in_channels, out_channels, act, stride, dilation,
                              groups)
         self.same = padding == "same"
         if self.same:
             self.padding = same_padding(kernel, self.dilation)
         else:
-            self.padding = padding_pairs(padding, len(kernel), "Conv")
+            self.padding = padding_pairs(padding, len(kernel), name)
         self._make_parameters(kernel, out_channels, bias, init)
 
     def __call__(self, x: mx.array) -> mx.array:
         weight, padding, dilation = self["weight"], self["padding"], self["dilation"]
         self._check(x, weight)
+        name = type(self).__name__
         extent = [d * (k - 1) + 1 for k, d in zip(weight.shape[1:-1], dilation, strict=True)]
-        check_fits(x, extent, padding, "Conv", "dilated kernel")
-        x, weight, bias = operands(x, weight, self.get("bias"), layer="Conv")
+        check_fits(x, extent, padding, name, "dilated kernel")
+        x, weight, bias = operands(x, weight, self.get("bias"), layer=name)
         lo, hi = zip(*padding, strict=True)
         options = (self["stride"], (lo, hi), dilation, self.groups)
         if workarounds.splits_groups(x, self.groups):
@@ -293,6 +300,66 @@ class Conv(_ConvBase):
 
     def signature(self) -> str:
         return self._signature(self.in_channels, self.weight.shape[0])
+
+
+class CrossCor(Conv):
+    """A cross-correlation, ``act(crosscor(x, weight) + bias)``: Flux's ``CrossCor``, which is
+    what :class:`Conv` computes in fluxlike (MLX's and PyTorch's convolution does not flip the
+    kernel; Flux's ``Conv`` does).
+
+    The same arguments, weights, padding rules and precision policy ("down") as
+    :class:`Conv`; only the name differs, so that a model ported from Flux keeps its layer
+    names, and a Flux ``CrossCor`` weight loads without flipping (permuted from Flux's
+    ``(*kernel, in, out)`` to ``(out, *kernel, in)``: ``w.transpose(3, 0, 1, 2)`` for 2-D).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import CrossCor
+    >>> layer = CrossCor((3, 3), 1, 8, "relu", padding=1)
+    >>> layer
+    CrossCor((3, 3), 1 => 8, relu, pad=1)  # 80 parameters
+    >>> layer(mx.ones((2, 28, 28, 1))).shape
+    (2, 28, 28, 8)
+    """
+
+
+def DepthwiseConv(  # noqa: N802  (a constructor, named as Flux names it)
+    kernel: tuple[int, ...],
+    in_channels: int,
+    out_channels: int,
+    act: Callable | str = identity,
+    *,
+    stride: int | tuple[int, ...] = 1,
+    padding: int | str | tuple = 0,
+    dilation: int | tuple[int, ...] = 1,
+    bias: bool = True,
+    init: Callable[[tuple[int, ...]], mx.array] = glorot_uniform,
+) -> Conv:
+    """A depthwise convolution: each input channel convolved with its own
+    ``out_channels // in_channels`` kernels, as Flux's ``DepthwiseConv``.
+
+    Like Flux's, it is a :class:`Conv` with ``groups=in_channels`` (and prints as one);
+    ``out_channels`` must be a multiple of ``in_channels``. ``weight`` has shape
+    ``(out_channels, *kernel, 1)``. The other arguments are :class:`Conv`'s.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import DepthwiseConv
+    >>> layer = DepthwiseConv((3, 3), 4, 8, padding="same")
+    >>> layer
+    Conv((3, 3), 4 => 8, pad='same', groups=4)  # 80 parameters
+    >>> layer(mx.ones((2, 5, 5, 4))).shape
+    (2, 5, 5, 8)
+    """
+    in_channels = check_size(in_channels, "DepthwiseConv", "in_channels")
+    out_channels = check_size(out_channels, "DepthwiseConv", "out_channels")
+    if out_channels % in_channels:
+        raise ValueError(
+            f"[DepthwiseConv] out_channels must be a multiple of in_channels (each input "
+            f"channel gets out_channels // in_channels kernels), got in_channels="
+            f"{in_channels}, out_channels={out_channels}; use Conv(..., groups=g) for other "
+            f"groupings"
+        )
+    return Conv(kernel, in_channels, out_channels, act, stride=stride, padding=padding,
+                dilation=dilation, groups=in_channels, bias=bias, init=init)
 
 
 @autocast_policy("down")

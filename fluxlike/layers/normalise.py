@@ -1,4 +1,5 @@
-"""Normalisation layers (BatchNorm, LayerNorm, RMSNorm, GroupNorm, InstanceNorm) and Dropout.
+"""Normalisation layers (BatchNorm, LayerNorm, RMSNorm, GroupNorm, InstanceNorm), Dropout and
+AlphaDropout.
 
 Channels last: the channel axis is the input's last axis. The norm layers have the "fp32"
 precision policy: statistics and affine are computed in at least float32 (half-precision
@@ -16,9 +17,9 @@ up for the computation, which still runs in float32).
 >>> half[0].weight.dtype, half[1].weight.dtype
 (mlx.core.float32, mlx.core.float16)
 
-``BatchNorm``, ``InstanceNorm`` and ``Dropout`` depend on the train/test mode (see
-:mod:`fluxlike.modes`): active inside gradient computations, inactive elsewhere, unless fixed
-by ``trainmode``/``testmode``.
+``BatchNorm``, ``InstanceNorm``, ``Dropout`` and ``AlphaDropout`` depend on the train/test
+mode (see :mod:`fluxlike.modes`): active inside gradient computations, inactive elsewhere,
+unless fixed by ``trainmode``/``testmode``.
 """
 
 from __future__ import annotations
@@ -516,3 +517,56 @@ class Dropout(Layer):
     def signature(self) -> str:
         options = _options(dims=(self.dims, None), active=(self.active, None))
         return signature_of([f"{self.p:g}"], "Dropout", **options)
+
+
+# selu(-inf) = -λα: where AlphaDropout puts a dropped value (Klambauer et al., 2017)
+_ALPHA_PRIME = -1.0507009873554804934193349852946 * 1.6732632423543772848170429916717
+
+
+class AlphaDropout(Layer):
+    """Alpha dropout (Klambauer et al., 2017), Flux's ``AlphaDropout``: dropout for
+    self-normalising networks (:func:`~fluxlike.selu` activations), which keeps the mean and
+    variance of its input instead of zeroing.
+
+    When active each entry is replaced with probability ``p`` by ``α' = -λα ≈ -1.7581``
+    (SELU's limit at ``-∞``), and the result is mapped by ``a * y + b`` with
+    ``a = 1 / sqrt((1 - p) (1 + p α'²))`` and ``b = -a α' p``, so an input of mean 0 and
+    variance 1 keeps them. ``p=1`` gives zeros (the limit). ``AlphaDropout(p, *, active=None)``:
+    the train/test mode as :class:`Dropout`'s (active inside gradient computations or when
+    fixed by ``trainmode``/``model.train()``); when inactive, the identity. Runs in the
+    input's dtype (policy "none").
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import AlphaDropout, trainmode
+    >>> layer = AlphaDropout(0.2)
+    >>> layer
+    AlphaDropout(0.2)
+    >>> layer(mx.ones((2,)))  # inactive outside training
+    array([1, 1], dtype=float32)
+    >>> y = trainmode(layer)(mx.random.normal((100_000,)))
+    >>> round(y.mean().item(), 1), round(y.var().item(), 1)
+    (0.0, 1.0)
+    """
+
+    def __init__(self, p: float, *, active: bool | None = None):
+        super().__init__()
+        self.p = check_real(p, "AlphaDropout", "p", lambda v: 0 <= v <= 1,
+                            "a probability in [0, 1]")
+        self.active = check_active(active, "AlphaDropout")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        _check_input(x, "AlphaDropout", (), 0, "")
+        p = self.p
+        if p == 0 or not is_active(self):
+            return x
+        if p == 1:
+            return mx.zeros_like(x)
+        a = 1 / math.sqrt((1 - p) * (1 + p * _ALPHA_PRIME**2))
+        b = -a * _ALPHA_PRIME * p
+        keep = mx.random.bernoulli(1 - p, x.shape)
+        dropped = mx.array(_ALPHA_PRIME, dtype=x.dtype)
+        return mx.where(keep, x, dropped) * a + b  # Python floats: kept in x's dtype
+
+    def signature(self) -> str:
+        options = _options(active=(self.active, None))
+        return signature_of([f"{self.p:g}"], "AlphaDropout", **options)

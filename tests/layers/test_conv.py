@@ -7,7 +7,7 @@ import pytest
 from helpers import assert_unchanged, normal, np64, snapshot
 from mlx.utils import tree_flatten
 
-from fluxlike import Chain, Conv, ConvTranspose, autocast, relu
+from fluxlike import Chain, Conv, ConvTranspose, CrossCor, DepthwiseConv, autocast, policy_of, relu
 from fluxlike.precision import kernels
 
 # --- numpy references (NHWC, weight (out, *kernel, in // groups)) ----------------------------
@@ -574,3 +574,109 @@ def test_output_padding_beyond_padding_gives_the_true_input_gradient(kernel, str
         e[i] = 1
         flat[i] = ((layer(mx.array(e.reshape(x.shape))) * r).sum() - base).item()
     np.testing.assert_allclose(np64(dx).ravel(), flat, rtol=1e-4, atol=1e-4)
+
+
+class TestCrossCor:
+    """fluxlike's Conv is already a cross-correlation: CrossCor is Conv under Flux's name."""
+
+    @pytest.mark.parametrize("case", CONV_CASES[:8], ids=case_id)
+    def test_matches_the_cross_correlation_reference_and_conv(self, case):
+        layer = make(CrossCor, case)
+        x = normal(2, *(7 - i for i in range(len(case[0]))), 4)
+        expected = conv_reference(np64(x), np64(layer.weight), np64(layer.bias), layer.stride,
+                                  layer.padding, layer.dilation, layer.groups)
+        np.testing.assert_allclose(np64(layer(x)), expected, rtol=1e-5, atol=1e-5)
+        twin = make(Conv, case)
+        twin.update(layer.parameters())
+        np.testing.assert_array_equal(np64(twin(x)), np64(layer(x)))
+
+    def test_does_not_flip_the_kernel(self):
+        layer = CrossCor((3,), 1, 1, bias=False)
+        layer.weight = mx.array([1.0, 2.0, 3.0]).reshape(1, 3, 1)
+        x = mx.array([0.0, 0.0, 1.0, 0.0, 0.0]).reshape(1, 5, 1)
+        # a unit impulse comes out as the kernel reversed (a true convolution gives it as is)
+        assert layer(x).reshape(-1).tolist() == [3.0, 2.0, 1.0]
+
+    def test_gradients_float64_and_float32(self):
+        layer = with_random_bias(CrossCor((2, 3), 2, 3, padding=((0, 1), (2, 1))))
+        check_gradients_against_reference(layer, normal(2, 5, 4, 2), mx.float64)
+        check_gradients_against_reference(make(CrossCor, CONV_CASES[6]), normal(2, 7, 6, 4))
+
+    def test_repr_and_policy(self):
+        assert repr(CrossCor((3, 3), 1, 8, relu, stride=2, padding=1)) == \
+            "CrossCor((3, 3), 1 => 8, relu, stride=2, pad=1)  # 80 parameters"
+        assert repr(CrossCor((5,), 4, 4, padding="same", groups=2, bias=False)) == \
+            "CrossCor((5,), 4 => 4, pad='same', groups=2, bias=False)  # 40 parameters"
+        assert policy_of(CrossCor) == "down" and isinstance(CrossCor((3,), 1, 1), Conv)
+
+    @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+    def test_autocast_computes_in_the_scope_dtype(self, dtype):
+        layer = with_random_bias(CrossCor((3, 3), 2, 4, relu, padding=1))
+        x = normal(2, 5, 5, 2)
+        with autocast(dtype, device="cpu"):
+            out = layer(x)
+        assert out.dtype == dtype and layer.weight.dtype == mx.float32
+        np.testing.assert_allclose(np64(out), np64(layer(x)), rtol=5e-2, atol=5e-2)
+
+        def loss(w):
+            layer.update({"weight": w})
+            with autocast(dtype, device="cpu"):
+                return mx.sum(layer(x).astype(mx.float32))
+
+        assert mx.grad(loss)(layer.weight).dtype == mx.float32
+
+    def test_errors_name_crosscor(self):
+        with pytest.raises(ValueError, match=r"\[CrossCor\] expected input with 2 channels"):
+            CrossCor((3, 3), 2, 4)(mx.ones((1, 5, 5, 3)))
+        with pytest.raises(ValueError, match=r"\[CrossCor\] input of shape .* is too small"):
+            CrossCor((3, 3), 2, 4)(mx.ones((1, 2, 2, 2)))
+        with pytest.raises(ValueError, match=r"\[CrossCor\] in_channels \(3\) and out_channels"):
+            CrossCor((3,), 3, 4, groups=2)
+        with pytest.raises(ValueError, match=r"\[CrossCor\] padding must be"):
+            CrossCor((3,), 1, 1, padding=(1, 2, 3))
+
+
+class TestDepthwiseConv:
+    def test_is_a_conv_with_one_group_per_input_channel(self):
+        layer = DepthwiseConv((3, 3), 4, 8, relu, stride=2, padding=1)
+        assert type(layer) is Conv and layer.groups == 4
+        assert layer.weight.shape == (8, 3, 3, 1) and layer.bias.shape == (8,)
+        assert repr(layer) == \
+            "Conv((3, 3), 4 => 8, relu, stride=2, pad=1, groups=4)  # 80 parameters"
+        assert DepthwiseConv((3,), 2, 2, bias=False, init=lambda s: mx.ones(s)).weight.tolist() \
+            == [[[1.0]] * 3] * 2
+
+    @pytest.mark.parametrize("kernel", [(3,), (3, 2), (2, 2, 3)])
+    def test_each_channel_is_convolved_with_its_own_kernels(self, kernel):
+        layer = with_random_bias(DepthwiseConv(kernel, 3, 6, padding="same"))
+        x = normal(2, *(5 for _ in kernel), 3)
+        y = np64(layer(x))
+        expected = conv_reference(np64(x), np64(layer.weight), np64(layer.bias), layer.stride,
+                                  layer.padding, layer.dilation, 3)
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+        # output channels 2c and 2c + 1 see input channel c only
+        w, xs = np64(layer.weight), np64(x)
+        one = conv_reference(xs[..., 1:2], w[2:4], np64(layer.bias)[2:4], layer.stride,
+                             layer.padding, layer.dilation, 1)
+        np.testing.assert_allclose(y[..., 2:4], one, rtol=1e-5, atol=1e-5)
+
+    def test_gradients_float32_against_float64_reference(self):
+        check_gradients_against_reference(with_random_bias(DepthwiseConv((3, 3), 2, 4)),
+                                          normal(2, 6, 5, 2))
+
+    @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+    def test_autocast(self, dtype):
+        layer = with_random_bias(DepthwiseConv((3,), 4, 4))
+        x = normal(2, 9, 4)
+        with autocast(dtype, device="cpu"):
+            out = layer(x)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(np64(out), np64(layer(x)), rtol=5e-2, atol=5e-2)
+
+    def test_out_channels_must_be_a_multiple(self):
+        with pytest.raises(ValueError, match=r"\[DepthwiseConv\] out_channels must be a "
+                                             r"multiple of in_channels .* in_channels=4, "
+                                             r"out_channels=6; use Conv"):
+            DepthwiseConv((3, 3), 4, 6)
+        with pytest.raises(ValueError, match=r"\[DepthwiseConv\] in_channels must be a positive"):
+            DepthwiseConv((3, 3), 0, 6)

@@ -4,13 +4,21 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import assert_unchanged, check_layer_gradients, normal, np64, snapshot
+from helpers import (
+    assert_unchanged,
+    check_gradients,
+    check_layer_gradients,
+    normal,
+    np64,
+    snapshot,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 import fluxlike  # fluxlike.testmode: a bare `testmode` would be collected by pytest
 from fluxlike import (
+    AlphaDropout,
     BatchNorm,
     Chain,
     Dense,
@@ -708,3 +716,84 @@ def test_groupnorm_with_mlx_argument_order_says_fluxlikes():
         GroupNorm(2, 8)
     with pytest.raises(ValueError, match=r"divisible by groups \(4\)$"):  # not swapped
         GroupNorm(6, 4)
+
+
+ALPHA_PRIME = -1.0507009873554804934193349852946 * 1.6732632423543772848170429916717
+
+
+class TestAlphaDropout:
+    def test_construction_and_repr(self):
+        a, b = AlphaDropout(0.3), AlphaDropout(p=0.1, active=True)
+        assert a.p == 0.3 and a.active is None and b.active is True and a.parameters() == {}
+        assert repr(a) == "AlphaDropout(0.3)" and repr(b) == "AlphaDropout(0.1, active=True)"
+        assert repr(fluxlike.testmode(AlphaDropout(0.5))) == "AlphaDropout(0.5, active=False)"
+        assert fluxlike.policy_of(AlphaDropout) == "none"
+
+    def test_identity_when_inactive_or_p_zero(self):
+        x = normal(20, 10)
+        assert AlphaDropout(0.5)(x) is x
+        assert fluxlike.testmode(AlphaDropout(0.5))(x) is x
+        assert trainmode(AlphaDropout(0.0))(x) is x
+
+    def test_dropped_values_and_affine_map_as_flux(self):
+        p = 0.25
+        x = normal(300, 100, seed=4)
+        y = np64(trainmode(AlphaDropout(p))(x))
+        a = 1 / np.sqrt((1 - p) * (1 + p * ALPHA_PRIME**2))
+        b = -a * ALPHA_PRIME * p
+        dropped = np.isclose(y, a * ALPHA_PRIME + b, rtol=0, atol=1e-6)
+        assert abs(dropped.mean() - p) < 0.01  # 30 000 draws: std 0.0025
+        np.testing.assert_allclose(y[~dropped], a * np64(x)[~dropped] + b, rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("p", [0.05, 0.3, 0.7])
+    def test_keeps_zero_mean_and_unit_variance(self, p):
+        y = np64(trainmode(AlphaDropout(p))(normal(400_000, seed=5)))
+        assert abs(y.mean()) < 0.01 and abs(y.var() - 1) < 0.015
+
+    def test_active_when_differentiating_and_gradient_is_a_times_the_mask(self):
+        p = 0.4
+        a = 1 / np.sqrt((1 - p) * (1 + p * ALPHA_PRIME**2))
+        layer = AlphaDropout(p)
+        x = normal(40, 40)
+        with differentiating():
+            g = np64(mx.grad(lambda v: mx.sum(layer(v)))(x))
+        assert set(np.round(np.unique(g), 5)) == {0.0, round(a, 5)}
+        assert 0.3 < (g == 0).mean() < 0.5
+
+    def test_gradients_float64_with_a_fixed_mask(self):
+        layer = trainmode(AlphaDropout(0.3))
+        r = normal(6, 5, seed=9).astype(mx.float64)
+
+        def loss(u, v):  # the same draws on every call
+            mx.random.seed(11)
+            return mx.sum(layer(u) * r) + mx.sum(layer(v) * r)
+
+        x = normal(6, 5).astype(mx.float64)
+        with mx.stream(mx.cpu):
+            check_gradients(loss, x, x + 0.5)
+
+    def test_p_one_gives_zeros(self):
+        y = trainmode(AlphaDropout(1.0))(normal(5, 5))
+        assert (np64(y) == 0).all()
+
+    @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+    def test_runs_in_the_input_dtype_under_autocast(self, dtype):
+        layer = trainmode(AlphaDropout(0.2))
+        x = normal(300, 100).astype(dtype)
+        with autocast(dtype, device="cpu"):
+            y = layer(x)
+        assert y.dtype == dtype
+        y = np64(y)
+        assert abs(y.mean()) < 0.02 and abs(y.var() - 1) < 0.03
+
+    @pytest.mark.parametrize("p", [-0.1, 1.5, "0.5", True])
+    def test_bad_p(self, p):
+        with pytest.raises(ValueError, match=r"\[AlphaDropout\] p must be a probability"):
+            AlphaDropout(p)
+
+    def test_bad_input(self):
+        with pytest.raises(TypeError, match=r"\[AlphaDropout\] expected a floating-point "
+                                            r"input, got mlx.core.int32"):
+            trainmode(AlphaDropout(0.5))(mx.ones((2,), dtype=mx.int32))
+        with pytest.raises(ValueError, match=r"\[AlphaDropout\] active must be"):
+            AlphaDropout(0.5, active="yes")

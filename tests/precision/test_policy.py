@@ -76,6 +76,12 @@ FLUXLIKE = [
     ("InstanceNorm", lambda: fl.InstanceNorm(4, affine=True), lambda: [img(2, 5, 4)], "fp32"),
     ("Dropout", lambda: fl.Dropout(0.5), lambda: [img(3, 4)], "none"),
     ("Scale", lambda: fl.Scale(4), lambda: [img(3, 4)], "none"),
+    ("CrossCor", lambda: fl.CrossCor((3, 3), 2, 4, "relu", padding=1),
+     lambda: [img(2, 6, 6, 2)], "down"),
+    ("DepthwiseConv", lambda: fl.DepthwiseConv((3,), 2, 4), lambda: [img(2, 8, 2)], "down"),
+    ("AlphaDropout", lambda: fl.AlphaDropout(0.5), lambda: [img(3, 4)], "none"),
+    ("Upsample", lambda: fl.Upsample("bilinear", scale=2), lambda: [img(2, 3, 3, 2)], "none"),
+    ("PixelShuffle", lambda: fl.PixelShuffle(2), lambda: [img(2, 3, 3, 8)], "none"),
 ]
 
 STOCK = [
@@ -136,7 +142,8 @@ class TestOutputDtypes:
 
 
 class TestOtherLayers:
-    @pytest.mark.parametrize("emb", [lambda: fl.Embedding(10, 4), lambda: nn.Embedding(10, 4)])
+    @pytest.mark.parametrize("emb", [lambda: fl.Embedding(10, 4), lambda: nn.Embedding(10, 4),
+                                     lambda: fl.EmbeddingBag(10, 4)])
     @pytest.mark.parametrize("dtype", HALVES)
     def test_embedding_is_float32(self, emb, dtype):
         layer = emb()
@@ -526,6 +533,7 @@ DOWN_EXAMPLES = {
     "Dense": (lambda fl: fl.Dense(4, 3), (2, 4)),
     "Bilinear": (lambda fl: fl.Bilinear(4, 4, 3), (2, 4)),
     "Conv": (lambda fl: fl.Conv((3, 3), 2, 3), (1, 5, 5, 2)),
+    "CrossCor": (lambda fl: fl.CrossCor((3, 3), 2, 3), (1, 5, 5, 2)),
     "ConvTranspose": (lambda fl: fl.ConvTranspose((3, 3), 2, 3), (1, 5, 5, 2)),
     "RNNCell": (lambda fl: fl.RNNCell(4, 3), (2, 4)),
     "LSTMCell": (lambda fl: fl.LSTMCell(4, 3), (2, 4)),
