@@ -46,6 +46,12 @@ def adjust(opt_state: OptState, lr: LearningRate | None = None, **changes: Any) 
     adjusted rule. Values are checked as the rule's constructor checks them, before anything
     changes; a keyword no part of the rule has is a ``TypeError``.
 
+    Two differences from Optimisers.jl follow from MLX's state: new ``betas`` correct the
+    bias with their own powers of the step count (Optimisers.jl keeps the product of the
+    betas used so far), and :class:`~fluxlike.Momentum` and :class:`~fluxlike.Nesterov` keep
+    the velocity without the learning rate, so a new ``lr`` scales the momentum already
+    gathered too.
+
     >>> import mlx.core as mx
     >>> from fluxlike import Adam, Dense, adjust, setup, update
     >>> model = Dense(2, 1)
@@ -60,8 +66,6 @@ def adjust(opt_state: OptState, lr: LearningRate | None = None, **changes: Any) 
     if not isinstance(opt_state, OptState):
         raise TypeError(f"adjust: expected an OptState from setup(), got {opt_state!r}")
     if lr is not None:
-        if "lr" in changes:
-            raise TypeError("adjust: lr given twice (positionally and as a keyword)")
         changes["lr"] = lr
     if not changes:
         raise TypeError("adjust: nothing to change; give a learning rate, e.g. "
