@@ -168,3 +168,29 @@ def test_bad_arguments(make, error, message):
 
 def test_repr():
     assert repr(AccumGrad(4, Descent())) == "AccumGrad(n=4, rule=Descent(lr=0.1))"
+
+
+def test_two_processes_accumulate_the_averaged_gradients(tmp_path):
+    # data parallelism: update averages the gradients over the group before AccumGrad sees
+    # them, so both ranks hold the same sums and step together; an overflow on one rank
+    # skips the update on both, the sums untouched
+    import json
+    from pathlib import Path
+
+    from test_distributed import launch
+
+    done = launch(str(Path(__file__).with_name("accumulate_checks.py")), str(tmp_path))
+    ranks = []
+    for rank in range(2):
+        path = tmp_path / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote nothing: {done.stdout}\n{done.stderr}"
+        ranks.append(json.loads(path.read_text()))
+    assert done.returncode == 0, done.stderr
+    for name in ("plain", "loss_scale"):
+        r0, r1 = ranks[0][name], ranks[1][name]
+        assert "exception" not in r0 and "exception" not in r1, (r0, r1)
+        assert r0["params"] == r1["params"] and r0["opt"] == r1["opt"]
+        assert r0["reference_steps"] == 2
+        for key, value in r0["reference"].items():
+            np.testing.assert_allclose(r0["params"][key], value, rtol=1e-5, atol=1e-6)
+    assert ranks[0]["loss_scale"]["opt"]["loss_scale.loss_scale"] == 2.0  # backed off once
