@@ -11,7 +11,7 @@ from mlx.utils import tree_map
 
 from .._mlxtyping import tree_flatten
 from .compiled import assign
-from .rules import Rule, Tree
+from .rules import Rule, Tree, _clear_keywords
 
 
 def _per_parameter(optimizer: optim.Optimizer) -> optim.Optimizer:
@@ -81,6 +81,7 @@ def _like(tree: Tree, parameters: Tree) -> Tree:
     return tree_map(lambda _, p: p, tree, parameters)
 
 
+@_clear_keywords
 @dataclass(frozen=True)
 class AccumGrad(Rule):
     """Gradient accumulation: ``rule`` steps once every ``n`` updates, with the mean of the

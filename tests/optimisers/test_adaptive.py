@@ -22,8 +22,10 @@ from fluxlike import (
     OptimiserChain,
     RAdam,
     setup,
+    train,
     update,
 )
+from fluxlike.losses import mse
 from fluxlike.optimisers.rules import FLOAT16_EPS
 
 
@@ -199,3 +201,23 @@ def test_keywords_name_fluxlikes():
     with pytest.raises(TypeError, match=r"^\[AdaDelta\] unknown keyword 'lr'; the keywords are "
                                         r"rho, eps"):
         AdaDelta(lr=1.0)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_training_under_autocast_keeps_float32_weights_and_state(rule, dtype):
+    # float16: train's dynamic loss scale; a skipped step must leave the rule's state as it was
+    mx.random.seed(2)
+    x = mx.random.normal((16, 3))
+    y = x @ mx.array([[1.0], [-1.0], [2.0]])
+    model = Dense(3, 1)
+    opt_state = setup(rule, model)
+    batches = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 16, 4)]
+    losses = [train(lambda m, a, b: mse(m(a), b), model, batches, opt_state, autocast=dtype,
+                    progress=False) for _ in range(3)]
+    assert np.isfinite(losses).all()
+    assert model.weight.dtype == mx.float32
+    floating = [v for k, v in tree_flatten(opt_state.state["optimizer"])
+                if mx.issubdtype(v.dtype, mx.floating)]
+    assert all(v.dtype == mx.float32 for v in floating)
+    assert all(np.isfinite(np.array(v)).all() for v in floating)
