@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn.losses as mlx_losses
 
 from . import _ctc
 from .activations import max_shifted, stable_logsoftmax
@@ -425,7 +426,7 @@ def focal_loss(
 
 def hinge_loss(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
     """Hinge loss of scores ``ŷ`` for labels ``y`` in ``{-1, 1}``:
-    ``agg(max(0, 1 - ŷ * y))`` (support vector machines).
+    ``agg(max(0, 1 - ŷ * y))`` (support vector machines; ``mlx.nn.losses.hinge_loss``).
 
     >>> import mlx.core as mx
     >>> from fluxlike.losses import hinge_loss
@@ -433,7 +434,7 @@ def hinge_loss(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.
     0.55
     """
     yhat, y, reduce = _prepare(yhat, y, "hinge_loss", agg)
-    return reduce(mx.maximum(1 - yhat * y, 0))
+    return reduce(mlx_losses.hinge_loss(yhat, y))
 
 
 def squared_hinge_loss(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
@@ -445,7 +446,7 @@ def squared_hinge_loss(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean"
     0.625
     """
     yhat, y, reduce = _prepare(yhat, y, "squared_hinge_loss", agg)
-    return reduce(mx.square(mx.maximum(1 - yhat * y, 0)))
+    return reduce(mx.square(mlx_losses.hinge_loss(yhat, y)))
 
 
 def poisson_loss(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
