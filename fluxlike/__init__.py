@@ -113,9 +113,22 @@ from .optimisers.rules import (
     RMSProp,
     WeightDecay,
 )
+from .optimisers.adaptive import (
+    AdaBelief,
+    AdaDelta,
+    AdaGrad,
+    AdaMax,
+    AMSGrad,
+    NAdam,
+    OAdam,
+    RAdam,
+)
+from .optimisers.signs import Rprop, SignDecay, Signum
+from .optimisers.accumulate import AccumGrad
 from .precision.lossscale import DynamicLossScale, StaticLossScale, all_finite
 from .gradients import gradient, withgradient
 from .optimisers.state import OptState, setup, update
+from .optimisers.hyperparameters import adjust
 from .distributed import DataParallel, barrier
 from .training import train
 
@@ -154,8 +167,9 @@ __all__ = [
     "state",
     # optimiser rules, gradients, training
     "Adam", "AdamW", "ClipNorm", "ClipValue", "Descent", "Lion", "Momentum", "Nesterov",
-    "OptimiserChain", "RMSProp", "WeightDecay", "gradient", "withgradient", "OptState", "setup",
-    "update", "train",
+    "OptimiserChain", "RMSProp", "WeightDecay", "AdaBelief", "AdaDelta", "AdaGrad", "AdaMax",
+    "AMSGrad", "NAdam", "OAdam", "RAdam", "Rprop", "SignDecay", "Signum", "AccumGrad", "adjust",
+    "gradient", "withgradient", "OptState", "setup", "update", "train",
     # several processes
     "DataParallel", "barrier",
 ]  # fmt: skip

@@ -17,6 +17,10 @@ are range-checked (a ``ValueError``; this reads two numbers back to the host, on
 synchronisation per call); inside ``mx.compile`` nothing can be read back and an
 out-of-range index makes its sample's loss NaN instead.
 
+The overlap losses (``dice_coeff_loss``, ``tversky_loss``) default to ``agg=None``, as in Flux:
+one loss from sums over all entries; with an ``agg`` they compute one loss per sample (sums
+over the axes after the batch axis) and reduce those.
+
 Precision (policy "fp32", no scope read needed): half-precision inputs are cast up and the
 loss is computed, accumulated and returned in float32, inside or outside
 :func:`~fluxlike.autocast`. float32 and float64 inputs keep their dtype (float64 if either
@@ -37,7 +41,9 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn.losses as mlx_losses
 
+from . import _ctc
 from .activations import max_shifted, stable_logsoftmax
 from .checks import index_range
 
@@ -416,3 +422,214 @@ def focal_loss(
         return reduce(-_focal_weight(p, gamma) * mx.log(p))
     p = yhat + eps
     return reduce(-mx.sum(_xlogy(y, p) * _focal_weight(p, gamma), axis=axis))
+
+
+def hinge_loss(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
+    """Hinge loss of scores ``ŷ`` for labels ``y`` in ``{-1, 1}``:
+    ``agg(max(0, 1 - ŷ * y))`` (support vector machines; ``mlx.nn.losses.hinge_loss``).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import hinge_loss
+    >>> hinge_loss(mx.array([0.1, 0.3, 1.0, 1.5]), mx.array([1, -1, 1, 1])).item()
+    0.55
+    """
+    yhat, y, reduce = _prepare(yhat, y, "hinge_loss", agg)
+    return reduce(mlx_losses.hinge_loss(yhat, y))
+
+
+def squared_hinge_loss(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
+    """Squared hinge loss: ``agg(max(0, 1 - ŷ * y)**2)``, labels ``y`` in ``{-1, 1}``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import squared_hinge_loss
+    >>> squared_hinge_loss(mx.array([0.1, 0.3, 1.0, 1.5]), mx.array([1, -1, 1, 1])).item()
+    0.625
+    """
+    yhat, y, reduce = _prepare(yhat, y, "squared_hinge_loss", agg)
+    return reduce(mx.square(mlx_losses.hinge_loss(yhat, y)))
+
+
+def poisson_loss(yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean") -> mx.array:
+    """Poisson loss of predicted rates ``ŷ > 0`` for counts ``y``: ``agg(ŷ - y * log(ŷ))``
+    (the negative log-likelihood up to a constant; ``0 * log(0)`` is 0).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import poisson_loss
+    >>> poisson_loss(mx.array([1.0, 3.0, 3.0]), mx.array([1, 2, 3])).item()
+    0.502313
+    """
+    yhat, y, reduce = _prepare(yhat, y, "poisson_loss", agg)
+    return reduce(yhat - _xlogy(y, yhat))
+
+
+def siamese_contrastive_loss(
+    yhat: mx.array, y: mx.array | float, *, agg: Agg = "mean", margin: float = 1.0
+) -> mx.array:
+    """Contrastive loss of distances ``ŷ`` between pairs, ``y = 1`` for a dissimilar pair and
+    ``0`` for a similar one: ``agg((1 - y) * ŷ**2 + y * max(0, margin - ŷ)**2)``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import siamese_contrastive_loss
+    >>> siamese_contrastive_loss(mx.array([0.5, 1.5, 2.5]), mx.array([1, 2, 3]), margin=2).item()
+    -4.0
+    """
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not margin >= 0:
+        raise ValueError(
+            f"[siamese_contrastive_loss] margin must be a non-negative number, got {margin!r}"
+        )
+    yhat, y, reduce = _prepare(yhat, y, "siamese_contrastive_loss", agg)
+    return reduce((1 - y) * mx.square(yhat) + y * mx.square(mx.maximum(margin - yhat, 0)))
+
+
+def binary_focal_loss(
+    yhat: mx.array,
+    y: mx.array | float,
+    *,
+    agg: Agg = "mean",
+    gamma: float = 2,
+    eps: float | None = None,
+) -> mx.array:
+    """Binary focal loss of probabilities ``ŷ`` (sigmoid output) for imbalanced labels:
+    ``agg(-(1 - p)**gamma * log(p))`` elementwise, with ``p = y * (ŷ + eps) + (1 - y) *
+    (1 - ŷ + eps)`` the probability given to the label.
+
+    ``gamma = 0`` gives :func:`binarycrossentropy`. (Flux subtracts ``eps`` from ``1 - ŷ``;
+    adding it, as :func:`binarycrossentropy` does, keeps ``ŷ = 1`` finite.)
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import binary_focal_loss
+    >>> p = mx.array([[0.268941, 0.731059], [0.5, 0.5], [0.268941, 0.731059]])
+    >>> binary_focal_loss(p, mx.array([[0, 1], [1, 0], [0, 1]])).item()
+    0.07287
+    """
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not gamma >= 0:
+        raise ValueError(f"[binary_focal_loss] gamma must be a non-negative number, got {gamma!r}")
+    yhat, y, reduce = _prepare(yhat, y, "binary_focal_loss", agg)
+    eps = _eps(eps, yhat)
+    p = y * (yhat + eps) + (1 - y) * (1 - yhat + eps)
+    return reduce(-_focal_weight(p, gamma) * mx.log(p))
+
+
+def _overlap_loss(
+    yhat: Any, y: Any, name: str, agg: Agg | None, loss: Callable[..., mx.array]
+) -> mx.array:
+    """The dice/Tversky pattern: ``loss(sum)`` with ``sum`` over all entries (``agg=None``, as
+    Flux) or over each sample's entries (all axes but the first), then ``agg``."""
+    yhat, y, reduce = _prepare(yhat, y, name, "mean" if agg is None else agg)
+    if agg is None:
+        return loss(mx.sum, yhat, y)
+    if yhat.ndim < 2:
+        raise ValueError(
+            f"[{name}] agg needs a batch axis: per-sample losses are over the axes after the "
+            f"first, got a prediction of shape {tuple(yhat.shape)}; for one loss over all "
+            f"entries leave agg=None"
+        )
+    axes = tuple(range(1, yhat.ndim))
+    return reduce(loss(lambda a: mx.sum(a, axis=axes), yhat, y))
+
+
+def dice_coeff_loss(
+    yhat: mx.array, y: mx.array, *, smooth: float = 1.0, agg: Agg | None = None
+) -> mx.array:
+    """Dice loss for segmentation (V-Net): ``1 - (2 * sum(y * ŷ) + smooth) / (sum(y**2) +
+    sum(ŷ**2) + smooth)``, ``1 -`` a smoothed F1 score.
+
+    ``agg=None`` (as Flux): one loss, the sums over all entries. With an ``agg``
+    (``"mean"``, ``"sum"``, ``"none"``, a function) the sums run over each sample's entries
+    (all axes after the batch axis) and ``agg`` reduces the per-sample losses.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import dice_coeff_loss
+    >>> dice_coeff_loss(mx.array([1.1, 2.1, 3.1]), mx.array([1.0, 2.0, 3.0])).item()
+    0.000992
+    """
+    if isinstance(smooth, bool) or not isinstance(smooth, numbers.Real) or not smooth >= 0:
+        raise ValueError(f"[dice_coeff_loss] smooth must be a non-negative number, got {smooth!r}")
+
+    def loss(total: Callable, yhat: mx.array, y: mx.array) -> mx.array:
+        return 1 - (2 * total(y * yhat) + smooth) / (
+            total(mx.square(y)) + total(mx.square(yhat)) + smooth)
+
+    return _overlap_loss(yhat, y, "dice_coeff_loss", agg, loss)
+
+
+def tversky_loss(
+    yhat: mx.array, y: mx.array, *, beta: float = 0.7, agg: Agg | None = None
+) -> mx.array:
+    """Tversky loss for imbalanced segmentation: ``1 - (TP + 1) / (TP + beta * FP +
+    (1 - beta) * FN + 1)`` with ``TP = sum(y * ŷ)``, ``FP = sum((1 - y) * ŷ)``,
+    ``FN = sum(y * (1 - ŷ))`` (as Flux's code computes it; ``beta = 0.5`` weighs both
+    errors alike, a larger ``beta`` false positives more). ``agg`` as in
+    :func:`dice_coeff_loss`.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import tversky_loss
+    >>> masks = mx.array([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    >>> tversky_loss(mx.array([[0.9, 0.2, 0.6], [0.1, 0.4, 0.8]]), masks, agg="none")
+    array([0.103943, 0.18552], dtype=float32)
+    """
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0 <= beta <= 1:
+        raise ValueError(f"[tversky_loss] beta must be a number in [0, 1], got {beta!r}")
+
+    def loss(total: Callable, yhat: mx.array, y: mx.array) -> mx.array:
+        tp = total(y * yhat)
+        return 1 - (tp + 1) / (
+            tp + beta * total((1 - y) * yhat) + (1 - beta) * total(y * (1 - yhat)) + 1)
+
+    return _overlap_loss(yhat, y, "tversky_loss", agg, loss)
+
+
+def ctc_loss(
+    yhat: mx.array,
+    y: mx.array | list,
+    *,
+    input_lengths: mx.array | list | None = None,
+    target_lengths: mx.array | list | None = None,
+    blank: int = -1,
+    agg: Agg = "mean",
+) -> mx.array:
+    """Connectionist temporal classification loss (Graves et al., 2006): ``-log p(y | ŷ)``,
+    summed over every alignment of the label sequence ``y`` to the time steps of ``ŷ``.
+
+    ``ŷ``: the network's raw outputs, ``(batch, time, classes)`` (or ``(time, classes)``
+    for one sequence, as Flux's ``ctc_loss``); ``logsoftmax`` over the classes is applied
+    here, as in Flux. ``y``: 0-based integer labels, ``(batch, max_target_length)`` (or one
+    sequence), without blanks; entries past a sample's ``target_lengths`` are ignored
+    (padding). ``input_lengths``/``target_lengths``: each sample's time steps and labels
+    (default: all). ``blank``: the blank class (``-1``: the last, as Flux). ``agg`` reduces
+    the per-sample losses (PyTorch's ``"mean"`` also divides each by its target length;
+    this is Flux's plain mean). A sample whose target cannot fit its input is ``inf``.
+
+    Computed in float32 (float64 inputs in float64) by the log-space forward recursion, one
+    step per time step, differentiable by ``mx.grad``. The lengths and labels are checked
+    (one host read); inside ``mx.compile`` a bad label makes its sample's loss NaN instead.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.losses import ctc_loss
+    >>> logits = mx.array([[1.0, 2.0, 3.0], [2.0, 1.0, 3.0], [3.0, 1.0, 2.0]])  # (time, classes)
+    >>> ctc_loss(logits, mx.array([0, 1])).item()  # Flux's test value (its 1-based [1, 2])
+    3.69907
+    >>> batch = mx.stack([logits, logits])
+    >>> ctc_loss(batch, mx.array([[0, 1], [1, -1]]), target_lengths=[2, 1], agg="none")
+    array([3.69907, 2.2339], dtype=float32)
+    """
+    reduce = _aggregate(agg, "ctc_loss")
+    _check_prediction(yhat, "ctc_loss")
+    if yhat.ndim not in (2, 3) or not mx.issubdtype(yhat.dtype, mx.floating):
+        raise ValueError(
+            f"[ctc_loss] expected floating logits of shape (batch, time, classes) or (time, "
+            f"classes), got a {yhat.dtype} array of shape {tuple(yhat.shape)}"
+        )
+    one = yhat.ndim == 2
+    if one:
+        yhat = yhat[None]
+        y = _ctc._int_array(y, "y", "a label sequence")[None]
+        if input_lengths is not None or target_lengths is not None:
+            raise ValueError("[ctc_loss] lengths are per sample: give a batch (batch, time, "
+                             "classes) with them, or leave them out for one sequence")
+    labels, inputs, targets, blank, valid = _ctc.prepare(
+        yhat.shape, y, input_lengths, target_lengths, blank)
+    logp = stable_logsoftmax(yhat.astype(_compute_dtype(yhat)), axis=-1)
+    losses = _ctc.negative_log_likelihood(logp, labels, inputs, targets, blank)
+    losses = mx.where(valid, losses, mx.array(float("nan"), losses.dtype))
+    return reduce(losses[0] if one else losses)

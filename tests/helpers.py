@@ -185,3 +185,47 @@ def in_threads(work: Callable[[int], object], n: int) -> None:
     for t in threads:
         t.join()
     assert not failures, failures
+
+
+def rule_problem(steps: int = 3, seed: int = 0):
+    """A ``Dense(3, 2)`` with known weights, its parameters in float64 numpy, and ``steps``
+    gradients (dicts of float32 numpy arrays): the problem the optimiser-rule tests step."""
+    from fluxlike import Dense
+
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(2, 3)).astype(np.float32)
+    b = rng.normal(size=(2,)).astype(np.float32)
+    grads = [{"weight": rng.normal(size=(2, 3)).astype(np.float32),
+              "bias": rng.normal(size=(2,)).astype(np.float32)} for _ in range(steps)]
+    model = Dense(3, 2)
+    model.weight, model.bias = mx.array(w), mx.array(b)
+    return model, {"weight": w.astype(np.float64), "bias": b.astype(np.float64)}, grads
+
+
+def run_rule(rule, model, grads):
+    """``setup(rule, model)`` and one ``update`` per gradient; returns the state."""
+    from fluxlike import setup, update
+
+    opt_state = setup(rule, model)
+    for g in grads:
+        update(opt_state, model, {k: mx.array(v) for k, v in g.items()})
+    return opt_state
+
+
+def reference_steps(step, params, grads):
+    """``step(w, g, state, t) -> w`` applied per parameter for each gradient (``t`` from 1),
+    in float64: the expected parameters, written from a rule's formulas."""
+    out = {}
+    for name, w in params.items():
+        state: dict = {}
+        for t, g in enumerate(grads, start=1):
+            w = step(w, g[name].astype(np.float64), state, t)
+        out[name] = w
+    return out
+
+
+def assert_parameters(model, expected, rtol=1e-5, atol=1e-6):
+    """``model``'s parameters equal ``expected`` (name -> numpy array)."""
+    for name, w in expected.items():
+        np.testing.assert_allclose(np64(getattr(model, name)), w, rtol=rtol, atol=atol,
+                                   err_msg=name)

@@ -9,9 +9,12 @@ from hypothesis.extra import numpy as hnp
 import fluxlike
 from fluxlike import autocast
 from fluxlike.losses import (
+    binary_focal_loss,
     binarycrossentropy,
     crossentropy,
+    dice_coeff_loss,
     focal_loss,
+    hinge_loss,
     huber_loss,
     kldivergence,
     logitbinarycrossentropy,
@@ -19,6 +22,10 @@ from fluxlike.losses import (
     mae,
     mse,
     msle,
+    poisson_loss,
+    siamese_contrastive_loss,
+    squared_hinge_loss,
+    tversky_loss,
 )
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -45,6 +52,11 @@ def ref_focal(p, y, gamma=2, eps=EPS32):
     return np.sum(-y * np.maximum(1 - q, 0) ** gamma * np.log(q), axis=-1)
 
 
+def ref_binary_focal(p, y, gamma=2, eps=EPS32):
+    pt = y * (p + eps) + (1 - y) * (1 - p + eps)
+    return -np.maximum(1 - pt, 0) ** gamma * np.log(pt)
+
+
 REFERENCES = {
     "mse": lambda p, y: (p - y) ** 2,
     "mae": lambda p, y: np.abs(p - y),
@@ -58,11 +70,17 @@ REFERENCES = {
     - (1 - y) * np.log(1 - 1 / (1 + np.exp(-z))),
     "kldivergence": lambda p, y: np.sum(xlogy(y, y) - xlogy(y, p + EPS32), axis=-1),
     "focal_loss": ref_focal,
+    "hinge_loss": lambda p, y: np.maximum(0, 1 - p * y),
+    "squared_hinge_loss": lambda p, y: np.maximum(0, 1 - p * y) ** 2,
+    "poisson_loss": lambda p, y: p - xlogy(y, p),
+    "siamese_contrastive_loss": lambda p, y: (1 - y) * p**2 + y * np.maximum(0, 1 - p) ** 2,
+    "binary_focal_loss": ref_binary_focal,
 }
 LOSSES = {
     f.__name__: f
     for f in (mse, mae, msle, huber_loss, crossentropy, logitcrossentropy, binarycrossentropy,
-              logitbinarycrossentropy, kldivergence, focal_loss)
+              logitbinarycrossentropy, kldivergence, focal_loss, hinge_loss, squared_hinge_loss,
+              poisson_loss, siamese_contrastive_loss, binary_focal_loss)
 }
 CLASS_LOSSES = ("crossentropy", "logitcrossentropy", "kldivergence", "focal_loss")
 # MLX's float64 exp is only float32-accurate on the CPU, too noisy for finite differences of
@@ -85,8 +103,14 @@ def make_inputs(name, rng, shape=(6, 5)):
         return np_softmax(rng.normal(size=shape)), y / y.sum(-1, keepdims=True)
     if name == "logitcrossentropy":
         return rng.normal(size=shape) * 3, onehot
-    if name == "binarycrossentropy":
+    if name in ("binarycrossentropy", "binary_focal_loss"):
         return rng.uniform(0.05, 0.95, shape), rng.integers(0, 2, shape)
+    if name in ("hinge_loss", "squared_hinge_loss"):
+        return rng.normal(size=shape) * 2, rng.choice([-1.0, 1.0], shape)
+    if name == "poisson_loss":
+        return rng.uniform(0.1, 3, shape), rng.integers(0, 5, shape)
+    if name == "siamese_contrastive_loss":
+        return rng.uniform(0, 2, shape), rng.integers(0, 2, shape)
     return rng.normal(size=shape) * 3, rng.integers(0, 2, shape)  # logitbinarycrossentropy
 
 
@@ -500,3 +524,120 @@ def test_kldivergence_non_negative_and_zero_on_equal(z, data):
         q = mx.softmax(mx.array(w, dtype=mx.float64), axis=-1)
         assert np64(kldivergence(p, q, agg="none")).min() >= -1e-12
         assert abs(kldivergence(p, p).item()) < 1e-12
+
+
+# ---- hinge, Poisson, contrastive, binary focal, dice and Tversky losses ----
+
+
+def test_flux_documented_values_of_the_other_losses():
+    # Flux's docstrings (float64 there: the float32 results agree to float32 rounding)
+    pred, labels = mx.array([0.1, 0.3, 1.0, 1.5]), mx.array([1, -1, 1, 1])
+    assert hinge_loss(pred, labels).item() == pytest.approx(0.55, rel=1e-6)
+    assert squared_hinge_loss(pred, labels).item() == pytest.approx(0.625, rel=1e-6)
+    assert poisson_loss(mx.array([1, 3, 3]), mx.array([1, 2, 3])).item() == \
+        pytest.approx(0.5023128522198171, rel=1e-6)
+    distances, y3 = mx.array([0.5, 1.5, 2.5]), mx.array([1, 2, 3])
+    assert siamese_contrastive_loss(distances, y3).item() == pytest.approx(-4.833333, rel=1e-6)
+    assert siamese_contrastive_loss(distances, y3, margin=2).item() == pytest.approx(-4.0)
+    assert dice_coeff_loss(mx.array([1.1, 2.1, 3.1]), y3).item() == \
+        pytest.approx(0.000992391663909964, rel=2e-4)  # 1 - 0.999: float32 cancellation
+    p = mx.array([[0.268941, 0.731059], [0.5, 0.5], [0.268941, 0.731059]])
+    assert binary_focal_loss(p, mx.array([[0, 1], [1, 0], [0, 1]])).item() == \
+        pytest.approx(0.0728675615927385, rel=1e-5)
+
+
+def test_binary_focal_loss_gamma_zero_is_binarycrossentropy_and_finite_at_the_ends():
+    p, y = as_mx(*make_inputs("binary_focal_loss", np.random.default_rng(9)))
+    np.testing.assert_allclose(np64(binary_focal_loss(p, y, gamma=0, agg="none")),
+                               np64(binarycrossentropy(p, y, agg="none")), rtol=1e-6)
+    ends, targets = mx.array([0.0, 1.0, 0.0, 1.0]), mx.array([0.0, 1.0, 1.0, 0.0])
+    for gamma in (0, 0.5, 2):
+        loss, grad = mx.value_and_grad(lambda v, g=gamma: binary_focal_loss(v, targets,
+                                                                            gamma=g))(ends)
+        assert np.isfinite(loss.item()) and np.isfinite(np64(grad)).all()
+    with pytest.raises(ValueError, match=r"^\[binary_focal_loss\] gamma must be a non-negative"):
+        binary_focal_loss(p, y, gamma=-1)
+
+
+def test_siamese_margin_must_be_non_negative():
+    with pytest.raises(ValueError, match=r"^\[siamese_contrastive_loss\] margin must be a "
+                                         r"non-negative number, got -1"):
+        siamese_contrastive_loss(mx.ones(2), mx.ones(2), margin=-1)
+
+
+def ref_dice(p, y, axes=None, smooth=1.0):
+    return 1 - (2 * np.sum(y * p, axes) + smooth) / (np.sum(y**2, axes) + np.sum(p**2, axes)
+                                                     + smooth)
+
+
+def ref_tversky(p, y, axes=None, beta=0.7):
+    tp = np.sum(y * p, axes)
+    return 1 - (tp + 1) / (tp + beta * np.sum((1 - y) * p, axes)
+                           + (1 - beta) * np.sum(y * (1 - p), axes) + 1)
+
+
+OVERLAP = {"dice_coeff_loss": (dice_coeff_loss, ref_dice),
+           "tversky_loss": (tversky_loss, ref_tversky)}
+
+
+def _masks(rng, shape=(3, 4, 4, 2)):
+    """Batch-first, channels-last predicted probabilities and binary masks."""
+    return rng.uniform(0, 1, shape), rng.integers(0, 2, shape)
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAP))
+@pytest.mark.parametrize("agg", [None, "mean", "sum", "none"])
+def test_overlap_losses_match_numpy_over_all_entries_or_per_sample(name, agg):
+    fn, ref = OVERLAP[name]
+    p, y = _masks(np.random.default_rng(10))
+    out = fn(*as_mx(p, y), agg=agg)
+    p, y = (np.asarray(a, np.float32).astype(np.float64) for a in (p, y))
+    if agg is None:
+        expected = ref(p, y)
+    else:
+        per_sample = ref(p, y, (1, 2, 3))
+        expected = {"mean": np.mean, "sum": np.sum, "none": lambda a: a}[agg](per_sample)
+    assert out.dtype == mx.float32 and out.shape == np.shape(expected)
+    np.testing.assert_allclose(np64(out), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAP))
+@pytest.mark.parametrize("agg", [None, "mean"])
+def test_overlap_loss_gradients_float64(name, agg):
+    fn, _ = OVERLAP[name]
+    p, y = _masks(np.random.default_rng(11), (2, 3, 2))
+    pm, ym = (mx.array(np.asarray(a, np.float64), dtype=mx.float64) for a in (p, y))
+    check_gradients(lambda v, unused: fn(v, ym, agg=agg) + 0 * mx.sum(unused), pm,
+                    mx.zeros((1,), mx.float64))
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAP))
+@pytest.mark.parametrize("half", [mx.float16, mx.bfloat16])
+def test_overlap_losses_half_inputs_give_float32_in_and_out_of_scope(name, half):
+    fn, _ = OVERLAP[name]
+    p, y = _masks(np.random.default_rng(12))
+    p16, y16 = as_mx(p, y, dtype=half)
+    exact = fn(p16.astype(mx.float32), y16.astype(mx.float32))
+    with autocast(half, device="cpu"):
+        inside = fn(p16, y16, agg="none")
+    outside = fn(p16, y16)
+    assert inside.dtype == outside.dtype == mx.float32
+    np.testing.assert_allclose(np64(outside), np64(exact), rtol=1e-6)
+    assert inside.shape == (3,)
+
+
+def test_overlap_loss_errors():
+    with pytest.raises(ValueError, match=r"^\[dice_coeff_loss\] agg needs a batch axis: .* got "
+                                         r"a prediction of shape \(3,\); for one loss over all "
+                                         r"entries leave agg=None$"):
+        dice_coeff_loss(mx.ones(3), mx.ones(3), agg="mean")
+    with pytest.raises(ValueError, match=r"^\[dice_coeff_loss\] smooth must be a non-negative"):
+        dice_coeff_loss(mx.ones(3), mx.ones(3), smooth=-1)
+    with pytest.raises(ValueError, match=r"^\[tversky_loss\] beta must be a number in \[0, 1\], "
+                                         r"got 1.5$"):
+        tversky_loss(mx.ones(3), mx.ones(3), beta=1.5)
+    with pytest.raises(ValueError, match=r"^\[tversky_loss\] prediction shape \(2, 3\) does not "
+                                         r"match target shape \(3,\)"):
+        tversky_loss(mx.ones((2, 3)), mx.ones(3))
+    with pytest.raises(ValueError, match=r"^\[tversky_loss\] agg must be one of"):
+        tversky_loss(mx.ones((2, 3)), mx.ones((2, 3)), agg="avg")
