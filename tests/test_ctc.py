@@ -1,6 +1,6 @@
 """Tests of fluxlike/losses/_ctc.py through fluxlike.losses.ctc_loss: Flux's hand-computed
-values and gradients, a brute-force sum over every alignment, finite differences, batches with lengths
-and padding, half precision under autocast, mx.compile, errors."""
+values and gradients, a brute-force sum over every alignment, finite differences, batches with
+lengths and padding, half precision under autocast, mx.compile, errors."""
 
 from __future__ import annotations
 
