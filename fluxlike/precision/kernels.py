@@ -243,7 +243,9 @@ def _on_kept_casts(state: Context, x: mx.array, weight: mx.array, bias: mx.array
     if given != _F32 and given != dtype:
         return None
     params = (weight,) if bias is None else (weight, bias)
-    if choose("linear", dtype) == NATIVE:
+    # choose("linear", dtype) on the CPU outside differentiation, inline (every layer call):
+    # bfloat16 is native wherever the companion is in use, float16 emulated.
+    if dtype == _BF16 and _switch.ext is not None:
         fused, after = (False, None) if act is None else _split(act)
         kept = castcache.casts_if_seen(params, dtype)
         if kept is None:
