@@ -75,7 +75,8 @@ def build(name):
         return lm()
     spec = SPECS[name]
     x, labels = data(spec)
-    return fluxlike_model(spec, weights(spec)), (mx.array(x), mx.array(onehot(labels, spec.classes)))
+    y = mx.array(onehot(labels, spec.classes))
+    return fluxlike_model(spec, weights(spec)), (mx.array(x), y)
 
 out = {{}}
 for name in {models!r}:
@@ -124,6 +125,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
     models = tuple(args.models.split(","))
+    unknown = [n for n in args.variants.split(",") if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; the variants are {list(VARIANTS)}")
     variants = {name: VARIANTS[name] for name in args.variants.split(",")}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?")
