@@ -50,6 +50,7 @@ import mlx.optimizers as optim
 import models as M
 import numpy as np
 import torch_worker as TW
+from machine import processor
 
 import fluxlike
 from fluxlike import autocast, bf16mix, native, setup, update, withgradient
@@ -578,6 +579,7 @@ def header(torch_line: str) -> None:
     print(f"command: {' '.join([os.path.relpath(sys.executable), *sys.argv])}")
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs; "
           f"python {platform.python_version()}; load average {load_average()}")
+    print(f"processor: {processor()}")
     print(f"mlx {mx.__version__} (device {mx.default_device()}); "
           f"fluxlike {fluxlike_version()}")
     print(torch_line)

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine import processor
+
 HERE = Path(__file__).resolve().parent
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
@@ -129,9 +131,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; the variants are {list(VARIANTS)}")
     variants = {name: VARIANTS[name] for name in args.variants.split(",")}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), "?")
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.rounds} rounds of {args.steps} steps")
+    print(f"processor: {processor()}; {args.rounds} rounds of {args.steps} steps")
     for busy in args.busy:
         samples: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
         procs = spinners(busy)

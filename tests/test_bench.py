@@ -42,6 +42,8 @@ def test_quick_run_on_the_seed_model_prints_every_table():
         assert column in headers[0]
     # The run says whether it imported torch itself (it must not: PyTorch has its own process).
     assert "(torch imported in this process: no" in out
+    processor = next(line for line in out.splitlines() if line.startswith("processor: "))
+    assert "avx512_bf16" in processor and "amx_bf16" in processor  # it has it, or says "no"
     if HAVE_TORCH:
         for table in headers[:2]:  # inference and training; memory is MLX only
             assert "torch f32" in table and "torch bf16" in table and "torch f32 ms" in table
@@ -164,3 +166,21 @@ def test_adam_bench_reports_every_variant():
 
     takes = "the native kernel" if native.adam_kernel() is not None else "MLX's update"
     assert f"fl update takes {takes}" in done.stdout
+
+
+def test_the_processor_line_names_the_isa_flags(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("machine", ROOT / "bench" / "machine.py")
+    machine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(machine)
+    amd = tmp_path / "amd"
+    amd.write_text("model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    intel = tmp_path / "intel"
+    intel.write_text("model name\t: Intel Xeon\nflags\t\t: avx512_bf16 avx512_fp16 amx_bf16\n")
+    old = tmp_path / "old"
+    old.write_text("model name\t: Old\nflags\t\t: avx2\n")
+    assert machine.processor(str(amd)).endswith(": avx512_bf16; no amx_bf16, avx512_fp16")
+    assert machine.processor(str(intel)).endswith(": amx_bf16, avx512_bf16, avx512_fp16")
+    assert machine.processor(str(old)).endswith(": none of amx_bf16/avx512_bf16/avx512_fp16")
+    assert machine.processor(str(tmp_path / "absent"))  # the platform's name instead
