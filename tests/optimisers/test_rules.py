@@ -6,6 +6,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from helpers import assert_parameters, reference_steps, rule_problem, run_rule
 
 from fluxlike import (
     Adam,
@@ -28,49 +29,10 @@ from fluxlike.optimisers.rules import FLOAT16_EPS
 STEPS = 3
 
 
-def _problem(seed: int = 0):
-    """A Dense(3, 2) with known weights and a different gradient for each step."""
-    rng = np.random.default_rng(seed)
-    w = rng.normal(size=(2, 3)).astype(np.float32)
-    b = rng.normal(size=(2,)).astype(np.float32)
-    grads = [
-        {"weight": rng.normal(size=(2, 3)).astype(np.float32),
-         "bias": rng.normal(size=(2,)).astype(np.float32)}
-        for _ in range(STEPS)
-    ]
-    model = Dense(3, 2)
-    model.weight, model.bias = mx.array(w), mx.array(b)
-    return model, {"weight": w.astype(np.float64), "bias": b.astype(np.float64)}, grads
-
-
-def _run(rule, model, grads):
-    opt_state = setup(rule, model)
-    for g in grads:
-        assert update(opt_state, model, {k: mx.array(v) for k, v in g.items()}) is None
-    return opt_state
-
-
-def _reference(step, params, grads):
-    """Apply ``step(w, g, state, t) -> w`` per parameter for each gradient, in float64."""
-    out = {}
-    for name, w in params.items():
-        state: dict = {}
-        for t, g in enumerate(grads, start=1):
-            w = step(w, g[name].astype(np.float64), state, t)
-        out[name] = w
-    return out
-
-
-def _check(model, expected, rtol=1e-5, atol=1e-6):
-    for name, w in expected.items():
-        np.testing.assert_allclose(np.array(getattr(model, name)), w, rtol=rtol, atol=atol,
-                                   err_msg=name)
-
-
 def test_descent():
-    model, params, grads = _problem()
-    _run(Descent(0.1), model, grads)
-    _check(model, _reference(lambda w, g, s, t: w - 0.1 * g, params, grads))
+    model, params, grads = rule_problem(STEPS)
+    run_rule(Descent(0.1), model, grads)
+    assert_parameters(model, reference_steps(lambda w, g, s, t: w - 0.1 * g, params, grads))
 
 
 def test_descent_keeps_no_buffer():
@@ -80,18 +42,18 @@ def test_descent_keeps_no_buffer():
 
 
 def test_momentum():  # Optimisers.jl: v = rho v + lr g; w -= v
-    model, params, grads = _problem()
+    model, params, grads = rule_problem(STEPS)
 
     def step(w, g, s, t):
         s["v"] = 0.8 * s.get("v", 0) + 0.05 * g
         return w - s["v"]
 
-    _run(Momentum(0.05, 0.8), model, grads)
-    _check(model, _reference(step, params, grads))
+    run_rule(Momentum(0.05, 0.8), model, grads)
+    assert_parameters(model, reference_steps(step, params, grads))
 
 
 def test_nesterov():  # Optimisers.jl: dx = -rho^2 v + (1 + rho) lr g; v = rho v - lr g
-    model, params, grads = _problem()
+    model, params, grads = rule_problem(STEPS)
     lr, rho = 0.01, 0.9
 
     def step(w, g, s, t):
@@ -100,20 +62,20 @@ def test_nesterov():  # Optimisers.jl: dx = -rho^2 v + (1 + rho) lr g; v = rho v
         s["v"] = rho * v - lr * g
         return w - dx
 
-    _run(Nesterov(lr, rho), model, grads)
-    _check(model, _reference(step, params, grads))
+    run_rule(Nesterov(lr, rho), model, grads)
+    assert_parameters(model, reference_steps(step, params, grads))
 
 
 def test_rmsprop():
-    model, params, grads = _problem()
+    model, params, grads = rule_problem(STEPS)
     lr, rho, eps = 0.01, 0.9, 1e-8
 
     def step(w, g, s, t):
         s["a"] = rho * s.get("a", 0) + (1 - rho) * g**2
         return w - lr * g / (np.sqrt(s["a"]) + eps)
 
-    _run(RMSProp(lr, rho, eps), model, grads)
-    _check(model, _reference(step, params, grads))
+    run_rule(RMSProp(lr, rho, eps), model, grads)
+    assert_parameters(model, reference_steps(step, params, grads))
 
 
 def _adam_step(lr, b1, b2, eps, wd=0.0):
@@ -127,19 +89,20 @@ def _adam_step(lr, b1, b2, eps, wd=0.0):
 
 
 def test_adam_has_bias_correction():
-    model, params, grads = _problem()
-    _run(Adam(0.01, (0.8, 0.99), 1e-7), model, grads)
-    _check(model, _reference(_adam_step(0.01, 0.8, 0.99, 1e-7), params, grads))
+    model, params, grads = rule_problem(STEPS)
+    run_rule(Adam(0.01, (0.8, 0.99), 1e-7), model, grads)
+    assert_parameters(model, reference_steps(_adam_step(0.01, 0.8, 0.99, 1e-7), params, grads))
 
 
 def test_adamw():
-    model, params, grads = _problem()
-    _run(AdamW(0.01, weight_decay=0.1), model, grads)
-    _check(model, _reference(_adam_step(0.01, 0.9, 0.999, 1e-8, wd=0.1), params, grads))
+    model, params, grads = rule_problem(STEPS)
+    run_rule(AdamW(0.01, weight_decay=0.1), model, grads)
+    step = _adam_step(0.01, 0.9, 0.999, 1e-8, wd=0.1)
+    assert_parameters(model, reference_steps(step, params, grads))
 
 
 def test_lion():
-    model, params, grads = _problem()
+    model, params, grads = rule_problem(STEPS)
     lr, b1, b2, wd = 0.01, 0.9, 0.99, 0.1
 
     def step(w, g, s, t):
@@ -148,15 +111,16 @@ def test_lion():
         s["m"] = b2 * m + (1 - b2) * g
         return w * (1 - lr * wd) - lr * np.sign(c)
 
-    _run(Lion(lr, (b1, b2), wd), model, grads)
-    _check(model, _reference(step, params, grads))
+    run_rule(Lion(lr, (b1, b2), wd), model, grads)
+    assert_parameters(model, reference_steps(step, params, grads))
 
 
 def test_learning_rate_schedule():
-    model, params, grads = _problem()
+    model, params, grads = rule_problem(STEPS)
     schedule = optim.step_decay(0.1, 0.5, 1)  # 0.1, 0.05, 0.025 at steps 0, 1, 2
-    _run(Descent(schedule), model, grads)
-    _check(model, _reference(lambda w, g, s, t: w - 0.1 * 0.5 ** (t - 1) * g, params, grads))
+    run_rule(Descent(schedule), model, grads)
+    step = lambda w, g, s, t: w - 0.1 * 0.5 ** (t - 1) * g  # noqa: E731
+    assert_parameters(model, reference_steps(step, params, grads))
 
 
 def test_clip_norm_is_global():
@@ -184,13 +148,13 @@ def _clip_norm_reference(g, max_norm):
     (ClipValue(0.3), lambda g: {k: np.clip(v, -0.3, 0.3) for k, v in g.items()}),
 ])
 def test_chain_clips_before_the_rule(clip, reference):
-    model, params, grads = _problem()
-    _run(OptimiserChain(clip, Descent(0.1)), model, grads)
+    model, params, grads = rule_problem(STEPS)
+    run_rule(OptimiserChain(clip, Descent(0.1)), model, grads)
     expected = dict(params)
     for g in grads:
         g64 = reference({k: v.astype(np.float64) for k, v in g.items()})
         expected = {k: expected[k] - 0.1 * g64[k] for k in expected}
-    _check(model, expected)
+    assert_parameters(model, expected)
 
 
 def test_chain_state_is_the_rules_state():
