@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import workarounds
-from . import kernels
+from . import kernels, operands
 from .state import HALF
 
 Mask = mx.array | str | None
@@ -35,7 +35,7 @@ def attend(
     ((1, 2, 3, 4), mlx.core.bfloat16, (1, 2, 3, 3))
     """
     fused = workarounds.fast_kernels_exact(q.dtype) and not (dropout or return_weights)
-    half_cpu = kernels.half_on_cpu(q, k, v)
+    half_cpu = operands.half_on_cpu(q, k, v)
     if fused and not half_cpu:
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             mask = _finite(mask.astype(q.dtype))  # sdpa wants the scores' dtype

@@ -28,7 +28,7 @@ from ..native import _loader
 from ..native import ops as native_ops
 from ..native.ops import _KNOWN_ACTS, split_act
 from . import castcache, emulation
-from .operands import operands
+from .operands import one_dtype, operands
 from .state import HALF, PLAIN, Context, context
 
 NATIVE, EMULATED, MLX = "native", "emulated", "mlx"
@@ -46,37 +46,6 @@ _state = context.get  # bound once: read on every call of every layer
 
 Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]
 Activation = Callable[[mx.array], mx.array]
-
-
-def one_dtype(first: mx.array, *others: mx.array | None) -> mx.Dtype | None:
-    """The dtype of ``first`` if every other operand (``None`` aside) has it, else ``None``.
-
-    >>> import mlx.core as mx
-    >>> one_dtype(mx.ones(2), None, mx.ones(1)), one_dtype(mx.ones(2), mx.ones(2, mx.float16))
-    (mlx.core.float32, None)
-    """
-    dtype = first.dtype
-    for a in others:  # a plain loop: this runs on every kernel call
-        if a is not None and a.dtype != dtype:
-            return None
-    return dtype
-
-
-def half_on_cpu(first: mx.array, *others: mx.array | None) -> bool:
-    """Whether these operands are half precision, all of one dtype, on the CPU (the default
-    device): where MLX's own half kernels are slow, and fluxlike's kernels run natively or
-    emulated instead.
-
-    >>> import mlx.core as mx
-    >>> half_on_cpu(mx.ones(2, dtype=mx.bfloat16), mx.ones(2, dtype=mx.bfloat16))
-    True
-    >>> half_on_cpu(mx.ones(2), mx.ones(2))
-    False
-    """
-    if first.itemsize != 2:  # cheap: float32 operands pass here on every call
-        return False
-    dtype = one_dtype(first, *others)
-    return dtype in _HALF and mx.default_device().type is mx.cpu
 
 
 def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,

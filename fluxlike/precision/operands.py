@@ -17,9 +17,10 @@ from typing import cast, overload
 import mlx.core as mx
 
 from . import castcache
-from .state import CASTABLE, PLAIN, context, device_index
+from .state import CASTABLE, HALF, PLAIN, context, device_index
 
 _warned_float64: set[str] = set()
+HALF_SET = frozenset(HALF)
 
 
 def match_input(x: mx.array, weight: mx.array, layer: str,
@@ -98,3 +99,34 @@ def operands(x: mx.array, weight: mx.array, *params: mx.array | None,
     cached = castcache.cached_cast
     return (x, cached(weight, dtype),
             *(p if p is None or p.dtype not in CASTABLE else cached(p, dtype) for p in params))
+
+
+def one_dtype(first: mx.array, *others: mx.array | None) -> mx.Dtype | None:
+    """The dtype of ``first`` if every other operand (``None`` aside) has it, else ``None``.
+
+    >>> import mlx.core as mx
+    >>> one_dtype(mx.ones(2), None, mx.ones(1)), one_dtype(mx.ones(2), mx.ones(2, mx.float16))
+    (mlx.core.float32, None)
+    """
+    dtype = first.dtype
+    for a in others:  # a plain loop: this runs on every kernel call
+        if a is not None and a.dtype != dtype:
+            return None
+    return dtype
+
+
+def half_on_cpu(first: mx.array, *others: mx.array | None) -> bool:
+    """Whether these operands are half precision, all of one dtype, on the CPU (the default
+    device): where MLX's own half kernels are slow, and fluxlike's kernels run natively or
+    emulated instead.
+
+    >>> import mlx.core as mx
+    >>> half_on_cpu(mx.ones(2, dtype=mx.bfloat16), mx.ones(2, dtype=mx.bfloat16))
+    True
+    >>> half_on_cpu(mx.ones(2), mx.ones(2))
+    False
+    """
+    if first.itemsize != 2:  # cheap: float32 operands pass here on every call
+        return False
+    dtype = one_dtype(first, *others)
+    return dtype in HALF_SET and mx.default_device().type is mx.cpu

@@ -13,7 +13,7 @@ import pytest
 from helpers import np64
 
 from fluxlike import Chain, Dense, autocast, native, relu
-from fluxlike.precision import emulation, kernels
+from fluxlike.precision import emulation, kernels, operands
 
 HALVES = [mx.float16, mx.bfloat16]
 TOL = {mx.float16: 4e-3, mx.bfloat16: 3e-2}  # max error relative to the largest magnitude
@@ -184,9 +184,9 @@ class TestKernels:
 class TestDispatch:
     def test_half_operands_on_the_cpu_are_emulated(self):
         a = mx.ones((2, 2), mx.bfloat16)
-        assert kernels.half_on_cpu(a, a) and kernels.half_on_cpu(a, a, None)
+        assert operands.half_on_cpu(a, a) and operands.half_on_cpu(a, a, None)
         with mx.stream(mx.cpu):
-            assert kernels.half_on_cpu(a.astype(mx.float16), a.astype(mx.float16))
+            assert operands.half_on_cpu(a.astype(mx.float16), a.astype(mx.float16))
 
     @pytest.mark.parametrize("dtypes", [
         (mx.float32, mx.float32), (mx.float64, mx.float64), (mx.bfloat16, mx.float32),
@@ -194,7 +194,7 @@ class TestDispatch:
     ])
     def test_other_dtypes_are_left_to_mlx(self, dtypes):
         a, b = (mx.ones((2, 2), dtype=d) for d in dtypes)
-        assert not kernels.half_on_cpu(a, b)
+        assert not operands.half_on_cpu(a, b)
 
     def test_float32_results_unchanged(self):
         x, w, b = mx.random.normal((3, 4)), mx.random.normal((2, 4)), mx.random.normal((2,))

@@ -7,7 +7,8 @@ import pytest
 from fluxlike import native
 from fluxlike.modes import differentiating
 from fluxlike.precision import kernels
-from fluxlike.precision.kernels import EMULATED, MLX, NATIVE, choose, half_on_cpu, one_dtype
+from fluxlike.precision.kernels import EMULATED, MLX, NATIVE, choose
+from fluxlike.precision.operands import half_on_cpu, one_dtype
 
 F32, BF16, F16, F64 = mx.float32, mx.bfloat16, mx.float16, mx.float64
 GEOMETRY = ((1, 1), (1, 1), (1, 1))  # stride, padding, dilation
