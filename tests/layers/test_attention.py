@@ -11,6 +11,7 @@ import fluxlike
 import fluxlike.precision.attention
 from fluxlike import Dense, MultiHeadAttention
 from fluxlike.modes import differentiating
+from fluxlike.precision import operands
 
 
 def randomise_biases(mha: MultiHeadAttention) -> MultiHeadAttention:
