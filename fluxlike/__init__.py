@@ -75,11 +75,11 @@ from .optimisers.rules import (
     RMSProp,
     WeightDecay,
 )
-from .precision.lossscale import DynamicLossScale, StaticLossScale, all_finite
+from .precision.lossscale import DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite
 from .gradients import gradient, withgradient
 from .optimisers.state import OptState, setup, update
 from .distributed import DataParallel, barrier
-from .training import train
+from .training import train, trainstep, trainstep_withgradient
 
 try:
     __version__: str = _version("fluxlike")
@@ -101,14 +101,15 @@ __all__ = [
     "RMSNorm", "testmode", "trainmode",
     # precision
     "autocast", "autocast_policy", "policy_of", "clear_cast_cache", "bf16", "bf16mix", "f16",
-    "f16mix", "f32", "f64", "keep_float32", "DynamicLossScale", "StaticLossScale", "all_finite",
+    "f16mix", "f32", "f64", "keep_float32", "DynamicLossScale", "NoOpLossScale", "StaticLossScale",
+    "all_finite",
     # data and checkpoints
     "DataLoader", "onecold", "onehot", "onehotbatch", "loadcheckpoint", "loadmodel", "savemodel",
     "state",
     # optimiser rules, gradients, training
     "Adam", "AdamW", "ClipNorm", "ClipValue", "Descent", "Lion", "Momentum", "Nesterov",
     "OptimiserChain", "RMSProp", "WeightDecay", "gradient", "withgradient", "OptState", "setup",
-    "update", "train",
+    "update", "train", "trainstep", "trainstep_withgradient",
     # several processes
     "DataParallel", "barrier",
 ]  # fmt: skip

@@ -48,30 +48,71 @@ def assign(
             assign(value, values, path + ".", prune)
 
 
+class _Interrupts:
+    """Ctrl-C (SIGINT) held back while a step changes the model and its state, then delivered:
+    a signal handled half-way through a step (or through its rollback) would leave some
+    parameters stepped and others not.
+
+    The handler is installed once (again only if someone replaced it) and chains to the one it
+    found; a step only counts itself in and out (:meth:`enter`/:meth:`exit`), so that the
+    guard costs no signal installation per step. Only the main thread receives signals;
+    elsewhere :meth:`enter` does nothing."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.held: tuple[int, Any] | None = None
+        self.previous: Any = None
+        self.handler = self._handle  # one bound method: compared by identity below
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.depth:
+            self.held = (signum, frame)
+        else:
+            self._deliver(signum, frame)
+
+    def _deliver(self, signum: int, frame: Any) -> None:
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+    def enter(self) -> bool:
+        """Count a step in; ``False`` (nothing to :meth:`exit`) where no guard is possible."""
+        if threading.get_ident() != _MAIN_THREAD:
+            return False
+        current = signal.getsignal(signal.SIGINT)  # reads Python's table: no system call
+        if current is not self.handler:
+            if current is None:  # installed from C: cannot be chained
+                return False
+            try:
+                signal.signal(signal.SIGINT, self.handler)
+            except (ValueError, OSError):  # no signals here (an embedded interpreter)
+                return False
+            self.previous = current
+        self.depth += 1
+        return True
+
+    def exit(self) -> None:
+        """Count a step out; deliver a Ctrl-C held back meanwhile."""
+        self.depth -= 1
+        if not self.depth and self.held is not None:
+            held, self.held = self.held, None
+            self._deliver(*held)
+
+
+_MAIN_THREAD = threading.main_thread().ident
+INTERRUPTS = _Interrupts()
+
+
 @contextmanager
 def uninterrupted() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) back while a step changes the model and its state, then deliver
-    it: a signal handled half-way through a step (or through its rollback) would leave some
-    parameters stepped and others not. Only the main thread receives signals; elsewhere this
-    does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[tuple[int, Any]] = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum,
-                                                                                   frame)))
-    except (ValueError, OSError):  # no signals here (an embedded interpreter)
-        yield
-        return
+    """Hold Ctrl-C back for the block (see :class:`_Interrupts`)."""
+    guarded = INTERRUPTS.enter()
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if held and callable(previous):
-            previous(*held[0])
-        elif held and previous == signal.SIG_DFL:
-            raise KeyboardInterrupt
+        if guarded:
+            INTERRUPTS.exit()
 
 
 def rollback(model: nn.Module, params: Any, trees: list, before: list[dict]) -> None:
@@ -128,28 +169,38 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
     walk(params, optimizer.state, "")
 
 
-def step(optimizer: optim.Optimizer, scale: LossScale | None, grads: dict,
-         params: dict, average: Callable[[dict], dict] | None = None) -> dict:
-    """The optimiser step on arrays: the new parameters (shaped like ``grads``); the optimiser
-    and loss-scale state change in place. Traced by :class:`Compiled`, or run eagerly.
+def step(optimizer: optim.Optimizer, scale: LossScale, grads: dict, params: dict,
+         ok: mx.array, average: Callable[[dict], dict] | None = None,
+         ) -> tuple[dict, mx.array, dict]:
+    """The optimiser step on arrays: ``(new parameters, finite, gradients)``, the parameters
+    and the (unscaled, averaged) gradients shaped like ``grads``; the optimiser and loss-scale
+    state change in place. Traced by :class:`Compiled`, or run eagerly.
+
+    The step is taken only where the gradients are finite and ``ok`` (a bool scalar: the loss
+    was finite) holds; otherwise the parameters and optimiser state keep their values
+    (``mx.where``: no host synchronisation). The scale adjusts to the gradients' finiteness,
+    but not after a non-finite loss, which is no overflow of the gradients.
     ``average`` (data parallelism: :meth:`~fluxlike.distributed.DataParallel.average`) reduces
     the gradients over the group first, so unscaling, the finite check and the rule all see
     the reduced gradients, the same on every rank."""
     if average is not None:
         grads = average(grads)
-    if scale is None:
-        return optimizer.apply_gradients(grads, params)
     grads = scale.unscale(grads)
-    finite = all_finite(grads)
+    finite = mx.logical_and(all_finite(grads), ok)
     old_state = tree_map(lambda x: x, optimizer.state)  # new containers, same arrays
 
     def keep(new: mx.array, old: mx.array) -> mx.array:
-        return mx.where(finite, new, old)
+        return new if new is old else mx.where(finite, new, old)
 
     new_params = tree_map(keep, optimizer.apply_gradients(grads, params), params)
     assign(optimizer.state, dict(tree_flatten(tree_map(keep, optimizer.state, old_state))))
+    live = scale.state
+    old_scale = dict(live)
     scale.adjust(finite)
-    return new_params
+    for k, v in live.items():
+        if v is not old_scale.get(k, v):
+            live[k] = mx.where(ok, v, old_scale[k])
+    return new_params, finite, grads
 
 
 def averager(opt_state: Any) -> MethodType | None:
@@ -231,36 +282,39 @@ class Compiled:
         self.steps: dict[tuple, tuple[Callable, list]] = {}
         self.eager: str | None = None
         self.initialised: set[tuple] = set()  # gradient signatures the state was checked for
+        self.whole: dict[tuple, Callable] = {}  # whole training steps (fluxlike.compiledstep)
 
     def fall_back(self, reason: str) -> None:
         self.steps.clear()
+        self.whole.clear()
         self.eager = reason
 
     def step(self, opt_state: Any, model: nn.Module, grads: dict, params: dict,
-             signature: tuple) -> str | None:
+             signature: tuple, ok: mx.array) -> tuple[mx.array, dict, dict] | str:
         """Take the step through the compiled function for its key, tracing it first if
         needed; ``params`` are the model's parameters in the structure of ``grads``.
-        Returns ``None`` when done, else why it must be taken eagerly instead (and then
-        nothing has changed)."""
+        Returns :func:`step`'s ``(finite, gradients, new parameters)`` when done, else why
+        it must be taken eagerly instead (and then nothing has changed)."""
         optimizer, scale = opt_state.optimizer, opt_state.loss_scale
         average = averager(opt_state)
-        live = optimizer.state
-        scale_state = None if scale is None else scale.state
+        live, scale_state = optimizer.state, scale.state
         settings = (_settings(optimizer), _settings(scale))
         key = (signature, optimizer, scale, id(live), id(scale_state), settings,
                native.available(),  # its kernels or MLX's (native.disabled())
                None if average is None else _Same(average.__self__))
-        captured = [live] if scale_state is None else [live, scale_state]
+        captured = [live, scale_state]
         entry = self.steps.get(key)
         if entry is not None:
-            before = [dict(tree_flatten(tree)) for tree in captured]
-            with uninterrupted():
-                try:
-                    model.update(entry[0](grads, params))
-                except BaseException:  # a failure between the state's step and the model's
-                    rollback(model, params, captured, before)
-                    raise
-            return None
+            # The compiled call changes the captured state at once, in C++; the guard keeps
+            # Ctrl-C from landing between it and the model's update.
+            guarded = INTERRUPTS.enter()
+            try:
+                new_params, finite, grads = entry[0](grads, params, ok)
+                model.update(new_params)
+            finally:
+                if guarded:
+                    INTERRUPTS.exit()
+            return finite, grads, new_params
         # A step frees about the gradients, activations and (eagerly) the old state: keep
         # twice the bytes of parameters, gradients and state for the next step to reuse.
         _keep_step_buffers(2 * _footprint(grads, params, live))
@@ -271,7 +325,7 @@ class Compiled:
                         outputs=captured)
         with uninterrupted():
             try:
-                new_params = fn(grads, params)
+                new_params, finite, grads = fn(grads, params, ok)
             except BaseException as e:
                 # MLX leaves its tracers in the captured state when the traced function
                 # raises (see fluxlike.workarounds).
@@ -292,7 +346,7 @@ class Compiled:
             if len(self.steps) >= self.LIMIT:
                 del self.steps[next(iter(self.steps))]
             self.steps[key] = (fn, captured)
-        return None
+        return finite, grads, new_params
 
 
 COMPILED: weakref.WeakKeyDictionary[Any, Compiled] = weakref.WeakKeyDictionary()
