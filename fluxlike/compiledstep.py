@@ -110,7 +110,7 @@ def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptS
     signature, params, _ = _check_grads(params, model, where)  # parameters stand for grads
     if signature not in compiled.initialised:
         _check_same_model(opt_state, signature, False, where)
-        init_missing(optimizer, params)
+        init_missing(optimizer, params, where)
         _check_same_model(opt_state, signature, True, where)
         compiled.initialised.add(signature)
     captured = [model.state, live, scale.state, mx.random.state]

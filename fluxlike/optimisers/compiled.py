@@ -125,7 +125,7 @@ def rollback(model: nn.Module, params: Any, trees: list, before: list[dict]) -> 
     model.update(params)
 
 
-def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
+def init_missing(optimizer: optim.Optimizer, params: Any, where: str = "update") -> None:
     """Give ``optimizer`` state for every parameter of ``params`` (in the structure of the
     gradients) that has none: parameters frozen at ``setup`` and thawed since. An optimiser
     never initialised gets MLX's ``init``; otherwise only the missing entries are made, in
@@ -133,12 +133,12 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
     the lists it extends: see :mod:`fluxlike.workarounds`)."""
     inner = getattr(optimizer, "inner", None)  # fluxlike's OptimiserChain
     if isinstance(inner, optim.Optimizer):
-        init_missing(inner, params)
+        init_missing(inner, params, where)
         return
     if isinstance(optimizer, optim.MultiOptimizer):  # (which never sets _initialized)
         parts = optimizer._split_dictionary(params)
         for sub, part in zip(optimizer.optimizers, parts, strict=False):
-            init_missing(sub, part)
+            init_missing(sub, part, where)
         return
     if not getattr(optimizer, "_initialized", True):
         optimizer.init(params)
@@ -154,7 +154,7 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
                     value.shape != p.shape
                 ):
                     raise ValueError(
-                        f"update: opt_state does not fit the model: its {name!r} for {path!r} "
+                        f"{where}: opt_state does not fit the model: its {name!r} for {path!r} "
                         f"has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
                         f"setup() the optimiser for this model"
                     )

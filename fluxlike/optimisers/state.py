@@ -434,7 +434,7 @@ def _update(opt_state: OptState, model: nn.Module, grads: dict, ok: mx.array,
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     if signature not in compiled.initialised:
         _check_same_model(opt_state, signature, False, where)  # before init_missing grows it
-        init_missing(optimizer, params)  # thawed since setup(): no state yet
+        init_missing(optimizer, params, where)  # thawed since setup(): no state yet
         _check_same_model(opt_state, signature, True, where)  # (moments: init_missing says)
         compiled.initialised.add(signature)
     done = compiled.eager or compiled.step(opt_state, model, grads, params, signature, ok)
