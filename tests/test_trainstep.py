@@ -194,7 +194,8 @@ def test_the_loss_scale_argument():
      r"\(array, array\), and cannot take that"),
     ({"loss": lambda m, x, y: m(x)}, ValueError,
      r"trainstep: the function must return a floating scalar \(the loss\), got shape \(8, 1\)"),
-    ({"other_model": True}, ValueError, r"trainstep: opt_state (was set up for another model|does not fit the model)"),
+    ({"other_model": True}, ValueError,
+     r"trainstep: opt_state (was set up for another model|does not fit the model)"),
 ])
 @pytest.mark.parametrize("compile", [False, True])
 def test_bad_input_names_trainstep_and_changes_nothing(kwargs, error, message, compile):
