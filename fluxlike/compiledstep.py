@@ -15,7 +15,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map_with_path
 
 from . import native
 from ._mlxtyping import tree_flatten
@@ -64,6 +63,7 @@ def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtyp
     average = averager(opt_state)
 
     def whole(*args: Any) -> tuple:
+        before = model.parameters()  # the inputs: returned, so a skipped step can be undone
         fresh: list = []
         value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
                                          wrt_arrays=False, fresh_state=fresh)
@@ -71,17 +71,11 @@ def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtyp
         if parallel is not None:  # the group's mean: every rank decides alike
             value = parallel.mean(value)
         params = _trainable_parameters(model)[0]
-        new_params, finite, grads = step(optimizer, scale, g, params, mx.isfinite(value),
-                                         average)
+        new_params, finite, grads, state_before = step(optimizer, scale, g, params, average,
+                                                       keep=False)
         model.update(new_params)
-        statistics: list[mx.array] = []
-        for m, before, new in fresh:  # running statistics: kept only with the step
-            old = dict(tree_flatten(before))
-            m.update(tree_map_with_path(
-                lambda k, v, new=new, old=old: mx.where(finite, v, old[k]) if k in new else v,
-                m.parameters()))
-            statistics.extend(v for k, v in tree_flatten(m.parameters()) if k in new)
-        return value, finite, grads, new_params, statistics
+        statistics = [v for _, _, new in fresh for v in new.values()]
+        return value, finite, grads, new_params, statistics, before, state_before
 
     return whole
 
@@ -89,9 +83,10 @@ def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtyp
 def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
                   dtype: mx.Dtype | None, where: str) -> tuple | None:
     """The step through the compiled function for its key (traced first if new):
-    ``(loss, finite, grads, new parameters, new running statistics)``, all arrays, not yet
-    evaluated; ``None`` when this optimiser cannot be captured (then nothing has changed:
-    take the step eagerly)."""
+    ``(loss, finite, grads, new parameters, new running statistics, the model's parameters
+    before, the optimiser state before)``, arrays not yet evaluated (a non-finite step is
+    taken: the caller undoes it); ``None`` when this optimiser cannot be captured (then
+    nothing has changed: take the step eagerly)."""
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     live = optimizer.state
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from . import workarounds  # noqa: F401  (registers the exit guard for worker threads)
 from .compiledstep import compiled_step
 from .gradients import _check_autocast, _value_and_grad
+from .optimisers.compiled import INTERRUPTS, put_back
 from .optimisers.state import OptState, _update, claim
 from .precision import lossscale
 from .precision.lossscale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
@@ -94,37 +95,48 @@ def _reseed(key: Any) -> None:
 def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
           dtype: mx.Dtype | None, compile: bool, where: str) -> tuple[float, bool, dict]:
     """One step: ``(loss value, whether the step was taken, gradients)``, with one device
-    read. A step is not taken when the loss or the (unscaled) gradients are not finite: the
-    model, optimiser and loss-scale state keep their values (``mx.where`` in the step), the
-    random state and running statistics are put back."""
+    read. A step whose loss or (unscaled) gradients are not finite is undone when that read
+    shows it (rare): the arrays of before it are put back (kept, not copied: MLX arrays are
+    immutable), so the graph of every step carries no selections for it."""
     key = mx.random.state[0]  # type: ignore[index]  # MLX's stub lacks mx.random.state
-    scale = opt_state.loss_scale
+    scale, optimizer = opt_state.loss_scale, opt_state.optimizer
+    scale_before = dict(scale.state)  # a few scalars
     fresh: list = []
     try:
         out = compiled_step(loss, model, args, opt_state, dtype, where) if compile else None
         if out is not None:
-            value, finite, grads, new_params, fresh_arrays = out
+            value, finite, grads, new_params, fresh_arrays, before, state_before = out
         else:
             value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
                                              wrt_arrays=False, fresh_state=fresh)
             value = value[0] if isinstance(value, tuple) else value
             if opt_state.distributed is not None:  # the group's mean: every rank decides alike
                 value = opt_state.distributed.mean(value)
-            finite, grads, new_params = _update(opt_state, model, g, mx.isfinite(value), where)
+            new_params, finite, grads, state_before, before = _update(opt_state, model, g,
+                                                                      False, where)
             fresh_arrays = [v for _, _, new in fresh for v in new.values()]
-        mx.eval(value, finite, new_params, opt_state.optimizer.state, scale.state,
-                fresh_arrays)
+        mx.eval(value, finite, new_params, optimizer.state, scale.state, fresh_arrays)
     except BaseException as e:
         _reseed(key)
         if isinstance(e, TypeError):  # say how the loss is called, if that is what failed
             _check_call(loss, model, args, None, where)
         raise
-    taken = cast(bool, finite.item())
-    if not taken:  # a skipped step: running statistics and the random state as before it
-        for m, before, _ in fresh:  # (its trainable entries are as before: the step kept them)
-            m.update(before)
-        _reseed(key)
-    return cast(float, value.item()), taken, grads
+    loss_value = cast(float, value.item())
+    taken = math.isfinite(loss_value) and cast(bool, finite.item())
+    if not taken:  # model, optimiser, running statistics and random state as before
+        guarded = INTERRUPTS.enter()
+        try:
+            model.update(before)
+            for m, old, _ in fresh:
+                m.update(old)
+            put_back(optimizer.state, state_before)
+            if not math.isfinite(loss_value):  # no overflow of the gradients: scale as before
+                scale.state.update(scale_before)
+            _reseed(key)
+        finally:
+            if guarded:
+                INTERRUPTS.exit()
+    return loss_value, taken, grads
 
 
 class _Progress:

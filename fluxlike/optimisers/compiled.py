@@ -170,37 +170,53 @@ def init_missing(optimizer: optim.Optimizer, params: Any, where: str = "update")
 
 
 def step(optimizer: optim.Optimizer, scale: LossScale, grads: dict, params: dict,
-         ok: mx.array, average: Callable[[dict], dict] | None = None,
-         ) -> tuple[dict, mx.array, dict]:
-    """The optimiser step on arrays: ``(new parameters, finite, gradients)``, the parameters
-    and the (unscaled, averaged) gradients shaped like ``grads``; the optimiser and loss-scale
-    state change in place. Traced by :class:`Compiled`, or run eagerly.
+         average: Callable[[dict], dict] | None = None, keep: bool = True,
+         ) -> tuple[dict, mx.array, dict, Any]:
+    """The optimiser step on arrays: ``(new parameters, finite, gradients, optimiser state
+    before)``, the parameters and the (unscaled, averaged) gradients shaped like ``grads``, the
+    state before (``keep=False`` only; else ``None``) as :func:`previous` keeps it, which a
+    trace returns without a walk in Python; the optimiser and loss-scale
+    state change in place, the scale adjusting to whether the gradients are finite. Traced by
+    :class:`Compiled`, or run eagerly.
 
-    The step is taken only where the gradients are finite and ``ok`` (a bool scalar: the loss
-    was finite) holds; otherwise the parameters and optimiser state keep their values
-    (``mx.where``: no host synchronisation). The scale adjusts to the gradients' finiteness,
-    but not after a non-finite loss, which is no overflow of the gradients.
+    ``keep=True`` (:func:`~fluxlike.update`): where the gradients are not finite, the
+    parameters and optimiser state keep their values (``mx.where``: no host
+    synchronisation). ``keep=False`` (:func:`~fluxlike.trainstep`, which reads ``finite``
+    with the loss anyway and puts the previous arrays back on the rare skipped step) leaves
+    out those selections, a sizeable part of a small model's step.
     ``average`` (data parallelism: :meth:`~fluxlike.distributed.DataParallel.average`) reduces
     the gradients over the group first, so unscaling, the finite check and the rule all see
     the reduced gradients, the same on every rank."""
     if average is not None:
         grads = average(grads)
     grads = scale.unscale(grads)
-    finite = mx.logical_and(all_finite(grads), ok)
-    old_state = tree_map(lambda x: x, optimizer.state)  # new containers, same arrays
+    finite = all_finite(grads)
+    old_state = previous(optimizer.state)
+    new_params = optimizer.apply_gradients(grads, params)
+    if keep:
+        def kept(new: mx.array, old: mx.array) -> mx.array:
+            return new if new is old else mx.where(finite, new, old)
 
-    def keep(new: mx.array, old: mx.array) -> mx.array:
-        return new if new is old else mx.where(finite, new, old)
-
-    new_params = tree_map(keep, optimizer.apply_gradients(grads, params), params)
-    assign(optimizer.state, dict(tree_flatten(tree_map(keep, optimizer.state, old_state))))
-    live = scale.state
-    old_scale = dict(live)
+        new_params = tree_map(kept, new_params, params)
+        assign(optimizer.state, dict(tree_flatten(tree_map(kept, optimizer.state, old_state))))
     scale.adjust(finite)
-    for k, v in live.items():
-        if v is not old_scale.get(k, v):
-            live[k] = mx.where(ok, v, old_scale[k])
-    return new_params, finite, grads
+    return new_params, finite, grads, None if keep else old_state
+
+
+def previous(tree: Any) -> Any:
+    """New containers holding the same arrays: what a step is undone to (MLX arrays are
+    immutable, so keeping them is enough)."""
+    return tree_map(lambda x: x, tree)
+
+
+def put_back(live: Any, old: Any) -> None:
+    """Put the arrays of ``old`` (made by :func:`previous`) back into the live tree ``live``,
+    in place; entries made since (state for a part thawed meanwhile) stay."""
+    for key, value in old.items() if isinstance(old, dict) else enumerate(old):
+        if isinstance(value, (dict, list)) and not isinstance(value, mx.array):
+            put_back(live[key], value)
+        else:
+            live[key] = value
 
 
 def averager(opt_state: Any) -> MethodType | None:
@@ -290,16 +306,16 @@ class Compiled:
         self.eager = reason
 
     def step(self, opt_state: Any, model: nn.Module, grads: dict, params: dict,
-             signature: tuple, ok: mx.array) -> tuple[mx.array, dict, dict] | str:
+             signature: tuple, keep: bool = True) -> tuple[dict, mx.array, dict, Any] | str:
         """Take the step through the compiled function for its key, tracing it first if
         needed; ``params`` are the model's parameters in the structure of ``grads``.
-        Returns :func:`step`'s ``(finite, gradients, new parameters)`` when done, else why
+        Returns what :func:`step` returns when done, else why
         it must be taken eagerly instead (and then nothing has changed)."""
         optimizer, scale = opt_state.optimizer, opt_state.loss_scale
         average = averager(opt_state)
         live, scale_state = optimizer.state, scale.state
         settings = (_settings(optimizer), _settings(scale))
-        key = (signature, optimizer, scale, id(live), id(scale_state), settings,
+        key = (signature, keep, optimizer, scale, id(live), id(scale_state), settings,
                native.available(),  # its kernels or MLX's (native.disabled())
                None if average is None else _Same(average.__self__))
         captured = [live, scale_state]
@@ -309,23 +325,24 @@ class Compiled:
             # Ctrl-C from landing between it and the model's update.
             guarded = INTERRUPTS.enter()
             try:
-                new_params, finite, grads = entry[0](grads, params, ok)
-                model.update(new_params)
+                out = entry[0](grads, params)
+                model.update(out[0])
             finally:
                 if guarded:
                     INTERRUPTS.exit()
-            return finite, grads, new_params
+            return out
         # A step frees about the gradients, activations and (eagerly) the old state: keep
         # twice the bytes of parameters, gradients and state for the next step to reuse.
         _keep_step_buffers(2 * _footprint(grads, params, live))
         if live is not optimizer.state:  # e.g. MultiOptimizer builds its state dict anew
             return "optimizer.state is not one live dict"
         before = [dict(tree_flatten(tree)) for tree in captured]
-        fn = mx.compile(partial(step, optimizer, scale, average=average), inputs=captured,
+        fn = mx.compile(partial(step, optimizer, scale, average=average, keep=keep),
+                        inputs=captured,
                         outputs=captured)
         with uninterrupted():
             try:
-                new_params, finite, grads = fn(grads, params, ok)
+                out = fn(grads, params)
             except BaseException as e:
                 # MLX leaves its tracers in the captured state when the traced function
                 # raises (see fluxlike.workarounds).
@@ -334,7 +351,7 @@ class Compiled:
                     raise
                 return f"tracing failed with {type(e).__name__}: {e}"  # a host sync in a schedule
             try:
-                model.update(new_params)
+                model.update(out[0])
             except BaseException:
                 rollback(model, params, captured, before)
                 raise
@@ -346,7 +363,7 @@ class Compiled:
             if len(self.steps) >= self.LIMIT:
                 del self.steps[next(iter(self.steps))]
             self.steps[key] = (fn, captured)
-        return finite, grads, new_params
+        return out
 
 
 COMPILED: weakref.WeakKeyDictionary[Any, Compiled] = weakref.WeakKeyDictionary()

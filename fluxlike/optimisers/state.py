@@ -413,18 +413,15 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     >>> model.weight
     array([[0, 1]], dtype=float32)
     """
-    _update(opt_state, model, grads, _TRUE, "update")
+    _update(opt_state, model, grads, True, "update")
 
 
-_TRUE = mx.array(True)
-
-
-def _update(opt_state: OptState, model: nn.Module, grads: dict, ok: mx.array,
-            where: str) -> tuple[mx.array, dict, dict]:
-    """:func:`update`, taken only if ``ok`` (a bool scalar array) holds; returns ``(finite,
-    gradients, parameters)``: whether the step was taken (the gradients finite and ``ok``),
-    the gradients unscaled and averaged, and the new parameters, all arrays not yet
-    evaluated (no host synchronisation)."""
+def _update(opt_state: OptState, model: nn.Module, grads: dict, keep: bool,
+            where: str) -> tuple[dict, mx.array, dict, Any, dict]:
+    """:func:`update`; returns :func:`.compiled.step`'s ``(new parameters, finite, gradients,
+    optimiser state before)`` and the parameters before, in the structure of the gradients:
+    arrays not yet evaluated (no host synchronisation). ``keep``: see :func:`.compiled.step`
+    (``False``: a non-finite step is taken all the same, for the caller to undo)."""
     if not isinstance(opt_state, OptState):
         raise TypeError(f"{where}: expected an OptState from setup(), got {opt_state!r}")
     if not isinstance(model, nn.Module):
@@ -437,23 +434,23 @@ def _update(opt_state: OptState, model: nn.Module, grads: dict, ok: mx.array,
         init_missing(optimizer, params, where)  # thawed since setup(): no state yet
         _check_same_model(opt_state, signature, True, where)  # (moments: init_missing says)
         compiled.initialised.add(signature)
-    done = compiled.eager or compiled.step(opt_state, model, grads, params, signature, ok)
+    done = compiled.eager or compiled.step(opt_state, model, grads, params, signature, keep)
     if not isinstance(done, str):
         _sync_statistics(opt_state, model)
-        return done
+        return (*done, params)
+    reason = done
     trees = [optimizer.state, scale.state]
     before = [dict(tree_flatten(tree)) for tree in trees]
     with uninterrupted():
         try:
-            new_params, finite, grads = step(optimizer, scale, grads, params, ok,
-                                             averager(opt_state))
-            model.update(new_params)
+            done = step(optimizer, scale, grads, params, averager(opt_state), keep)
+            model.update(done[0])
         except BaseException:
             rollback(model, params, trees, before)  # no half-taken step
             raise
-    compiled.fall_back(done)  # only once the eager step worked: else it was the input
+    compiled.fall_back(reason)  # only once the eager step worked: else it was the input
     _sync_statistics(opt_state, model)
-    return finite, grads, new_params
+    return (*done, params)
 
 
 def _sync_statistics(opt_state: OptState, model: nn.Module) -> None:
