@@ -53,8 +53,21 @@ def _batch_key(value: Any) -> Any:
 
 
 def _structure(model: nn.Module) -> tuple:
-    """The model's modules, their train/eval mode and frozen names: a trace bakes them in."""
-    return tuple((id(m), m.training, frozenset(m._no_grad)) for m in model.modules())
+    """The model's modules, their train/eval mode and frozen names: a trace bakes them in.
+    (A walk of modules only, not of arrays: this runs on every step; ``model.modules()``
+    took several times as long.)"""
+    out = []
+    stack: list[Any] = [model]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, nn.Module):
+            frozen = value._no_grad
+            out.append((id(value), value._training, frozenset(frozen) if frozen else None))
+            stack.extend(v for v in value.values() if isinstance(v, (nn.Module, list, dict)))
+        else:  # a list or dict inside a module
+            stack.extend(v for v in (value.values() if isinstance(value, dict) else value)
+                         if isinstance(v, (nn.Module, list, dict)))
+    return tuple(out)
 
 
 def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtype | None,

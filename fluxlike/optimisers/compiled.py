@@ -27,7 +27,7 @@ from mlx.utils import tree_map
 
 from .. import native
 from .._mlxtyping import tree_flatten
-from ..precision.lossscale import LossScale, all_finite
+from ..precision.lossscale import LossScale, sum_finite
 
 
 def assign(
@@ -190,7 +190,7 @@ def step(optimizer: optim.Optimizer, scale: LossScale, grads: dict, params: dict
     if average is not None:
         grads = average(grads)
     grads = scale.unscale(grads)
-    finite = all_finite(grads)
+    finite = sum_finite(grads)
     old_state = previous(optimizer.state)
     new_params = optimizer.apply_gradients(grads, params)
     if keep:

@@ -44,6 +44,26 @@ def all_finite(tree: Tree) -> mx.array:
     return finite
 
 
+def sum_finite(tree: Tree) -> mx.array:
+    """:func:`all_finite` for a training step: whether the float32 sum of every floating array
+    in ``tree`` is finite. An inf or nan anywhere makes the sum inf or nan; so does a sum past
+    float32's range (about ``3.4e38``), which no trainable gradient reaches. One reduction per
+    array instead of two kernels (``isfinite``, ``all``), which on a small model is a
+    sizeable part of a step.
+
+    >>> import mlx.core as mx
+    >>> sum_finite({"w": mx.ones(3), "b": [mx.zeros(2, dtype=mx.float16)]})
+    array(True, dtype=bool)
+    >>> sum_finite({"w": mx.array([1.0, float("inf")]), "v": mx.array([-float("inf")])})
+    array(False, dtype=bool)
+    """
+    total = mx.array(0.0)
+    for _, leaf in tree_flatten(tree):
+        if isinstance(leaf, mx.array) and mx.issubdtype(leaf.dtype, mx.floating):
+            total = total + (leaf if leaf.dtype == mx.float32 else leaf.astype(mx.float32)).sum()
+    return mx.isfinite(total)
+
+
 def _multiply(tree: Tree, factor: mx.array) -> Tree:
     """Floating leaves times ``factor`` (a float32 scalar), each kept in its own dtype.
 
