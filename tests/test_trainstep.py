@@ -360,3 +360,17 @@ def test_random_sequences_match_a_model_of_skipping(steps, compile):
         assert opt_state.loss_scale.counter.item() == counter
         for k, v in leaves(model.parameters()).items():
             assert mx.allclose(v, leaves(reference.parameters())[k], atol=1e-5).item(), k
+
+
+def test_a_learning_rate_set_between_compiled_steps_takes_effect():
+    # a schedule in the user's loop: the rate is an array of the optimiser state, not baked in
+    x, y = _data()
+    eager, compiled = _model(), _model()
+    states = setup(Adam(0.1), eager), setup(Adam(0.1), compiled)
+    for rate in (0.1, 0.01, 0.0, 0.05):
+        for model, opt_state, flag in ((eager, states[0], False), (compiled, states[1], True)):
+            opt_state.optimizer.learning_rate = rate
+            trainstep(mse_of, model, (x, y), opt_state, compile=flag)
+    for k, v in leaves(eager.parameters()).items():
+        assert mx.allclose(v, leaves(compiled.parameters())[k], atol=1e-6).item(), k
+    assert len(COMPILED[states[1]].whole) == 1

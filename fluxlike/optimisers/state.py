@@ -365,15 +365,17 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     ``grads`` is the model's gradient (``gradient(loss, model)[0]``). With a loss scale in
     ``opt_state`` (given to :func:`setup`, or made by ``train(..., autocast=mx.float16)``)
     ``grads`` must be the gradient of the scaled loss (``gradient(loss, model,
-    loss_scale=opt_state.loss_scale)[0]``): the gradients are first divided by the scale;
-    if any is then inf or nan the step is skipped (weights and optimiser state stay exactly
-    as they were) and the scale is lowered, else the step is taken and the scale adjusted.
-    These decisions are ``mx.where`` selections on arrays: ``update`` never waits for the
-    device and can run inside ``mx.compile`` (capture ``opt_state.state`` and
-    ``model.state``).
+    loss_scale=opt_state.loss_scale)[0]``). Every step takes one path, whatever the scale
+    (none is a :class:`~fluxlike.NoOpLossScale`, whose unscaling is the identity): the
+    gradients are divided by the scale; if any is then inf or nan the step is skipped
+    (weights and optimiser state stay exactly as they were; a float32 sum of the gradients
+    past float32's range counts as such, see :func:`~fluxlike.precision.lossscale.sum_finite`)
+    and the scale is lowered, else the step is taken and the scale adjusted. These decisions
+    are ``mx.where`` selections on arrays: ``update`` never waits for the device and can run
+    inside ``mx.compile`` (capture ``opt_state.state`` and ``model.state``).
 
-    The step (the optimiser's ``apply_gradients`` and, with a loss scale, the unscaling,
-    finite check and scale adjustment) runs as one ``mx.compile``-d function per
+    The step (unscaling, the finite check, the optimiser's ``apply_gradients`` and the
+    scale's adjustment) runs as one ``mx.compile``-d function per
     ``opt_state``, with the optimiser and loss-scale state captured, so that MLX fuses each
     parameter's arithmetic into one kernel (the first step on a machine builds those
     kernels, which takes a while; MLX keeps them on disk). On the CPU,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from mlx.utils import tree_flatten, tree_map
@@ -555,3 +555,15 @@ def test_update_without_a_scale_skips_a_non_finite_step(bad):
     update(opt_state, model, grads)
     assert all(mx.array_equal(v, before[k]).item() for k, v in tree_flatten(model.parameters()))
     assert opt_state.optimizer.state["step"].item() == 0
+
+
+@given(st.lists(st.sampled_from([0.0, 1.0, -3.0, 6e4, float("inf"), -float("inf"),
+                                  float("nan")]), min_size=1, max_size=6),
+       st.sampled_from([mx.float32, mx.float16, mx.bfloat16]))
+@settings(max_examples=60, deadline=None)
+def test_sum_finite_agrees_with_all_finite(values, dtype):
+    # 6e4 in float16, summed: no false overflow (the sum is taken in float32)
+    from fluxlike.precision.lossscale import sum_finite
+    tree = {"a": mx.array(values, dtype=dtype), "b": [mx.array(values[::-1], dtype=dtype)],
+            "n": mx.array([1], mx.int32)}
+    assert sum_finite(tree).item() == all_finite(tree).item()
