@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 import weakref
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -374,3 +380,64 @@ def test_a_learning_rate_set_between_compiled_steps_takes_effect():
     for k, v in leaves(eager.parameters()).items():
         assert mx.allclose(v, leaves(compiled.parameters())[k], atol=1e-6).item(), k
     assert len(COMPILED[states[1]].whole) == 1
+
+
+# ---------------------------------------------------------------- Ctrl-C inside a step
+
+_CHILD = """
+    import signal
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from fluxlike import Chain, Dense, Descent, setup, trainstep
+
+    model = Chain(*[Dense(4, 4) for _ in range(150)])  # many small layers: a long update
+    for layer in model.layers:
+        layer.weight, layer.bias = mx.zeros((4, 4)), mx.zeros((4,))
+    opt_state = setup(Descent(1.0), model)
+
+    def loss(m):  # every parameter's gradient is 1: each step takes 1 off every entry
+        return sum(p.sum() for _, p in tree_flatten(m.trainable_parameters()))
+
+    trainstep(loss, model, (), opt_state, compile=COMPILE)
+    armed = False
+
+    def handler(signum, frame):
+        if armed:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    print("ready", flush=True)
+    interrupts = torn = steps = 0
+    while interrupts < 40:
+        try:
+            armed = True
+            trainstep(loss, model, (), opt_state, compile=COMPILE)
+            armed = False
+            steps += 1
+        except KeyboardInterrupt:
+            armed = False
+            interrupts += 1
+        values = {p.reshape(-1)[0].item() for _, p in tree_flatten(model.parameters())}
+        torn += len(values) != 1
+    print("INTERRUPTED", interrupts, "TORN", torn, flush=True)
+"""
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_ctrl_c_inside_trainstep_takes_all_of_the_step_or_none(compile):
+    root = Path(__file__).resolve().parent.parent
+    code = textwrap.dedent(_CHILD).replace("COMPILE", str(compile))
+    child = subprocess.Popen([sys.executable, "-c", code],
+                             env={**os.environ, "PYTHONPATH": str(root)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
+        deadline = time.monotonic() + 60
+        while child.poll() is None and time.monotonic() < deadline:
+            child.send_signal(signal.SIGINT)
+            time.sleep(0.003)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    assert "INTERRUPTED 40 TORN 0" in out, (out, err[-2000:])

@@ -80,7 +80,7 @@ class _Interrupts:
         """Count a step in; ``False`` (nothing to :meth:`exit`) where no guard is possible."""
         if threading.get_ident() != _MAIN_THREAD:
             return False
-        current = signal.getsignal(signal.SIGINT)  # reads Python's table: no system call
+        current = _getsignal(_SIGINT)  # reads Python's table: no system call
         if current is not self.handler:
             if current is None:  # installed from C: cannot be chained
                 return False
@@ -101,6 +101,10 @@ class _Interrupts:
 
 
 _MAIN_THREAD = threading.main_thread().ident
+_SIGINT = int(signal.SIGINT)
+# signal.getsignal wraps the C function to turn SIG_DFL/SIG_IGN into enum members, which took
+# most of the guard's time per step; the C function answers those as 0 and 1 (equal to them).
+_getsignal: Callable[[int], Any] = getattr(signal, "_signal", signal).getsignal
 INTERRUPTS = _Interrupts()
 
 
