@@ -11,6 +11,7 @@ calls and epochs and freed with the optimiser state, and with it the model they 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FunctionType, MethodType
 from typing import Any
 
 import mlx.core as mx
@@ -50,6 +51,21 @@ def _batch_key(value: Any) -> Any:
     except TypeError:
         return _Same(value)
     return type(value), value
+
+
+def _loss_key(loss: Callable) -> Any:
+    """What identifies a loss function for a trace: a Python function by its code, closure
+    cells and defaults (so that ``trainstep(lambda m, x, y: ..., ...)`` written inside a loop,
+    a new function object each time, still finds its trace), a bound method by its function
+    and object, anything else by identity."""
+    if isinstance(loss, FunctionType):
+        cells = tuple(_Same(c) for c in loss.__closure__ or ())
+        defaults = (*(loss.__defaults__ or ()), *(loss.__kwdefaults__ or {}).values())
+        return (_Same(loss.__code__), _Same(loss.__globals__), cells,
+                tuple(_Same(d) for d in defaults))  # (a default array is baked in: identity)
+    if isinstance(loss, MethodType):
+        return _loss_key(loss.__func__), _Same(loss.__self__)
+    return _Same(loss)
 
 
 def _structure(model: nn.Module) -> tuple:
@@ -104,7 +120,7 @@ def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptS
     live = optimizer.state
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
     settings = (_settings(optimizer), _settings(scale))
-    key = (_Same(loss), tuple(map(_batch_key, args)), dtype, precision_state.context.get(),
+    key = (_loss_key(loss), tuple(map(_batch_key, args)), dtype, precision_state.context.get(),
            _Same(optimizer), _Same(scale), id(live), id(scale.state), settings,
            native.available(), _structure(model))
     fn = compiled.whole.get(key)

@@ -49,7 +49,8 @@ def _split_output(out: Any, where: str) -> tuple[mx.array, Any]:
             f"{where}: the function must return a floating scalar (the loss), "
             f"got shape {tuple(loss.shape)} and dtype {loss.dtype}"
         )
-    loss = loss.reshape(())
+    if loss.ndim:
+        loss = loss.reshape(())  # (a graph node less for a loss already a scalar)
     if loss.dtype in AUTOCAST_DTYPES:
         loss = loss.astype(mx.float32)
     return loss, rest

@@ -441,3 +441,18 @@ def test_ctrl_c_inside_trainstep_takes_all_of_the_step_or_none(compile):
         child.kill()
         child.wait(timeout=10)
     assert "INTERRUPTED 40 TORN 0" in out, (out, err[-2000:])
+
+
+def test_a_lambda_written_in_the_loop_finds_its_trace():
+    traces = []
+    x, y = _data()
+    model = _model()
+    opt_state = setup(Descent(0.1), model)
+    scale = [2.0]
+    for _ in range(3):  # a new function object each time, the same code and closure
+        trainstep(lambda m, x, y: (traces.append(1), mse_of(m, x, y) * scale[0])[1], model,
+                  (x, y), opt_state, compile=True)
+    assert len(traces) == 1
+    trainstep(lambda m, x, y: (traces.append(1), mse_of(m, x, y))[1], model, (x, y),
+              opt_state, compile=True)  # other code: traced
+    assert len(traces) == 2
