@@ -164,3 +164,17 @@ def test_adam_bench_reports_every_variant():
 
     takes = "the native kernel" if native.adam_kernel() is not None else "MLX's update"
     assert f"fl update takes {takes}" in done.stdout
+
+
+def test_step_bench_prints_every_row():
+    """bench/step.py (train/trainstep against the plain MLX loop), a few steps: every row of
+    its table has a time and a ratio; no timing is asserted."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step.py"), "--steps", "5", "--passes", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^.{31} (\S+(?: \S+)*) +[0-9.]+ +[0-9.]+ +<=[0-9.]+ (ok|OVER)$",
+                      done.stdout, re.M)
+    assert len(rows) == 10, done.stdout
+    assert "# per-step overhead:" in done.stdout
