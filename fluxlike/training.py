@@ -102,13 +102,21 @@ def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
     scale, optimizer = opt_state.loss_scale, opt_state.optimizer
     scale_before = dict(scale.state)  # a few scalars
     fresh: list = []
+    guarded = False
     try:
+        if not compile:  # (Ctrl-C may stop the forward and backward: nothing has changed)
+            value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
+                                             wrt_arrays=False, fresh_state=fresh)
+        # From here to the end the step is taken, read and, if need be, undone as one: a
+        # Ctrl-C meanwhile is held back until it is over.
+        guarded = INTERRUPTS.enter()
         out = compiled_step(loss, model, args, opt_state, dtype, where) if compile else None
         if out is not None:
             value, finite, grads, new_params, fresh_arrays, before, state_before = out
         else:
-            value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
-                                             wrt_arrays=False, fresh_state=fresh)
+            if compile:  # an optimiser that cannot be captured: the eager step
+                value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
+                                                 wrt_arrays=False, fresh_state=fresh)
             value = value[0] if isinstance(value, tuple) else value
             if opt_state.distributed is not None:  # the group's mean: every rank decides alike
                 value = opt_state.distributed.mean(value)
@@ -116,16 +124,9 @@ def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
                                                                       False, where)
             fresh_arrays = [v for _, _, new in fresh for v in new.values()]
         mx.eval(value, finite, new_params, optimizer.state, scale.state, fresh_arrays)
-    except BaseException as e:
-        _reseed(key)
-        if isinstance(e, TypeError):  # say how the loss is called, if that is what failed
-            _check_call(loss, model, args, None, where)
-        raise
-    loss_value = cast(float, value.item())
-    taken = math.isfinite(loss_value) and cast(bool, finite.item())
-    if not taken:  # model, optimiser, running statistics and random state as before
-        guarded = INTERRUPTS.enter()
-        try:
+        loss_value = cast(float, value.item())
+        taken = math.isfinite(loss_value) and cast(bool, finite.item())
+        if not taken:  # model, optimiser, running statistics and random state as before
             model.update(before)
             for m, old, _ in fresh:
                 m.update(old)
@@ -133,9 +134,14 @@ def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
             if not math.isfinite(loss_value):  # no overflow of the gradients: scale as before
                 scale.state.update(scale_before)
             _reseed(key)
-        finally:
-            if guarded:
-                INTERRUPTS.exit()
+    except BaseException as e:
+        _reseed(key)  # (a failure before the step changed anything: the loss, a trace)
+        if isinstance(e, TypeError):  # say how the loss is called, if that is what failed
+            _check_call(loss, model, args, None, where)
+        raise
+    finally:
+        if guarded:
+            INTERRUPTS.exit()
     return loss_value, taken, grads
 
 
