@@ -125,12 +125,12 @@ from .optimisers.adaptive import (
 )
 from .optimisers.signs import Rprop, SignDecay, Signum
 from .optimisers.accumulate import AccumGrad
-from .precision.lossscale import DynamicLossScale, StaticLossScale, all_finite
+from .precision.lossscale import DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite
 from .gradients import gradient, withgradient
 from .optimisers.state import OptState, setup, update
 from .optimisers.hyperparameters import adjust
 from .distributed import DataParallel, barrier
-from .training import train
+from .training import train, trainstep, trainstep_withgradient
 
 try:
     __version__: str = _version("fluxlike")
@@ -161,7 +161,8 @@ __all__ = [
     "modules", "outputsize",
     # precision
     "autocast", "autocast_policy", "policy_of", "clear_cast_cache", "bf16", "bf16mix", "f16",
-    "f16mix", "f32", "f64", "keep_float32", "DynamicLossScale", "StaticLossScale", "all_finite",
+    "f16mix", "f32", "f64", "keep_float32", "DynamicLossScale", "NoOpLossScale", "StaticLossScale",
+    "all_finite",
     # data and checkpoints
     "DataLoader", "onecold", "onehot", "onehotbatch", "loadcheckpoint", "loadmodel", "savemodel",
     "state",
@@ -169,7 +170,8 @@ __all__ = [
     "Adam", "AdamW", "ClipNorm", "ClipValue", "Descent", "Lion", "Momentum", "Nesterov",
     "OptimiserChain", "RMSProp", "WeightDecay", "AdaBelief", "AdaDelta", "AdaGrad", "AdaMax",
     "AMSGrad", "NAdam", "OAdam", "RAdam", "Rprop", "SignDecay", "Signum", "AccumGrad", "adjust",
-    "gradient", "withgradient", "OptState", "setup", "update", "train",
+    "gradient", "withgradient", "OptState", "setup", "update", "train", "trainstep",
+    "trainstep_withgradient",
     # several processes
     "DataParallel", "barrier",
 ]  # fmt: skip

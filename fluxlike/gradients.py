@@ -49,7 +49,8 @@ def _split_output(out: Any, where: str) -> tuple[mx.array, Any]:
             f"{where}: the function must return a floating scalar (the loss), "
             f"got shape {tuple(loss.shape)} and dtype {loss.dtype}"
         )
-    loss = loss.reshape(())
+    if loss.ndim:
+        loss = loss.reshape(())  # (a graph node less for a loss already a scalar)
     if loss.dtype in AUTOCAST_DTYPES:
         loss = loss.astype(mx.float32)
     return loss, rest
@@ -166,13 +167,17 @@ def _value_and_grad(
     f: Callable,
     args: tuple,
     dtype: mx.Dtype | None,
-    scale: LossScale | None,
+    scale: LossScale,
     where: str,
     wrt_arrays: bool = True,
+    fresh_state: list | None = None,
 ) -> tuple[Any, tuple]:
     """The engine of :func:`withgradient`; ``scale`` multiplies the loss before it is
     differentiated (the value returned is the unscaled loss); ``wrt_arrays=False`` takes
-    gradients for the modules only (array arguments get ``None``)."""
+    gradients for the modules only (array arguments get ``None``). ``fresh_state``, a list,
+    receives ``(module, parameters before, {path: new frozen entry})`` for each module whose
+    frozen entries (running statistics) the call changed, which are then left for the caller
+    to evaluate (or put back: :func:`fluxlike.trainstep` after a skipped step)."""
     if not callable(f):
         raise TypeError(f"{where}: expected a callable loss function first, got {f!r}")
     modules: list[nn.Module] = []  # each module once, in order of first appearance
@@ -218,7 +223,7 @@ def _value_and_grad(
         # they come out of the transform as ordinary arrays.
         state = [frozen(*entry) for entry in zip(modules, trainable_keys, has_frozen,
                                                  strict=True)]
-        scaled = loss if scale is None else scale.scale(loss)
+        scaled = scale.scale(loss)
         return scaled, (loss, rest, state)
 
     # Train mode and the scope hold for the whole transform, not only while ``f`` runs: MLX
@@ -240,7 +245,10 @@ def _value_and_grad(
         # Trainable entries back to the original arrays (no tracer stays in the model),
         # frozen entries to their values after the call.
         m.update(tree_map_with_path(lambda k, v, new=dict(new): new.get(k, v), p) if new else p)
-    fresh = [v for entry in state for _, v in entry]
+    if fresh_state is not None:
+        fresh_state.extend((m, p, dict(new)) for m, p, new in zip(modules, originals, state,
+                                                                  strict=True) if new)
+    fresh = [v for entry in state for _, v in entry] if fresh_state is None else []
     if fresh:
         # New running statistics feed no loss: left unevaluated, each step's would build on
         # the last, and every later gradient would walk the whole chain (a loop that reads
@@ -306,7 +314,7 @@ def gradient(
     ``fluxlike.autocast(autocast)`` on the default device. The gradients are float32 all
     the same (master weights stay float32), with the same structure as without autocast.
 
-    ``loss_scale`` (``None``, a number, or a loss-scale object such as
+    ``loss_scale`` (``None`` for none, a number, or a loss-scale object such as
     ``opt_state.loss_scale``) multiplies the loss before it is differentiated, so that
     float16 gradients do not underflow: the gradients are those of the scaled loss, which
     is what :func:`update` expects when ``opt_state`` has a loss scale (it divides them by

@@ -1,8 +1,11 @@
-"""The training loop, as in Flux: ``train`` makes one pass over the data.
+"""The training step and loop, as in Flux: ``trainstep`` takes one step, ``train`` makes one
+pass over the data (a loop over ``trainstep``).
 
-Float16 gradients underflow, so ``train(..., autocast=mx.float16)`` scales the loss with a
+Float16 gradients underflow, so ``autocast=mx.float16`` scales the loss with a
 :class:`~fluxlike.DynamicLossScale` by default; the scale lives in ``opt_state.loss_scale``,
-so it carries over from one ``train`` call to the next and into checkpoints.
+so it carries over from one call to the next and into checkpoints. A step whose loss is not
+finite is not taken: its decision is an ``mx.where`` on the device, read with the loss (one
+device read per step), so nothing is copied to be able to undo it.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import workarounds  # noqa: F401  (registers the exit guard for worker threads)
-from ._mlxtyping import tree_flatten
+from .compiledstep import compiled_step
 from .gradients import _check_autocast, _value_and_grad
-from .optimisers.compiled import COMPILED, assign
-from .optimisers.state import OptState, claim, update
+from .optimisers.compiled import INTERRUPTS, put_back
+from .optimisers.state import OptState, _update, claim
 from .precision import lossscale
-from .precision.lossscale import DynamicLossScale, all_finite
+from .precision.lossscale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 
 
 def _check_call(loss: Callable, model: nn.Module, args: tuple, data: Any, where: str) -> None:
@@ -45,20 +48,101 @@ def _check_call(loss: Callable, model: nn.Module, args: tuple, data: Any, where:
                         f"of {len(args)} ({kinds}), and cannot take that: {e}{hint}") from None
 
 
-def _restore(model: nn.Module, opt_state: OptState, scale_state: dict, before: tuple) -> None:
-    """Put back the model, optimiser, loss-scale and random state saved before a batch."""
-    params, optimizer_state, scale, key = before
-    model.update(params)
-    assign(opt_state.optimizer.state, optimizer_state, prune=True)
-    compiled = COMPILED.get(opt_state)
-    if compiled is not None:  # state made for thawed parts may be gone: let update look again
-        compiled.initialised.clear()
-    scale_state.update(scale)
-    # mx.random.state takes no assignment: seed to the key. (MLX's stub lacks mx.random.state,
-    # a list: [key].)
-    if mx.random.state[0] is not key:  # type: ignore[index]
+def _batch_args(batch: Any) -> tuple:
+    """A tuple batch is splatted into the loss; anything else is one argument."""
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def _choose_scale(opt_state: OptState, loss_scale: Any, dtype: mx.Dtype | None,
+                  where: str) -> LossScale:
+    """Set ``opt_state.loss_scale`` from the ``loss_scale`` argument (see :func:`trainstep`),
+    keeping the one it has when the argument asks for the same (so that a compiled step
+    made for it is reused); refused before anything changes."""
+    current = opt_state.loss_scale
+    if isinstance(loss_scale, str) and loss_scale == "auto":
+        if isinstance(current, NoOpLossScale) and dtype is not None and dtype == mx.float16:
+            opt_state.loss_scale = DynamicLossScale()
+        return opt_state.loss_scale
+    if loss_scale is None and isinstance(current, NoOpLossScale) or loss_scale is current:
+        return current
+    new = lossscale.resolve(loss_scale, where)
+    if isinstance(new, StaticLossScale) and isinstance(current, StaticLossScale) and (
+        current.loss_scale.item() == new.loss_scale.item()
+    ):
+        return current
+    claim(new, opt_state, where)  # refused before anything changes
+    opt_state.loss_scale = new
+    return new
+
+
+def _check_args(model: Any, opt_state: Any, autocast: Any, where: str) -> mx.Dtype | None:
+    dtype = _check_autocast(autocast, where)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an mlx.nn.Module, got {type(model).__name__}")
+    if not isinstance(opt_state, OptState):
+        raise TypeError(f"{where}: expected an OptState from setup(), got {opt_state!r}")
+    return dtype
+
+
+def _reseed(key: Any) -> None:
+    """Put the random state back to ``key`` (taken before a step), if the step moved it."""
+    if mx.random.state[0] is not key:  # type: ignore[index]  # (MLX's stub lacks it)
+        # mx.random.state takes no assignment: seed to the key (a list: [key]).
         hi, lo = key.tolist()
         mx.random.seed((hi << 32) | lo)
+
+
+def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
+          dtype: mx.Dtype | None, compile: bool, where: str) -> tuple[float, bool, dict]:
+    """One step: ``(loss value, whether the step was taken, gradients)``, with one device
+    read. A step whose loss or (unscaled) gradients are not finite is undone when that read
+    shows it (rare): the arrays of before it are put back (kept, not copied: MLX arrays are
+    immutable), so the graph of every step carries no selections for it."""
+    key = mx.random.state[0]  # type: ignore[index]  # MLX's stub lacks mx.random.state
+    scale, optimizer = opt_state.loss_scale, opt_state.optimizer
+    scale_before = dict(scale.state)  # a few scalars
+    fresh: list = []
+    guarded = False
+    try:
+        if not compile:  # (Ctrl-C may stop the forward and backward: nothing has changed)
+            value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
+                                             wrt_arrays=False, fresh_state=fresh)
+        # From here to the end the step is taken, read and, if need be, undone as one: a
+        # Ctrl-C meanwhile is held back until it is over.
+        guarded = INTERRUPTS.enter()
+        out = compiled_step(loss, model, args, opt_state, dtype, where) if compile else None
+        if out is not None:
+            value, finite, grads, new_params, fresh_arrays, before, state_before = out
+        else:
+            if compile:  # an optimiser that cannot be captured: the eager step
+                value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
+                                                 wrt_arrays=False, fresh_state=fresh)
+            value = value[0] if isinstance(value, tuple) else value
+            if opt_state.distributed is not None:  # the group's mean: every rank decides alike
+                value = opt_state.distributed.mean(value)
+            new_params, finite, grads, state_before, before = _update(opt_state, model, g,
+                                                                      False, where)
+            fresh_arrays = [v for _, _, new in fresh for v in new.values()]
+        mx.eval(value, finite, new_params, optimizer.state, scale.state, fresh_arrays)
+        loss_value = cast(float, value.item())
+        taken = math.isfinite(loss_value) and cast(bool, finite.item())
+        if not taken:  # model, optimiser, running statistics and random state as before
+            model.update(before)
+            for m, old, _ in fresh:
+                m.update(old)
+            put_back(optimizer.state, state_before)
+            if not math.isfinite(loss_value):  # no overflow of the gradients: scale as before
+                scale.state.update(scale_before)
+            _reseed(key)
+    except BaseException as e:
+        _reseed(key)  # (a failure before the step changed anything: the loss, a trace)
+        if isinstance(e, TypeError):  # say how the loss is called, if that is what failed
+            _check_call(loss, model, args, None, where)
+        raise
+    finally:
+        if guarded:
+            INTERRUPTS.exit()
+    return loss_value, taken, grads
 
 
 class _Progress:
@@ -85,6 +169,109 @@ class _Progress:
         self.stream.flush()
 
 
+def trainstep(
+    loss: Callable[..., mx.array],
+    model: nn.Module,
+    batch: Any,
+    opt_state: OptState,
+    *,
+    autocast: mx.Dtype | None = None,
+    loss_scale: Any = "auto",
+    compile: bool = False,
+) -> float:
+    """One training step, Flux's ``trainstep!``: ``loss(model, *batch)``, its gradient and an
+    :func:`~fluxlike.update`; returns the loss as a float. ``model`` and ``opt_state`` change
+    in place.
+
+    A ``batch`` that is a tuple is splatted into ``loss``; anything else (an array, a dict) is
+    passed as one argument. ``loss`` may return ``(loss, aux...)``: the first is the loss.
+    ``autocast`` is as in :func:`~fluxlike.gradient`.
+
+    ``loss_scale``: ``"auto"`` uses ``opt_state.loss_scale``, making a
+    :class:`~fluxlike.DynamicLossScale` there when it has none and ``autocast=mx.float16``
+    (bfloat16 and float32 need none); ``None`` (no scale), a number (a static scale) or a
+    loss-scale object replaces ``opt_state.loss_scale`` (a number equal to the static scale
+    it holds keeps that one).
+
+    A step whose loss is inf or nan, or whose (unscaled) gradients are, is not taken: the
+    model (running statistics included), ``opt_state`` (the loss scale too, after a
+    non-finite loss) and the random state are as before it, and the loss is returned all the
+    same, for the caller to decide (:func:`train` raises). After gradients that overflow a
+    loss scale, the scale is lowered, as :func:`~fluxlike.update` does. The decision is made
+    on the device (``mx.where``) and read with the loss: one device read per step, nothing
+    copied to undo it.
+
+    ``compile=True`` runs the whole step (forward, backward, loss scaling, the rule) as one
+    ``mx.compile``-d function with the model, optimiser, loss-scale and random state
+    captured. It is cached with ``opt_state`` (and freed with it), keyed by what makes a
+    trace differ (the loss function, the batch's shapes and dtypes, ``autocast`` and the
+    enclosing autocast scope, the loss scale and optimiser and their Python settings, the
+    model's modules, their train/eval mode and what is frozen), so later calls and
+    :func:`train` calls reuse it; a new key traces anew. The loss must then be traceable
+    (no ``.item()`` inside), as for ``mx.compile``.
+
+    With data parallelism (``setup(..., distributed=...)``) the loss is averaged over the
+    group, so every rank returns the same loss and takes the same decision; every rank must
+    call ``trainstep`` for every step.
+
+    Errors (a ``TypeError`` or ``ValueError`` naming ``trainstep``) are raised before anything
+    changes.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, Descent, setup, trainstep
+    >>> model = Dense(1, 1)
+    >>> x = mx.array([[0.0], [1.0], [2.0]]); y = 2 * x + 1
+    >>> opt_state = setup(Descent(0.1), model)
+    >>> mse = lambda m, x, y: ((m(x) - y) ** 2).mean()
+    >>> losses = [trainstep(mse, model, (x, y), opt_state) for _ in range(200)]
+    >>> losses[-1] < 1e-6, round(model.weight.item(), 3), round(model.bias.item(), 3)
+    (True, 2.0, 1.0)
+    >>> trainstep(lambda m, x, y: mse(m, x, y) * mx.nan, model, (x, y), opt_state)
+    nan
+    >>> round(model.weight.item(), 3)  # the step was not taken
+    2.0
+    """
+    where = "trainstep"
+    dtype = _check_args(model, opt_state, autocast, where)
+    _choose_scale(opt_state, loss_scale, dtype, where)
+    return _step(loss, model, _batch_args(batch), opt_state, dtype, bool(compile), where)[0]
+
+
+def trainstep_withgradient(
+    loss: Callable[..., mx.array],
+    model: nn.Module,
+    batch: Any,
+    opt_state: OptState,
+    *,
+    autocast: mx.Dtype | None = None,
+    loss_scale: Any = "auto",
+    compile: bool = False,
+) -> tuple[float, dict]:
+    """:func:`trainstep`, returning ``(loss, grads)``: ``grads`` is the gradient the step
+    used, shaped like ``model.trainable_parameters()`` and in the parameters' dtype (float32
+    master weights: float32), divided by the loss scale (and averaged over the group, with
+    data parallelism), as in Flux's ``trainstep_withgradient!``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Dense, Descent, setup, trainstep_withgradient
+    >>> model = Dense(2, 1)
+    >>> opt_state = setup(Descent(0.1), model)
+    >>> loss, grads = trainstep_withgradient(lambda m, x: m(x).mean(), model,
+    ...                                      mx.ones((4, 2)), opt_state, autocast=mx.float16)
+    >>> sorted(grads), grads["weight"].dtype, grads["weight"].tolist()
+    (['bias', 'weight'], mlx.core.float32, [[1.0, 1.0]])
+    >>> opt_state.loss_scale  # float16: a dynamic scale, made by "auto"
+    DynamicLossScale(init_scale=32768.0, growth_factor=2.0, backoff_factor=0.5,
+                     growth_interval=2000, min_scale=1.0)
+    """
+    where = "trainstep_withgradient"
+    dtype = _check_args(model, opt_state, autocast, where)
+    _choose_scale(opt_state, loss_scale, dtype, where)
+    value, _, grads = _step(loss, model, _batch_args(batch), opt_state, dtype, bool(compile),
+                            where)
+    return value, grads
+
+
 def train(
     loss: Callable[..., mx.array],
     model: nn.Module,
@@ -96,21 +283,14 @@ def train(
     progress: bool = True,
     compile: bool = False,
 ) -> float:
-    """One pass over ``data``: for each batch, ``loss(model, *batch)``, its gradient, and an
-    :func:`update`. Returns the mean loss over the batches as a float (nan for no batches).
+    """One pass over ``data``: :func:`trainstep` for each batch. Returns the mean loss over
+    the batches as a float (nan for no batches).
 
-    A batch that is a tuple is splatted into ``loss``; anything else (an array, a dict)
-    is passed as one argument. ``autocast`` is as in :func:`gradient`.
-
-    ``loss_scale``: ``"auto"`` uses ``opt_state.loss_scale`` if it holds one, else makes a
-    :class:`~fluxlike.DynamicLossScale` when ``autocast=mx.float16`` (bfloat16 and float32
-    need none) and keeps it in ``opt_state.loss_scale``. ``None``, a number or a loss-scale
-    object replaces ``opt_state.loss_scale``. A step whose gradients overflow is skipped
-    by the loss scale, silently; a loss that is inf or nan stops training with
-    ``FloatingPointError`` naming the batch (0-based), and the model and ``opt_state`` are
-    left as they were before that batch. Without a loss scale, so do gradients that hold
-    inf or nan for a finite loss (checked on the device and read with the loss: no
-    further host synchronisation).
+    The arguments are :func:`trainstep`'s. A loss that is inf or nan stops training with
+    ``FloatingPointError`` naming the batch (0-based); the step was not taken, so the model
+    and ``opt_state`` are as they were before that batch. Without a loss scale, so do
+    gradients that hold inf or nan for a finite loss; with one, such a step is skipped by
+    the scale, silently.
 
     With data parallelism (``setup(..., distributed=...)``; give each rank its shard with
     ``DataLoader(..., distributed=...)``, which makes every rank's batch count the same) the
@@ -118,9 +298,8 @@ def train(
     error and its batch number are the same on every rank.
 
     ``progress``: a text progress bar on stderr, shown only when stderr is a terminal (and,
-    with data parallelism, on rank 0 only).
-    ``compile=True`` runs each step as one ``mx.compile``-d function (model, optimiser,
-    loss-scale and random state captured), traced anew in each ``train`` call.
+    with data parallelism, on rank 0 only). ``compile=True``: see :func:`trainstep`; the
+    compiled step is reused across ``train`` calls (epochs) and batches of one shape.
 
     >>> import mlx.core as mx
     >>> from fluxlike import Dense, Descent, setup, train
@@ -134,46 +313,14 @@ def train(
     (2.0, 1.0)
     """
     where = "train"
-    dtype = _check_autocast(autocast, where)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{where}: model must be an mlx.nn.Module, got {type(model).__name__}")
-    if not isinstance(opt_state, OptState):
-        raise TypeError(f"{where}: expected an OptState from setup(), got {opt_state!r}")
+    dtype = _check_args(model, opt_state, autocast, where)
     if data is None or isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
         raise TypeError(
             f"{where}: data must be an iterable of batches (a DataLoader, or a list of "
             f"(x, y) tuples), got {type(data).__name__}; for one batch pass [(x, y)]"
         )
-    if isinstance(loss_scale, str) and loss_scale == "auto":
-        if opt_state.loss_scale is None and dtype is not None and dtype == mx.float16:
-            opt_state.loss_scale = DynamicLossScale()
-    else:
-        new_scale = lossscale.resolve(loss_scale, where)
-        claim(new_scale, opt_state, where)  # refused before anything changes
-        opt_state.loss_scale = new_scale
-    scale = opt_state.loss_scale
-    scale_state = {} if scale is None else scale.state
-
-    parallel = opt_state.distributed  # data parallelism: the loss is the group's mean
-
-    def step(*batch: Any) -> tuple[mx.array, mx.array]:
-        value, grads = _value_and_grad(loss, (model, *batch), dtype, scale, where,
-                                       wrt_arrays=False)
-        # Without a loss scale, non-finite gradients (of a finite loss) would make every
-        # weight nan: checked on the device, read with the loss. With one, they are a step
-        # the scale skips.
-        finite = all_finite(grads[0]) if scale is None else mx.array(True)
-        update(opt_state, model, grads[0])
-        value = value[0] if isinstance(value, tuple) else value
-        if parallel is None:
-            return value, finite
-        # every rank takes the same decision: the group's mean loss, finite on all ranks
-        return parallel.mean(value), parallel.mean(finite.astype(mx.float32)) == 1
-
-    captured = [model.state, opt_state.optimizer.state, scale_state, mx.random.state]
-    if compile:
-        step = mx.compile(step, inputs=captured, outputs=captured)
-
+    scale = _choose_scale(opt_state, loss_scale, dtype, where)
+    parallel = opt_state.distributed
     stream = sys.stderr
     bar = None
     if progress and hasattr(stream, "isatty") and stream.isatty() and (
@@ -182,31 +329,19 @@ def train(
         bar = _Progress(len(cast(Sized, data)) if hasattr(data, "__len__") else None, stream)
     total, count = 0.0, 0
     for i, batch in enumerate(data):
-        args = batch if isinstance(batch, tuple) else (batch,)
+        args = _batch_args(batch)
         if i == 0:
             _check_call(loss, model, args, data, where)
-        key = mx.random.state[0]  # type: ignore[index]  # MLX's stub lacks mx.random.state
-        before = (model.parameters(), dict(tree_flatten(opt_state.optimizer.state)),
-                  dict(scale_state), key)
-        try:
-            value, finite = step(*args)
-            mx.eval(value, finite, captured)
-        except BaseException:
-            # A trace that raised leaves mx.compile's placeholders in everything captured,
-            # the random state included: put the arrays of before the batch back.
-            _restore(model, opt_state, scale_state, before)
-            raise
-        loss_value = cast(float, value.item())
+        loss_value, taken, _ = _step(loss, model, args, opt_state, dtype, bool(compile), where)
         problem = advice = ""
         if not math.isfinite(loss_value):
             problem = f"the loss is {loss_value} at batch {i} (counting from 0)"
-        elif not finite.item():
+        elif not taken and scale.reports_overflow:
             problem = (f"the gradients hold inf or nan at batch {i} (counting from 0), "
                        f"although the loss is finite ({loss_value:.6g})")
             advice = (" (a loss scale, train(..., loss_scale=DynamicLossScale()), would skip "
                       "such steps instead)")
         if problem:
-            _restore(model, opt_state, scale_state, before)
             if bar is not None:
                 bar.stream.write("\n")
             raise FloatingPointError(f"{where}: {problem}; the model and optimiser state are "

@@ -96,7 +96,7 @@ def check_equivalence(group, precision: str) -> dict:
     out = {"after_setup": after_setup,
            "params": digest(model.parameters()), "opt": digest(opt.state),
            "batches": len(loader), "mean_loss": mean, "eager": COMPILED[opt].eager,
-           "loss_scale": None if opt.loss_scale is None else opt.loss_scale.loss_scale.item(),
+           "loss_scale": opt.loss_scale.loss_scale.item(),
            "dtypes": sorted({str(a.dtype) for _, a in tree_flatten(model.parameters())})}
     if rank == 0:
         order = np.random.default_rng(7).permutation(x.shape[0])
@@ -105,8 +105,7 @@ def check_equivalence(group, precision: str) -> dict:
         ref_mean = fl.train(loss, reference, joined, ref_opt, autocast=dtype, progress=False)
         out["diff_vs_one_process"] = max_diff(model.parameters(), reference.parameters())
         out["mean_loss_one_process"] = ref_mean
-        out["ref_loss_scale"] = (None if ref_opt.loss_scale is None
-                                 else ref_opt.loss_scale.loss_scale.item())
+        out["ref_loss_scale"] = ref_opt.loss_scale.loss_scale.item()
     return out
 
 

@@ -184,3 +184,17 @@ def test_the_processor_line_names_the_isa_flags(tmp_path):
     assert machine.processor(str(intel)).endswith(": amx_bf16, avx512_bf16, avx512_fp16")
     assert machine.processor(str(old)).endswith(": none of amx_bf16/avx512_bf16/avx512_fp16")
     assert machine.processor(str(tmp_path / "absent"))  # the platform's name instead
+
+
+def test_step_bench_prints_every_row():
+    """bench/step.py (train/trainstep against the plain MLX loop), a few steps: every row of
+    its table has a time and a ratio; no timing is asserted."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step.py"), "--steps", "5", "--passes", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^.{31} (\S+(?: \S+)*) +[0-9.]+ +[0-9.]+ +<=[0-9.]+ (ok|OVER)$",
+                      done.stdout, re.M)
+    assert len(rows) == 10, done.stdout
+    assert "# per-step overhead:" in done.stdout

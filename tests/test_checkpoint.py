@@ -295,7 +295,8 @@ class TestOptimiserState:
     def test_dynamic_loss_scale_settings_come_back(self, tmp_path):
         path = tmp_path / "scaled.safetensors"
         model = make_model()
-        scale = DynamicLossScale(64.0, period=5, factor=3.0, min_scale=2.0)
+        scale = DynamicLossScale(64.0, growth_interval=5, growth_factor=3.0,
+                                 backoff_factor=0.25, min_scale=2.0)
         savemodel(path, model, setup(Adam(), model, loss_scale=scale))
         for target in (setup(Adam(), model), setup(Adam(), model, loss_scale=DynamicLossScale())):
             loadcheckpoint(path, model, target)

@@ -119,8 +119,8 @@ class TestTwoProcesses:
         assert r0["batches"] == 3
         if precision == "float16":  # train's default dynamic loss scale, the same everywhere
             assert r0["loss_scale"] == r1["loss_scale"] == r0["ref_loss_scale"] == 2.0**15
-        else:
-            assert r0["loss_scale"] is None
+        else:  # no loss scale: a NoOpLossScale, whose scale is 1
+            assert r0["loss_scale"] == r1["loss_scale"] == 1.0
 
     def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_both(self, ranks):
         r0, r1 = result(ranks, "nonfinite")

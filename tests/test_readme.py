@@ -29,6 +29,7 @@ SECTIONS = [
     "Ten lines",
     "A language model in three precisions",
     "A tour",
+    "Writing your own loop",
     "Coming from PyTorch AMP",
     "Coming from Flux",
     "The precision model",

@@ -22,6 +22,7 @@ from fluxlike import (
     Descent,
     Dropout,
     DynamicLossScale,
+    NoOpLossScale,
     OptimiserChain,
     StaticLossScale,
     gradient,
@@ -124,7 +125,7 @@ def test_train_loss_scale_argument():
     data = [(mx.ones((2, 2)), mx.zeros((2, 1)))]
     opt_state = setup(Descent(0.1), model)
     train(mse_of, model, data, opt_state, autocast=mx.bfloat16, progress=False)
-    assert opt_state.loss_scale is None
+    assert isinstance(opt_state.loss_scale, NoOpLossScale)
     train(mse_of, model, data, opt_state, autocast=mx.float16, progress=False)
     ls = opt_state.loss_scale
     assert isinstance(ls, DynamicLossScale)
@@ -133,7 +134,7 @@ def test_train_loss_scale_argument():
     train(mse_of, model, data, opt_state, loss_scale=128, progress=False)
     assert isinstance(opt_state.loss_scale, StaticLossScale)
     train(mse_of, model, data, opt_state, autocast=mx.float16, loss_scale=None, progress=False)
-    assert opt_state.loss_scale is None
+    assert isinstance(opt_state.loss_scale, NoOpLossScale)
     with pytest.raises(ValueError, match="loss_scale must be None, 'auto'"):
         train(mse_of, model, data, opt_state, loss_scale="dynamic")
 
@@ -463,16 +464,13 @@ def test_a_failed_first_batch_after_a_thaw_leaves_training_possible(compile):
     model[1].freeze()
     opt_state = setup(Adam(0.01), model)
     model.unfreeze()
-    nan = [True]
 
-    def loss(m, x, y):
-        value = mse_of(m, x, y)
-        return value * math.nan if nan[0] else value
+    def nan_loss(m, x, y):  # (a new function: a compiled step bakes in what the loss reads)
+        return mse_of(m, x, y) * math.nan
 
     with pytest.raises(FloatingPointError):
-        train(loss, model, [(x, y)], opt_state, progress=False, compile=compile)
-    nan[0] = False
-    assert train(loss, model, [(x, y)], opt_state, progress=False, compile=compile) >= 0
+        train(nan_loss, model, [(x, y)], opt_state, progress=False, compile=compile)
+    assert train(mse_of, model, [(x, y)], opt_state, progress=False, compile=compile) >= 0
     assert "m" in opt_state.state["optimizer"]["layers"][1]["weight"]
 
 

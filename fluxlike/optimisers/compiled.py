@@ -27,7 +27,7 @@ from mlx.utils import tree_map
 
 from .. import native
 from .._mlxtyping import tree_flatten
-from ..precision.lossscale import LossScale, all_finite
+from ..precision.lossscale import LossScale, sum_finite
 
 
 def assign(
@@ -48,30 +48,75 @@ def assign(
             assign(value, values, path + ".", prune)
 
 
+class _Interrupts:
+    """Ctrl-C (SIGINT) held back while a step changes the model and its state, then delivered:
+    a signal handled half-way through a step (or through its rollback) would leave some
+    parameters stepped and others not.
+
+    The handler is installed once (again only if someone replaced it) and chains to the one it
+    found; a step only counts itself in and out (:meth:`enter`/:meth:`exit`), so that the
+    guard costs no signal installation per step. Only the main thread receives signals;
+    elsewhere :meth:`enter` does nothing."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.held: tuple[int, Any] | None = None
+        self.previous: Any = None
+        self.handler = self._handle  # one bound method: compared by identity below
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.depth:
+            self.held = (signum, frame)
+        else:
+            self._deliver(signum, frame)
+
+    def _deliver(self, signum: int, frame: Any) -> None:
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+    def enter(self) -> bool:
+        """Count a step in; ``False`` (nothing to :meth:`exit`) where no guard is possible."""
+        if threading.get_ident() != _MAIN_THREAD:
+            return False
+        current = _getsignal(_SIGINT)  # reads Python's table: no system call
+        if current is not self.handler:
+            if current is None:  # installed from C: cannot be chained
+                return False
+            try:
+                signal.signal(signal.SIGINT, self.handler)
+            except (ValueError, OSError):  # no signals here (an embedded interpreter)
+                return False
+            self.previous = current
+        self.depth += 1
+        return True
+
+    def exit(self) -> None:
+        """Count a step out; deliver a Ctrl-C held back meanwhile."""
+        self.depth -= 1
+        if not self.depth and self.held is not None:
+            held, self.held = self.held, None
+            self._deliver(*held)
+
+
+_MAIN_THREAD = threading.main_thread().ident
+_SIGINT = int(signal.SIGINT)
+# signal.getsignal wraps the C function to turn SIG_DFL/SIG_IGN into enum members, which took
+# most of the guard's time per step; the C function answers those as 0 and 1 (equal to them).
+_getsignal: Callable[[int], Any] = getattr(signal, "_signal", signal).getsignal
+INTERRUPTS = _Interrupts()
+
+
 @contextmanager
 def uninterrupted() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) back while a step changes the model and its state, then deliver
-    it: a signal handled half-way through a step (or through its rollback) would leave some
-    parameters stepped and others not. Only the main thread receives signals; elsewhere this
-    does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[tuple[int, Any]] = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum,
-                                                                                   frame)))
-    except (ValueError, OSError):  # no signals here (an embedded interpreter)
-        yield
-        return
+    """Hold Ctrl-C back for the block (see :class:`_Interrupts`)."""
+    guarded = INTERRUPTS.enter()
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if held and callable(previous):
-            previous(*held[0])
-        elif held and previous == signal.SIG_DFL:
-            raise KeyboardInterrupt
+        if guarded:
+            INTERRUPTS.exit()
 
 
 def rollback(model: nn.Module, params: Any, trees: list, before: list[dict]) -> None:
@@ -84,7 +129,7 @@ def rollback(model: nn.Module, params: Any, trees: list, before: list[dict]) -> 
     model.update(params)
 
 
-def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
+def init_missing(optimizer: optim.Optimizer, params: Any, where: str = "update") -> None:
     """Give ``optimizer`` state for every parameter of ``params`` (in the structure of the
     gradients) that has none: parameters frozen at ``setup`` and thawed since. An optimiser
     never initialised gets MLX's ``init``; otherwise only the missing entries are made, in
@@ -92,12 +137,12 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
     the lists it extends: see :mod:`fluxlike.workarounds`)."""
     inner = getattr(optimizer, "inner", None)  # fluxlike's OptimiserChain
     if isinstance(inner, optim.Optimizer):
-        init_missing(inner, params)
+        init_missing(inner, params, where)
         return
     if isinstance(optimizer, optim.MultiOptimizer):  # (which never sets _initialized)
         parts = optimizer._split_dictionary(params)
         for sub, part in zip(optimizer.optimizers, parts, strict=False):
-            init_missing(sub, part)
+            init_missing(sub, part, where)
         return
     if not getattr(optimizer, "_initialized", True):
         optimizer.init(params)
@@ -113,7 +158,7 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
                     value.shape != p.shape
                 ):
                     raise ValueError(
-                        f"update: opt_state does not fit the model: its {name!r} for {path!r} "
+                        f"{where}: opt_state does not fit the model: its {name!r} for {path!r} "
                         f"has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
                         f"setup() the optimiser for this model"
                     )
@@ -128,28 +173,54 @@ def init_missing(optimizer: optim.Optimizer, params: Any) -> None:
     walk(params, optimizer.state, "")
 
 
-def step(optimizer: optim.Optimizer, scale: LossScale | None, grads: dict,
-         params: dict, average: Callable[[dict], dict] | None = None) -> dict:
-    """The optimiser step on arrays: the new parameters (shaped like ``grads``); the optimiser
-    and loss-scale state change in place. Traced by :class:`Compiled`, or run eagerly.
+def step(optimizer: optim.Optimizer, scale: LossScale, grads: dict, params: dict,
+         average: Callable[[dict], dict] | None = None, keep: bool = True,
+         ) -> tuple[dict, mx.array, dict, Any]:
+    """The optimiser step on arrays: ``(new parameters, finite, gradients, optimiser state
+    before)``, the parameters and the (unscaled, averaged) gradients shaped like ``grads``, the
+    state before (``keep=False`` only; else ``None``) as :func:`previous` keeps it, which a
+    trace returns without a walk in Python; the optimiser and loss-scale
+    state change in place, the scale adjusting to whether the gradients are finite. Traced by
+    :class:`Compiled`, or run eagerly.
+
+    ``keep=True`` (:func:`~fluxlike.update`): where the gradients are not finite, the
+    parameters and optimiser state keep their values (``mx.where``: no host
+    synchronisation). ``keep=False`` (:func:`~fluxlike.trainstep`, which reads ``finite``
+    with the loss anyway and puts the previous arrays back on the rare skipped step) leaves
+    out those selections, a sizeable part of a small model's step.
     ``average`` (data parallelism: :meth:`~fluxlike.distributed.DataParallel.average`) reduces
     the gradients over the group first, so unscaling, the finite check and the rule all see
     the reduced gradients, the same on every rank."""
     if average is not None:
         grads = average(grads)
-    if scale is None:
-        return optimizer.apply_gradients(grads, params)
     grads = scale.unscale(grads)
-    finite = all_finite(grads)
-    old_state = tree_map(lambda x: x, optimizer.state)  # new containers, same arrays
+    finite = sum_finite(grads)
+    old_state = previous(optimizer.state)
+    new_params = optimizer.apply_gradients(grads, params)
+    if keep:
+        def kept(new: mx.array, old: mx.array) -> mx.array:
+            return new if new is old else mx.where(finite, new, old)
 
-    def keep(new: mx.array, old: mx.array) -> mx.array:
-        return mx.where(finite, new, old)
-
-    new_params = tree_map(keep, optimizer.apply_gradients(grads, params), params)
-    assign(optimizer.state, dict(tree_flatten(tree_map(keep, optimizer.state, old_state))))
+        new_params = tree_map(kept, new_params, params)
+        assign(optimizer.state, dict(tree_flatten(tree_map(kept, optimizer.state, old_state))))
     scale.adjust(finite)
-    return new_params
+    return new_params, finite, grads, None if keep else old_state
+
+
+def previous(tree: Any) -> Any:
+    """New containers holding the same arrays: what a step is undone to (MLX arrays are
+    immutable, so keeping them is enough)."""
+    return tree_map(lambda x: x, tree)
+
+
+def put_back(live: Any, old: Any) -> None:
+    """Put the arrays of ``old`` (made by :func:`previous`) back into the live tree ``live``,
+    in place; entries made since (state for a part thawed meanwhile) stay."""
+    for key, value in old.items() if isinstance(old, dict) else enumerate(old):
+        if isinstance(value, (dict, list)) and not isinstance(value, mx.array):
+            put_back(live[key], value)
+        else:
+            live[key] = value
 
 
 def averager(opt_state: Any) -> MethodType | None:
@@ -231,47 +302,51 @@ class Compiled:
         self.steps: dict[tuple, tuple[Callable, list]] = {}
         self.eager: str | None = None
         self.initialised: set[tuple] = set()  # gradient signatures the state was checked for
+        self.whole: dict[tuple, Callable] = {}  # whole training steps (fluxlike.compiledstep)
 
     def fall_back(self, reason: str) -> None:
         self.steps.clear()
+        self.whole.clear()
         self.eager = reason
 
     def step(self, opt_state: Any, model: nn.Module, grads: dict, params: dict,
-             signature: tuple) -> str | None:
+             signature: tuple, keep: bool = True) -> tuple[dict, mx.array, dict, Any] | str:
         """Take the step through the compiled function for its key, tracing it first if
         needed; ``params`` are the model's parameters in the structure of ``grads``.
-        Returns ``None`` when done, else why it must be taken eagerly instead (and then
-        nothing has changed)."""
+        Returns what :func:`step` returns when done, else why
+        it must be taken eagerly instead (and then nothing has changed)."""
         optimizer, scale = opt_state.optimizer, opt_state.loss_scale
         average = averager(opt_state)
-        live = optimizer.state
-        scale_state = None if scale is None else scale.state
+        live, scale_state = optimizer.state, scale.state
         settings = (_settings(optimizer), _settings(scale))
-        key = (signature, optimizer, scale, id(live), id(scale_state), settings,
+        key = (signature, keep, optimizer, scale, id(live), id(scale_state), settings,
                native.available(),  # its kernels or MLX's (native.disabled())
                None if average is None else _Same(average.__self__))
-        captured = [live] if scale_state is None else [live, scale_state]
+        captured = [live, scale_state]
         entry = self.steps.get(key)
         if entry is not None:
-            before = [dict(tree_flatten(tree)) for tree in captured]
-            with uninterrupted():
-                try:
-                    model.update(entry[0](grads, params))
-                except BaseException:  # a failure between the state's step and the model's
-                    rollback(model, params, captured, before)
-                    raise
-            return None
+            # The compiled call changes the captured state at once, in C++; the guard keeps
+            # Ctrl-C from landing between it and the model's update.
+            guarded = INTERRUPTS.enter()
+            try:
+                out = entry[0](grads, params)
+                model.update(out[0])
+            finally:
+                if guarded:
+                    INTERRUPTS.exit()
+            return out
         # A step frees about the gradients, activations and (eagerly) the old state: keep
         # twice the bytes of parameters, gradients and state for the next step to reuse.
         _keep_step_buffers(2 * _footprint(grads, params, live))
         if live is not optimizer.state:  # e.g. MultiOptimizer builds its state dict anew
             return "optimizer.state is not one live dict"
         before = [dict(tree_flatten(tree)) for tree in captured]
-        fn = mx.compile(partial(step, optimizer, scale, average=average), inputs=captured,
+        fn = mx.compile(partial(step, optimizer, scale, average=average, keep=keep),
+                        inputs=captured,
                         outputs=captured)
         with uninterrupted():
             try:
-                new_params = fn(grads, params)
+                out = fn(grads, params)
             except BaseException as e:
                 # MLX leaves its tracers in the captured state when the traced function
                 # raises (see fluxlike.workarounds).
@@ -280,7 +355,7 @@ class Compiled:
                     raise
                 return f"tracing failed with {type(e).__name__}: {e}"  # a host sync in a schedule
             try:
-                model.update(new_params)
+                model.update(out[0])
             except BaseException:
                 rollback(model, params, captured, before)
                 raise
@@ -292,7 +367,7 @@ class Compiled:
             if len(self.steps) >= self.LIMIT:
                 del self.steps[next(iter(self.steps))]
             self.steps[key] = (fn, captured)
-        return None
+        return out
 
 
 COMPILED: weakref.WeakKeyDictionary[Any, Compiled] = weakref.WeakKeyDictionary()

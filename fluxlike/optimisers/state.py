@@ -19,7 +19,7 @@ from .._mlxtyping import tree_flatten
 from ..distributed import DataParallel, prepare
 from ..gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
 from ..precision import lossscale
-from ..precision.lossscale import DynamicLossScale, LossScale
+from ..precision.lossscale import DynamicLossScale, LossScale, NoOpLossScale
 from .compiled import (
     COMPILED,
     Compiled,
@@ -38,7 +38,8 @@ class OptState:
 
     Made by :func:`setup`. Attributes: ``rule`` (what ``setup`` was given), ``optimizer``
     (the initialised ``mlx.optimizers.Optimizer``) and ``loss_scale`` (a
-    :class:`~fluxlike.DynamicLossScale`/:class:`~fluxlike.StaticLossScale`, or ``None``).
+    :class:`~fluxlike.DynamicLossScale`/:class:`~fluxlike.StaticLossScale`, or
+    :class:`~fluxlike.NoOpLossScale` for none).
 
     :attr:`state` is a nested dict of arrays for checkpoints and :meth:`load_state` puts
     one back.
@@ -57,26 +58,28 @@ class OptState:
     ):
         self.rule = rule
         self.optimizer = optimizer
-        self._loss_scale: LossScale | None = None
-        self.loss_scale = loss_scale
+        self._loss_scale: LossScale = NoOpLossScale()
+        self.loss_scale = loss_scale  # type: ignore[assignment]  # None: NoOpLossScale()
         self.distributed = distributed  # data parallelism (fluxlike.distributed), or None
         # the parameter names and shapes of the model setup() made this for (None: unknown)
         self._model_shapes: dict[str, tuple] | None = None
 
     @property
-    def loss_scale(self) -> LossScale | None:
-        """The loss scale, or ``None``. A dynamic scale belongs to one ``OptState``:
-        assigning one that another live ``OptState`` holds is a ``ValueError`` (see
-        :class:`~fluxlike.DynamicLossScale`)."""
+    def loss_scale(self) -> LossScale:
+        """The loss scale (:class:`~fluxlike.NoOpLossScale` for none; assigning ``None``
+        assigns one). A dynamic scale belongs to one ``OptState``: assigning one that another
+        live ``OptState`` holds is a ``ValueError`` (see :class:`~fluxlike.DynamicLossScale`)."""
         return self._loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value: LossScale | None) -> None:
-        if value is not None and not isinstance(value, LossScale):
+        if value is None:
+            value = NoOpLossScale()
+        if not isinstance(value, LossScale):
             raise TypeError(f"OptState.loss_scale must be a loss scale or None, got {value!r}")
         claim(value, self, "OptState")
         old = self._loss_scale
-        if old is not None and old is not value and _owner(old) is self:
+        if old is not value and _owner(old) is self:
             del _OWNERS[old]
         self._loss_scale = value
 
@@ -86,12 +89,9 @@ class OptState:
 
     @property
     def state(self) -> dict[str, Any]:
-        """``{"optimizer": <optimizer state>, "loss_scale": <loss-scale state>}``, the second
-        entry only when there is a loss scale. The inner dicts are the live ones."""
-        tree: dict[str, Any] = {"optimizer": self.optimizer.state}
-        if self.loss_scale is not None:
-            tree["loss_scale"] = self.loss_scale.state
-        return tree
+        """``{"optimizer": <optimizer state>, "loss_scale": <loss-scale state>}`` (the second
+        empty for :class:`~fluxlike.NoOpLossScale`). The inner dicts are the live ones."""
+        return {"optimizer": self.optimizer.state, "loss_scale": self.loss_scale.state}
 
     def load_state(self, tree: dict[str, Any]) -> None:
         """Restore a tree saved from :attr:`state`, in place.
@@ -136,7 +136,7 @@ class OptState:
                 raise ValueError(f"OptState.load_state: unexpected entry {key!r}")
         scale = self.loss_scale
         if scale_tree:
-            if scale is None:
+            if isinstance(scale, NoOpLossScale):  # a scale saved, none here: make its kind
                 scale = DynamicLossScale() if "counter" in scale_tree else (
                     lossscale.StaticLossScale(1.0)
                 )
@@ -158,13 +158,13 @@ def _owner(scale: LossScale) -> OptState | None:
     return None if ref is None else ref()
 
 
-def claim(scale: LossScale | None, opt_state: OptState | None, where: str) -> None:
+def claim(scale: LossScale, opt_state: OptState | None, where: str) -> None:
     """Make ``opt_state`` the holder of ``scale`` (``None``: only check that it is free);
     a ``ValueError`` if another live OptState holds it. ``update`` adjusts the scale of the
     state it steps, so a scale shared by two states would be adjusted twice per iteration
     and would unscale the second model's gradients with a scale that did not produce them.
     A scale that never adjusts (:class:`~fluxlike.StaticLossScale`) may be shared."""
-    if scale is None or type(scale).adjust is LossScale.adjust:  # a static scale never changes
+    if type(scale).adjust is LossScale.adjust:  # a static (or no-op) scale never changes
         return
     holder = _owner(scale)
     if holder is not None and holder is not opt_state:
@@ -212,10 +212,9 @@ def _name(dtype: mx.Dtype) -> str:
     return str(dtype).rpartition(".")[2]
 
 
-def _resolve_scale(loss_scale: Any, where: str) -> LossScale | None:
-    return None if isinstance(loss_scale, str) and loss_scale == "auto" else (
-        lossscale.resolve(loss_scale, where)
-    )
+def _resolve_scale(loss_scale: Any, where: str) -> LossScale:
+    return lossscale.resolve(None if isinstance(loss_scale, str) and loss_scale == "auto"
+                             else loss_scale, where)
 
 
 def setup(
@@ -229,9 +228,10 @@ def setup(
     optimiser is initialised for the model's trainable parameters, so ``opt_state.state``
     is complete before the first step.
 
-    ``loss_scale``: ``None`` (none), a positive number (a :class:`~fluxlike.StaticLossScale`),
-    a loss-scale object, or ``"auto"``, which is the same as ``None`` here: :func:`train`
-    then chooses (a dynamic scale for float16 autocast).
+    ``loss_scale``: ``None`` (none: a :class:`~fluxlike.NoOpLossScale`), a positive number
+    (a :class:`~fluxlike.StaticLossScale`), a loss-scale object, or ``"auto"``, which is
+    the same as ``None`` here: :func:`train` then chooses (a dynamic scale for float16
+    autocast).
 
     >>> from fluxlike import Dense, Descent, DynamicLossScale, setup
     >>> opt_state = setup(Descent(0.1), Dense(2, 1), loss_scale=DynamicLossScale())
@@ -272,7 +272,7 @@ def setup(
     return opt_state
 
 
-def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any, Any]:
+def _check_grads(grads: Any, model: nn.Module, where: str = "update") -> tuple[tuple, Any, Any]:
     """Validate ``grads`` against ``model``'s trainable parameters, in one walk of both.
     Returns ``(signature, params, grads)``: each gradient's path, shape and dtype (which key
     the compiled steps), the parameters in the structure of ``grads``, and ``grads`` with
@@ -282,7 +282,7 @@ def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any, Any]:
         hint = "; gradient() returns a tuple, pass its model entry (grads[0])" if isinstance(
             grads, tuple) else ""
         raise TypeError(
-            f"update: grads must be a dict shaped like model.trainable_parameters(), "
+            f"{where}: grads must be a dict shaped like model.trainable_parameters(), "
             f"got {type(grads).__name__}{hint}"
         )
     signature = []
@@ -296,22 +296,22 @@ def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any, Any]:
                 if isinstance(sub, (dict, list, tuple)) and not sub:  # no gradient in here
                     found.append((k, sub))
                     continue
-                where = f"{path}.{k}" if path else str(k)
+                at = f"{path}.{k}" if path else str(k)
                 o, kk = (value, str(k)) if isinstance(value, nn.Module) else (owner, f"{key}.{k}")
                 v = _entry(value, k)
                 if v is _MISSING or not _trainable(o, kk, v):
-                    raise ValueError(f"update: the model has no trainable parameter {where!r}")
+                    raise ValueError(f"{where}: the model has no trainable parameter {at!r}")
                 if not _floating_or_tree(v):
-                    raise ValueError(f"update: {where!r} is a {_name(v.dtype)} array of the "
+                    raise ValueError(f"{where}: {at!r} is a {_name(v.dtype)} array of the "
                                      f"model: integer and boolean arrays are not trained")
-                found.append((k, walk(sub, v, o, kk, where)))
+                found.append((k, walk(sub, v, o, kk, at)))
             return dict(found) if isinstance(g, dict) else type(g)(v for _, v in found)
         if not isinstance(value, mx.array):
-            raise ValueError(f"update: the model has no trainable parameter {path!r}")
+            raise ValueError(f"{where}: the model has no trainable parameter {path!r}")
         if not isinstance(g, mx.array) or g.shape != value.shape:
             got = tuple(g.shape) if isinstance(g, mx.array) else type(g).__name__
             raise ValueError(
-                f"update: gradient {path!r} must be an array of shape "
+                f"{where}: gradient {path!r} must be an array of shape "
                 f"{tuple(value.shape)}, got {got}"
             )
         if g.dtype != value.dtype and g.dtype in _INEXACT and value.dtype in _INEXACT and (
@@ -328,7 +328,8 @@ def _check_grads(grads: Any, model: nn.Module) -> tuple[tuple, Any, Any]:
     return tuple(signature), params, grads
 
 
-def _check_same_model(opt_state: OptState, signature: tuple, shapes: bool) -> None:
+def _check_same_model(opt_state: OptState, signature: tuple, shapes: bool,
+                      where: str = "update") -> None:
     """Refuse gradients of a model other than the one ``opt_state`` was set up for (a
     parameter it did not have, or had in another shape): the step would grow the state with
     the other model's entries and share its step count."""
@@ -339,7 +340,7 @@ def _check_same_model(opt_state: OptState, signature: tuple, shapes: bool) -> No
         if path not in known or (shapes and known[path] != tuple(shape)):
             had = f"had it of shape {known[path]}" if path in known else "had no such parameter"
             raise ValueError(
-                f"update: opt_state was set up for another model: this model's parameter "
+                f"{where}: opt_state was set up for another model: this model's parameter "
                 f"{path!r} (shape {tuple(shape)}) does not fit it (the model given to setup() "
                 f"{had}); call setup(rule, model) for this model, or pass the model the "
                 f"state belongs to"
@@ -364,15 +365,17 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     ``grads`` is the model's gradient (``gradient(loss, model)[0]``). With a loss scale in
     ``opt_state`` (given to :func:`setup`, or made by ``train(..., autocast=mx.float16)``)
     ``grads`` must be the gradient of the scaled loss (``gradient(loss, model,
-    loss_scale=opt_state.loss_scale)[0]``): the gradients are first divided by the scale;
-    if any is then inf or nan the step is skipped (weights and optimiser state stay exactly
-    as they were) and the scale is lowered, else the step is taken and the scale adjusted.
-    These decisions are ``mx.where`` selections on arrays: ``update`` never waits for the
-    device and can run inside ``mx.compile`` (capture ``opt_state.state`` and
-    ``model.state``).
+    loss_scale=opt_state.loss_scale)[0]``). Every step takes one path, whatever the scale
+    (none is a :class:`~fluxlike.NoOpLossScale`, whose unscaling is the identity): the
+    gradients are divided by the scale; if any is then inf or nan the step is skipped
+    (weights and optimiser state stay exactly as they were; a float32 sum of the gradients
+    past float32's range counts as such, see :func:`~fluxlike.precision.lossscale.sum_finite`)
+    and the scale is lowered, else the step is taken and the scale adjusted. These decisions
+    are ``mx.where`` selections on arrays: ``update`` never waits for the device and can run
+    inside ``mx.compile`` (capture ``opt_state.state`` and ``model.state``).
 
-    The step (the optimiser's ``apply_gradients`` and, with a loss scale, the unscaling,
-    finite check and scale adjustment) runs as one ``mx.compile``-d function per
+    The step (unscaling, the finite check, the optimiser's ``apply_gradients`` and the
+    scale's adjustment) runs as one ``mx.compile``-d function per
     ``opt_state``, with the optimiser and loss-scale state captured, so that MLX fuses each
     parameter's arithmetic into one kernel (the first step on a machine builds those
     kernels, which takes a while; MLX keeps them on disk). On the CPU,
@@ -412,36 +415,44 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     >>> model.weight
     array([[0, 1]], dtype=float32)
     """
+    _update(opt_state, model, grads, True, "update")
+
+
+def _update(opt_state: OptState, model: nn.Module, grads: dict, keep: bool,
+            where: str) -> tuple[dict, mx.array, dict, Any, dict]:
+    """:func:`update`; returns :func:`.compiled.step`'s ``(new parameters, finite, gradients,
+    optimiser state before)`` and the parameters before, in the structure of the gradients:
+    arrays not yet evaluated (no host synchronisation). ``keep``: see :func:`.compiled.step`
+    (``False``: a non-finite step is taken all the same, for the caller to undo)."""
     if not isinstance(opt_state, OptState):
-        raise TypeError(f"update: expected an OptState from setup(), got {opt_state!r}")
+        raise TypeError(f"{where}: expected an OptState from setup(), got {opt_state!r}")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"update: model must be an mlx.nn.Module, got {type(model).__name__}")
-    signature, params, grads = _check_grads(grads, model)
+        raise TypeError(f"{where}: model must be an mlx.nn.Module, got {type(model).__name__}")
+    signature, params, grads = _check_grads(grads, model, where)
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     if signature not in compiled.initialised:
-        _check_same_model(opt_state, signature, shapes=False)  # before init_missing grows it
-        init_missing(optimizer, params)  # thawed since setup(): no state yet
-        _check_same_model(opt_state, signature, shapes=True)  # (moments: init_missing says)
+        _check_same_model(opt_state, signature, False, where)  # before init_missing grows it
+        init_missing(optimizer, params, where)  # thawed since setup(): no state yet
+        _check_same_model(opt_state, signature, True, where)  # (moments: init_missing says)
         compiled.initialised.add(signature)
-    reason = compiled.eager or compiled.step(opt_state, model, grads, params, signature)
-    if reason is None:
+    done = compiled.eager or compiled.step(opt_state, model, grads, params, signature, keep)
+    if not isinstance(done, str):
         _sync_statistics(opt_state, model)
-        return
-    trees = [optimizer.state] if scale is None else [optimizer.state, scale.state]
+        return (*done, params)
+    reason = done
+    trees = [optimizer.state, scale.state]
     before = [dict(tree_flatten(tree)) for tree in trees]
-    average = averager(opt_state)
     with uninterrupted():
         try:
-            if scale is None and average is None:
-                optimizer.update(model, grads)
-            else:
-                model.update(step(optimizer, scale, grads, params, average))
+            done = step(optimizer, scale, grads, params, averager(opt_state), keep)
+            model.update(done[0])
         except BaseException:
             rollback(model, params, trees, before)  # no half-taken step
             raise
     compiled.fall_back(reason)  # only once the eager step worked: else it was the input
     _sync_statistics(opt_state, model)
+    return (*done, params)
 
 
 def _sync_statistics(opt_state: OptState, model: nn.Module) -> None:

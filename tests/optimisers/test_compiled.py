@@ -136,7 +136,7 @@ def test_compiled_update_matches_mlx_eager(rule):
 
 def test_loss_scale_matches_eager_and_skips_non_finite_steps_exactly():
     model, twin, opt_state, reference = _pair(
-        Adam(0.01), loss_scale=DynamicLossScale(2.0**8, period=2))
+        Adam(0.01), loss_scale=DynamicLossScale(2.0**8, growth_interval=2))
     for step, bad in enumerate([None, None, np.inf, None, np.nan, None]):
         g = _grads(model, step)
         # Scaled by the current scale, a power of two: the unscaled gradient is exactly g.
@@ -216,7 +216,7 @@ def test_changed_gradient_structure_and_dtype_retrace():
 
 def test_checkpoint_load_then_update_continues():
     model = _mlp()
-    opt_state = setup(Adam(0.01), model, loss_scale=DynamicLossScale(2.0**4, period=1))
+    opt_state = setup(Adam(0.01), model, loss_scale=DynamicLossScale(2.0**4, growth_interval=1))
     for step in range(2):
         update(opt_state, model, _grads(model, step))
     saved_model = tree_map(lambda x: x, model.parameters())
@@ -224,7 +224,7 @@ def test_checkpoint_load_then_update_continues():
     for step in (2, 3):
         update(opt_state, model, _grads(model, step))
     first = (_leaves(model.parameters()), _leaves(opt_state.state))
-    fresh = setup(Adam(0.01), _mlp(1), loss_scale=DynamicLossScale(period=1))
+    fresh = setup(Adam(0.01), _mlp(1), loss_scale=DynamicLossScale(growth_interval=1))
     for target in (opt_state, fresh):
         model.update(saved_model)
         target.load_state(saved)
@@ -254,7 +254,8 @@ def test_bad_input_after_a_compiled_step_changes_nothing():
 def test_update_inside_mx_compile_matches_eager():
     def make():
         model = _mlp()
-        return model, setup(Adam(0.01), model, loss_scale=DynamicLossScale(2.0**8, period=2))
+        scale = DynamicLossScale(2.0**8, growth_interval=2)
+        return model, setup(Adam(0.01), model, loss_scale=scale)
 
     model, opt_state = make()
     twin, eager_state = make()
@@ -401,7 +402,7 @@ def test_random_sequences_match_the_eager_path(ops):
     def make():
         model = _mlp()
         return model, setup(OptimiserChain(ClipNorm(1.0), AdamW(0.01)), model,
-                            loss_scale=DynamicLossScale(2.0**6, period=2))
+                            loss_scale=DynamicLossScale(2.0**6, growth_interval=2))
 
     model, opt_state = make()
     twin, eager_state = make()

@@ -18,6 +18,7 @@ from fluxlike import (
     Descent,
     DynamicLossScale,
     Momentum,
+    NoOpLossScale,
     OptState,
     StaticLossScale,
     gradient,
@@ -35,7 +36,7 @@ def test_setup_state_and_repr():
     opt_state = setup(Adam(), model)
     assert isinstance(opt_state, OptState)
     assert repr(opt_state) == (
-        "OptState(Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08), loss_scale=None)"
+        "OptState(Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08), loss_scale=NoOpLossScale())"
     )
     keys = sorted(leaves(opt_state.state))
     assert "optimizer.layers.1.weight.m" in keys and "optimizer.step" in keys
@@ -47,7 +48,7 @@ def test_setup_accepts_mlx_optimizer_and_loss_scales():
     opt_state = setup(opt, Dense(2, 1), loss_scale=256)
     assert opt_state.optimizer is opt and "v" in opt.state["weight"]
     assert isinstance(opt_state.loss_scale, StaticLossScale)
-    assert setup(Adam(), Dense(2, 1), loss_scale="auto").loss_scale is None
+    assert isinstance(setup(Adam(), Dense(2, 1), loss_scale="auto").loss_scale, NoOpLossScale)
     ls = DynamicLossScale()
     assert setup(Adam(), Dense(2, 1), loss_scale=ls).loss_scale is ls
 
@@ -68,7 +69,7 @@ def test_load_state_round_trip_nested_and_flat():
         return Chain(Dense(2, 3), relu, BatchNorm(3), Dense(3, 1))  # sparse list indices
 
     model = make()
-    opt_state = setup(Adam(0.1), model, loss_scale=DynamicLossScale(scale=8.0))
+    opt_state = setup(Adam(0.1), model, loss_scale=DynamicLossScale(8.0))
     x, y = mx.ones((4, 2)) * mx.arange(4).reshape(4, 1), mx.zeros((4, 1))
     for _ in range(3):
         update(opt_state, model, gradient(lambda m: mse_of(m, x, y), model)[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from mlx.utils import tree_flatten, tree_map
@@ -15,6 +15,7 @@ from fluxlike import (
     Chain,
     Dense,
     DynamicLossScale,
+    NoOpLossScale,
     StaticLossScale,
     all_finite,
     gradient,
@@ -31,7 +32,8 @@ class DynamicScaleMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.period, self.factor, self.floor = 3, 2.0, 0.25
-        self.ls = DynamicLossScale(scale=4.0, period=self.period, factor=self.factor,
+        self.ls = DynamicLossScale(4.0, growth_interval=self.period,
+                                   growth_factor=self.factor, backoff_factor=1 / self.factor,
                                    min_scale=self.floor)
         self.scale, self.counter = 4.0, 0
 
@@ -102,7 +104,7 @@ TestGradScalerRuleMachine.settings = settings(max_examples=40, stateful_step_cou
 
 
 def test_scale_never_grows_into_inf():
-    ls = DynamicLossScale(scale=2.0**127, period=1)
+    ls = DynamicLossScale(2.0**127, growth_interval=1)
     ls.adjust(mx.array(True))
     assert ls.loss_scale.item() == 2.0**127
 
@@ -127,16 +129,22 @@ def test_all_finite():
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: DynamicLossScale(scale=0), r"\[DynamicLossScale\] scale must be a positive"),
-    (lambda: DynamicLossScale(period=0), r"\[DynamicLossScale\] period must be a positive int"),
-    (lambda: DynamicLossScale(period=np.float64(3)), r"period must be a positive integer"),
-    (lambda: DynamicLossScale(period=np.bool_(True)), r"period must be a positive integer"),
-    (lambda: DynamicLossScale(period=2**31), r"period must be .*at most 2\*\*31 - 1"),
-    (lambda: DynamicLossScale(factor=1.0), r"factor must be greater than 1"),
-    (lambda: DynamicLossScale(factor=1 + 1e-9), r"factor must be greater than 1"),  # float32: 1
-    (lambda: DynamicLossScale(factor=np.bool_(True)), r"factor must be a positive number"),
+    (lambda: DynamicLossScale(0), r"\[DynamicLossScale\] init_scale must be a positive"),
+    (lambda: DynamicLossScale(growth_interval=0),
+     r"\[DynamicLossScale\] growth_interval must be a positive int"),
+    (lambda: DynamicLossScale(growth_interval=np.float64(3)),
+     r"growth_interval must be a positive integer"),
+    (lambda: DynamicLossScale(growth_interval=np.bool_(True)),
+     r"growth_interval must be a positive integer"),
+    (lambda: DynamicLossScale(growth_interval=2**31),
+     r"growth_interval must be .*at most 2\*\*31 - 1"),
+    (lambda: DynamicLossScale(growth_factor=1.0), r"growth_factor must be greater than 1"),
+    (lambda: DynamicLossScale(growth_factor=1 + 1e-9),  # float32: 1
+     r"growth_factor must be greater than 1"),
+    (lambda: DynamicLossScale(growth_factor=np.bool_(True)),
+     r"growth_factor must be a positive number"),
     (lambda: StaticLossScale(np.bool_(True)), r"scale must be a positive number"),
-    (lambda: DynamicLossScale(scale=0.5), r"scale must be at least min_scale=1.0"),
+    (lambda: DynamicLossScale(0.5), r"init_scale must be at least min_scale=1.0"),
     (lambda: StaticLossScale(float("inf")), r"\[StaticLossScale\] scale must be finite"),
     (lambda: StaticLossScale(True), r"\[StaticLossScale\] scale must be a positive"),
 ])
@@ -146,11 +154,12 @@ def test_bad_arguments(make, message):
 
 
 def test_numpy_numbers_are_accepted_as_python_numbers():
-    ls = DynamicLossScale(scale=np.float32(64), period=np.int64(3), factor=np.float16(4),
+    ls = DynamicLossScale(np.float32(64), growth_interval=np.int64(3),
+                          growth_factor=np.float16(4), backoff_factor=np.float64(0.25),
                           min_scale=np.int32(2))
-    assert repr(ls) == ("DynamicLossScale(scale=64.0, growth_factor=4.0, backoff_factor=0.25, "
+    assert repr(ls) == ("DynamicLossScale(init_scale=64.0, growth_factor=4.0, backoff_factor=0.25, "
                         "growth_interval=3, min_scale=2.0)")
-    assert type(ls.period) is int and type(ls.factor) is float
+    assert type(ls.growth_interval) is int and type(ls.growth_factor) is float
     assert repr(StaticLossScale(np.float32(8))) == "StaticLossScale(8.0)"
     model = Dense(2, 1)
     for number in (np.float64(8), np.float32(8), np.int64(8)):
@@ -160,7 +169,8 @@ def test_numpy_numbers_are_accepted_as_python_numbers():
 
 
 def test_hyperparameters_are_state_and_come_back_from_a_checkpoint():
-    ls = DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)
+    ls = DynamicLossScale(64.0, growth_interval=3, growth_factor=4.0, backoff_factor=0.25,
+                          min_scale=2.0)
     ls.adjust(mx.array(True))
     saved = {k: mx.array(np.array(v)) for k, v in ls.state.items()}  # as read from a file
     other = DynamicLossScale()
@@ -173,30 +183,32 @@ def test_hyperparameters_are_state_and_come_back_from_a_checkpoint():
 
 def test_state_without_hyperparameters_keeps_them():
     # checkpoints written before the hyperparameters were state
-    ls = DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)
+    ls = DynamicLossScale(64.0, growth_interval=3, growth_factor=4.0, backoff_factor=0.25,
+                          min_scale=2.0)
     ls.load_state({"loss_scale": mx.array(8.0), "counter": mx.array(2, mx.int32)})
-    assert repr(ls) == ("DynamicLossScale(scale=8.0, growth_factor=4.0, backoff_factor=0.25, "
+    assert repr(ls) == ("DynamicLossScale(init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, "
                         "growth_interval=3, min_scale=2.0)")
     model = Dense(2, 1)
     fresh = setup(Adam(), model)  # no loss scale yet: the defaults, as before
     fresh.load_state({**fresh.state, "loss_scale": {"loss_scale": mx.array(8.0),
                                                     "counter": mx.array(2, mx.int32)}})
     assert repr(fresh.loss_scale) == (
-        "DynamicLossScale(scale=8.0, growth_factor=2.0, backoff_factor=0.5, "
+        "DynamicLossScale(init_scale=8.0, growth_factor=2.0, backoff_factor=0.5, "
         "growth_interval=2000, min_scale=1.0)")
-    saved = setup(Adam(), model, loss_scale=DynamicLossScale(period=5, factor=3.0)).state
+    saved = setup(Adam(), model, loss_scale=DynamicLossScale(growth_interval=5,
+                                                                   growth_factor=3.0)).state
     fresh = setup(Adam(), model)
     fresh.load_state(saved)
-    assert (fresh.loss_scale.period, fresh.loss_scale.factor) == (5, 3.0)
+    assert (fresh.loss_scale.growth_interval, fresh.loss_scale.growth_factor) == (5, 3.0)
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("period", mx.array(0, mx.int32), "period must be a positive integer"),
-    ("factor", mx.array(0.5), "factor must be greater than 1"),
+    ("growth_interval", mx.array(0, mx.int32), "growth_interval must be a positive integer"),
+    ("growth_factor", mx.array(0.5), "growth_factor must be greater than 1"),
     ("min_scale", mx.array(float("nan")), "min_scale must be a positive number"),
 ])
 def test_loaded_hyperparameters_are_checked(key, value, message):
-    ls = DynamicLossScale(period=3)
+    ls = DynamicLossScale(growth_interval=3)
     state = dict(ls.state)
     with pytest.raises(ValueError,
                        match=rf"^\[DynamicLossScale\] {message}.*\(in the state loaded\)"):
@@ -205,19 +217,20 @@ def test_loaded_hyperparameters_are_checked(key, value, message):
 
 
 def test_reassigned_hyperparameters_are_checked_and_used():
-    ls = DynamicLossScale(scale=8.0, period=100)
-    ls.period, ls.factor, ls.min_scale = np.int64(1), 4, 2
-    assert repr(ls) == ("DynamicLossScale(scale=8.0, growth_factor=4.0, backoff_factor=0.25, "
+    ls = DynamicLossScale(8.0, growth_interval=100)
+    ls.growth_interval, ls.growth_factor, ls.backoff_factor, ls.min_scale = np.int64(1), 4, 0.25, 2
+    assert repr(ls) == ("DynamicLossScale(init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, "
                         "growth_interval=1, min_scale=2.0)")
     ls.adjust(mx.array(True))
     assert ls.loss_scale.item() == 32.0
     for _ in range(3):
         ls.adjust(mx.array(False))
     assert ls.loss_scale.item() == 2.0
-    for name, bad in (("period", 0), ("factor", 1.0), ("min_scale", -1.0)):
+    for name, bad in (("growth_interval", 0), ("growth_factor", 1.0), ("backoff_factor", 1.0),
+                      ("min_scale", -1.0)):
         with pytest.raises(ValueError, match=rf"\[DynamicLossScale\] {name} must be"):
             setattr(ls, name, bad)
-    assert repr(ls) == ("DynamicLossScale(scale=2.0, growth_factor=4.0, backoff_factor=0.25, "
+    assert repr(ls) == ("DynamicLossScale(init_scale=2.0, growth_factor=4.0, backoff_factor=0.25, "
                         "growth_interval=1, min_scale=2.0)")
 
 
@@ -251,7 +264,7 @@ def _snapshot(model, opt_state):
 
 def test_scaled_step_equals_unscaled_step():
     model_a, plain, grads = _setup(None)
-    model_b, scaled, _ = _setup(DynamicLossScale(scale=1024.0))
+    model_b, scaled, _ = _setup(DynamicLossScale(1024.0))
     update(plain, model_a, grads)
     update(scaled, model_b, tree_map(lambda g: g * 1024.0, grads))
     a, b = _snapshot(model_a, plain), _snapshot(model_b, scaled)
@@ -262,7 +275,7 @@ def test_scaled_step_equals_unscaled_step():
 
 @pytest.mark.parametrize("poison", [float("inf"), float("nan")])
 def test_non_finite_step_is_skipped(poison):
-    model, opt_state, grads = _setup(DynamicLossScale(scale=1024.0))
+    model, opt_state, grads = _setup(DynamicLossScale(1024.0))
     update(opt_state, model, grads)  # one real step, so the optimiser state is non-trivial
     mx.eval(_snapshot(model, opt_state))
     before = _snapshot(model, opt_state)
@@ -280,7 +293,7 @@ def test_non_finite_step_is_skipped(poison):
 
 
 def test_update_runs_inside_compile_without_host_sync():
-    model, opt_state, grads = _setup(DynamicLossScale(scale=1024.0, period=2))
+    model, opt_state, grads = _setup(DynamicLossScale(1024.0, growth_interval=2))
     captured = [model.state, opt_state.state]
 
     def step(grads):
@@ -295,7 +308,7 @@ def test_update_runs_inside_compile_without_host_sync():
     assert opt_state.loss_scale.loss_scale.item() == 1024.0  # halved, then doubled
     assert all(mx.all(mx.isfinite(v)).item() for _, v in tree_flatten(model.parameters()))
 
-    opt_state.loss_scale.period = 1  # an array of the captured state: read at the next step
+    opt_state.loss_scale.growth_interval = 1  # an array of the captured state: read next step
     compiled(grads)
     mx.eval(captured)
     assert opt_state.loss_scale.loss_scale.item() == 2048.0
@@ -333,15 +346,13 @@ def test_backoff_independent_of_growth():
     assert ls.loss_scale.item() == 512.0
 
 
-def test_earlier_spellings_still_work():
-    old = DynamicLossScale(scale=64.0, period=3, factor=4.0, min_scale=2.0)
-    new = DynamicLossScale(64.0, growth_interval=3, growth_factor=4.0, backoff_factor=0.25,
-                           min_scale=2.0)
-    assert repr(old) == repr(new)
-    assert (old.period, old.factor) == (3, 4.0)
-    with pytest.raises(TypeError, match=r"\[DynamicLossScale\] give growth_interval= or the "
-                       r"earlier spelling period=, not both"):
-        DynamicLossScale(period=3, growth_interval=3)
+@pytest.mark.parametrize("name", ["scale", "period", "factor"])
+def test_one_spelling_of_each_argument(name):
+    # 0.1.0's alternate names are gone: GradScaler's init_scale, growth_interval and
+    # growth_factor/backoff_factor are the only ones
+    with pytest.raises(TypeError, match=name):
+        DynamicLossScale(**{name: 2})
+    assert name == "scale" or not hasattr(DynamicLossScale(), name)  # (scale(): the method)
     with pytest.raises(TypeError):  # the factors are keywords: a positional 2nd is refused
         DynamicLossScale(1024.0, 100)
 
@@ -366,21 +377,9 @@ def test_every_argument_is_checked(kwargs, message):
         DynamicLossScale(**kwargs)
 
 
-def test_a_checkpoint_with_the_earlier_entries_loads():
-    # state as written before growth_factor/backoff_factor/growth_interval
-    saved = {"loss_scale": mx.array(64.0), "counter": mx.array(1, mx.int32),
-             "period": mx.array(3, mx.int32), "factor": mx.array(4.0),
-             "min_scale": mx.array(2.0)}
+def test_a_state_with_the_earlier_entries_is_refused():
     ls = DynamicLossScale()
-    ls.load_state(saved)
-    assert (ls.growth_interval, ls.growth_factor, ls.backoff_factor, ls.min_scale) == (
-        3, 4.0, 0.25, 2.0)
-    assert ls.counter.item() == 1 and ls.loss_scale.item() == 64.0
-    model = Dense(2, 1)
-    opt_state = setup(Adam(), model)
-    opt_state.load_state({**opt_state.state, "loss_scale": saved})
-    assert opt_state.loss_scale.growth_interval == 3
-    with pytest.raises(ValueError, match=r"state has both 'period' and 'growth_interval'"):
+    with pytest.raises(ValueError, match=r"unexpected state entry 'period'"):
         ls.load_state({**ls.state, "period": mx.array(3, mx.int32)})
 
 
@@ -456,7 +455,7 @@ def test_one_scale_shared_by_two_opt_states_is_refused():
     from fluxlike import train
     with pytest.raises(ValueError, match=r"^train: this DynamicLossScale already belongs"):
         train(mse, b, [x], other, loss_scale=ls, progress=False)
-    assert other.loss_scale is None and first.loss_scale is ls
+    assert isinstance(other.loss_scale, NoOpLossScale) and first.loss_scale is ls
     with pytest.raises(ValueError, match=r"^OptState: this DynamicLossScale already belongs"):
         other.loss_scale = ls
 
@@ -505,3 +504,66 @@ def test_two_models_as_one_adjust_the_scale_once_per_iteration():
                             loss_scale=ls)
         update(opt_state, both, grads)
     assert ls.loss_scale.item() == 1024.0 * 2**3  # once per iteration, not twice
+
+
+# ---------------------------------------------------------------- no loss scale
+
+
+def test_no_op_scale_is_the_identity_and_has_no_state():
+    ls = NoOpLossScale()
+    tree = {"w": mx.array([1.0, 2.0], mx.float16), "n": [mx.array([3], mx.int32)]}
+    assert ls.scale(tree) is tree and ls.unscale(tree) is tree
+    loss = mx.array(0.25)
+    assert ls.scale(loss) is loss
+    ls.adjust(mx.array(False))
+    assert ls.state == {} and ls.loss_scale.item() == 1.0 and repr(ls) == "NoOpLossScale()"
+    ls.load_state({})
+    with pytest.raises(ValueError, match=r"\[NoOpLossScale\] unexpected state entry 'counter'"):
+        ls.load_state({"counter": mx.array(0, mx.int32)})
+
+
+def test_none_means_a_no_op_scale_everywhere():
+    model = Dense(2, 1)
+    for opt_state in (setup(Adam(), model), setup(Adam(), model, loss_scale=None),
+                      setup(Adam(), model, loss_scale="auto")):
+        assert isinstance(opt_state.loss_scale, NoOpLossScale)
+        assert opt_state.state["loss_scale"] == {}
+    opt_state.loss_scale = StaticLossScale(4.0)
+    opt_state.loss_scale = None  # assigning None assigns a no-op scale
+    assert isinstance(opt_state.loss_scale, NoOpLossScale)
+    shared = NoOpLossScale()  # never adjusts: may serve several states
+    assert setup(Adam(), model, loss_scale=shared).loss_scale is shared
+    assert setup(Adam(), model, loss_scale=shared).loss_scale is shared
+
+
+def test_gradient_with_a_no_op_scale_equals_none():
+    model = Dense(3, 2)
+    x = mx.ones((4, 3))
+    f = lambda m: (m(x) ** 2).sum()  # noqa: E731
+    (plain,), (noop,) = gradient(f, model), gradient(f, model, loss_scale=NoOpLossScale())
+    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in
+               zip(tree_flatten(plain), tree_flatten(noop), strict=True))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_update_without_a_scale_skips_a_non_finite_step(bad):
+    # one path for every scale: the finite check and mx.where keep are the no-op scale's too
+    model = Dense(2, 1)
+    opt_state = setup(Adam(0.1), model)
+    before = {k: v for k, v in tree_flatten(model.parameters())}
+    grads = tree_map(lambda p: mx.full(p.shape, bad), model.trainable_parameters())
+    update(opt_state, model, grads)
+    assert all(mx.array_equal(v, before[k]).item() for k, v in tree_flatten(model.parameters()))
+    assert opt_state.optimizer.state["step"].item() == 0
+
+
+@given(st.lists(st.sampled_from([0.0, 1.0, -3.0, 6e4, float("inf"), -float("inf"),
+                                  float("nan")]), min_size=1, max_size=6),
+       st.sampled_from([mx.float32, mx.float16, mx.bfloat16]))
+@settings(max_examples=60, deadline=None)
+def test_sum_finite_agrees_with_all_finite(values, dtype):
+    # 6e4 in float16, summed: no false overflow (the sum is taken in float32)
+    from fluxlike.precision.lossscale import sum_finite
+    tree = {"a": mx.array(values, dtype=dtype), "b": [mx.array(values[::-1], dtype=dtype)],
+            "n": mx.array([1], mx.int32)}
+    assert sum_finite(tree).item() == all_finite(tree).item()

@@ -1,0 +1,165 @@
+"""The whole training step as one ``mx.compile``-d function: :func:`fluxlike.trainstep` and
+:func:`fluxlike.train` with ``compile=True``.
+
+Forward, backward, loss scaling, the finite check and the rule are traced once per key and
+replayed by MLX (one C++ call, which also writes the captured model, optimiser, loss-scale
+and random state: a step is all or nothing). The functions live in the :class:`Compiled`
+record of their :class:`~fluxlike.OptState` (a weak-keyed table), so they are reused across
+calls and epochs and freed with the optimiser state, and with it the model they captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import FunctionType, MethodType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import native
+from ._mlxtyping import tree_flatten
+from .gradients import _trainable_parameters, _value_and_grad
+from .optimisers.compiled import (
+    COMPILED,
+    Compiled,
+    _Same,
+    _settings,
+    assign,
+    averager,
+    init_missing,
+    step,
+    uninterrupted,
+)
+from .optimisers.state import OptState, _check_grads, _check_same_model
+from .precision import state as precision_state
+
+LIMIT = 8  # whole steps kept per OptState; the oldest is dropped (and traced again if needed)
+
+
+def _batch_key(value: Any) -> Any:
+    """What a trace bakes in of one batch argument: arrays' shapes and dtypes, other values
+    themselves (by identity when unhashable)."""
+    if isinstance(value, mx.array):
+        return value.shape, value.dtype
+    if isinstance(value, (list, tuple)):
+        return (type(value), *map(_batch_key, value))
+    if isinstance(value, dict):
+        return (dict, *((k, _batch_key(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return _Same(value)
+    return type(value), value
+
+
+def _loss_key(loss: Callable) -> Any:
+    """What identifies a loss function for a trace: a Python function by its code, closure
+    cells and defaults (so that ``trainstep(lambda m, x, y: ..., ...)`` written inside a loop,
+    a new function object each time, still finds its trace), a bound method by its function
+    and object, anything else by identity."""
+    if isinstance(loss, FunctionType):
+        cells = tuple(_Same(c) for c in loss.__closure__ or ())
+        defaults = (*(loss.__defaults__ or ()), *(loss.__kwdefaults__ or {}).values())
+        return (_Same(loss.__code__), _Same(loss.__globals__), cells,
+                tuple(_Same(d) for d in defaults))  # (a default array is baked in: identity)
+    if isinstance(loss, MethodType):
+        return _loss_key(loss.__func__), _Same(loss.__self__)
+    return _Same(loss)
+
+
+def _structure(model: nn.Module) -> tuple:
+    """The model's modules, their train/eval mode and frozen names: a trace bakes them in.
+    (A walk of modules only, not of arrays: this runs on every step; ``model.modules()``
+    took several times as long.)"""
+    out = []
+    stack: list[Any] = [model]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, nn.Module):
+            frozen = value._no_grad
+            out.append((id(value), value._training, frozenset(frozen) if frozen else None))
+            stack.extend(v for v in value.values() if isinstance(v, (nn.Module, list, dict)))
+        else:  # a list or dict inside a module
+            stack.extend(v for v in (value.values() if isinstance(value, dict) else value)
+                         if isinstance(v, (nn.Module, list, dict)))
+    return tuple(out)
+
+
+def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtype | None,
+           where: str) -> Callable:
+    optimizer, scale, parallel = opt_state.optimizer, opt_state.loss_scale, opt_state.distributed
+    average = averager(opt_state)
+
+    def whole(*args: Any) -> tuple:
+        before = model.parameters()  # the inputs: returned, so a skipped step can be undone
+        fresh: list = []
+        value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
+                                         wrt_arrays=False, fresh_state=fresh)
+        value = value[0] if isinstance(value, tuple) else value
+        if parallel is not None:  # the group's mean: every rank decides alike
+            value = parallel.mean(value)
+        params = _trainable_parameters(model)[0]
+        new_params, finite, grads, state_before = step(optimizer, scale, g, params, average,
+                                                       keep=False)
+        model.update(new_params)
+        statistics = [v for _, _, new in fresh for v in new.values()]
+        return value, finite, grads, new_params, statistics, before, state_before
+
+    return whole
+
+
+def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
+                  dtype: mx.Dtype | None, where: str) -> tuple | None:
+    """The step through the compiled function for its key (traced first if new):
+    ``(loss, finite, grads, new parameters, new running statistics, the model's parameters
+    before, the optimiser state before)``, arrays not yet evaluated (a non-finite step is
+    taken: the caller undoes it); ``None`` when this optimiser cannot be captured (then
+    nothing has changed: take the step eagerly)."""
+    optimizer, scale = opt_state.optimizer, opt_state.loss_scale
+    live = optimizer.state
+    compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
+    settings = (_settings(optimizer), _settings(scale))
+    key = (_loss_key(loss), tuple(map(_batch_key, args)), dtype, precision_state.context.get(),
+           _Same(optimizer), _Same(scale), id(live), id(scale.state), settings,
+           native.available(), _structure(model))
+    fn = compiled.whole.get(key)
+    if fn is not None:
+        out = fn(*args)  # one C++ call: the captured state is written all at once
+        _sync_statistics(opt_state, model)
+        return out
+    if compiled.eager is not None or live is not optimizer.state:
+        return None  # an optimiser that must run eagerly (see fluxlike.update)
+    params = _trainable_parameters(model)[0]
+    signature, params, _ = _check_grads(params, model, where)  # parameters stand for grads
+    if signature not in compiled.initialised:
+        _check_same_model(opt_state, signature, False, where)
+        init_missing(optimizer, params, where)
+        _check_same_model(opt_state, signature, True, where)
+        compiled.initialised.add(signature)
+    captured = [model.state, live, scale.state, mx.random.state]
+    before = (model.parameters(), dict(tree_flatten(live)), dict(scale.state))
+    fn = mx.compile(_whole(loss, model, opt_state, dtype, where), inputs=captured,
+                    outputs=captured)
+    with uninterrupted():
+        try:
+            out = fn(*args)
+        except BaseException:
+            # A trace that raised leaves mx.compile's placeholders in everything captured
+            # (see fluxlike.workarounds): put the arrays of before the step back.
+            model.update(before[0])
+            assign(live, before[1], prune=True)
+            scale.state.update(before[2])
+            compiled.initialised.clear()  # state made for thawed parts may be gone
+            raise
+    if settings == (_settings(optimizer), _settings(scale)):  # else: replays would differ
+        if len(compiled.whole) >= LIMIT:
+            del compiled.whole[next(iter(compiled.whole))]
+        compiled.whole[key] = fn
+    _sync_statistics(opt_state, model)
+    return out
+
+
+def _sync_statistics(opt_state: OptState, model: nn.Module) -> None:
+    if opt_state.distributed is not None:
+        opt_state.distributed.sync_statistics(model)
