@@ -17,6 +17,7 @@ from fluxlike import (
     Dense,
     Descent,
     DynamicLossScale,
+    NoOpLossScale,
     OptimiserChain,
     WeightDecay,
     setup,
@@ -147,7 +148,7 @@ def test_training_under_autocast(dtype):
     assert model.weight.dtype == mx.float32 and last < first
     state = opt_state.state["optimizer"]
     assert state["weight"]["accumulated"].dtype == mx.float32
-    assert (dtype == mx.float16) == (opt_state.loss_scale is not None)
+    assert (dtype == mx.float16) == (not isinstance(opt_state.loss_scale, NoOpLossScale))
     steps = state["step"].item() * 2 + state["accumulated_steps"].item()
     assert steps <= 24 and state["step"].item() >= 1
 
