@@ -51,6 +51,10 @@ class Policy:
       function ``f(layer, *args, **kwargs)`` run inside a scope in place of ``__call__``;
     - ``methods``: other methods run inside a scope by a function of their own (a tied
       embedding's ``as_linear``);
+    - ``unscoped``: for a ``forward`` function: a predicate ``f(layer, *args, **kwargs)``
+      saying that outside a scope the call runs ``forward`` too (mlx.nn's layers after a
+      half-precision converter, whose own forwards would run MLX's slow CPU half kernels or
+      refuse a float32 attention mask: :mod:`.stock`);
     - ``keep_float32``: whether ``f16mix``/``bf16mix`` leave its parameters in float32;
     - ``owner``: the class that declared it (a subclass that defines its own ``__call__``
       is not covered by the owner's ``forward``).
@@ -59,6 +63,7 @@ class Policy:
     kind: str = "none"
     forward: Callable | str | None = None
     methods: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    unscoped: Callable[..., bool] | None = None
     keep_float32: bool = False
     owner: type | None = None
 
@@ -113,6 +118,7 @@ def _declare(cls: type, **changes: Any) -> None:
 def autocast_policy(
     kind: str, *, forward: Callable | str | None = None,
     methods: Mapping[str, Callable] | None = None,
+    unscoped: Callable[..., bool] | None = None,
 ) -> Callable[[M], M]:
     """Class decorator giving a layer class its precision policy under autocast.
 
@@ -126,7 +132,8 @@ def autocast_policy(
     compute dtype for the call (its ``__call__`` runs on the layer itself, so state it
     writes persists); an ``"fp32"`` layer runs with autocast off, in float32. A subclass
     inherits its parent's policy unless it declares its own. ``forward`` and ``methods``
-    are for layers written with :mod:`fluxlike.precision.ops` (see :class:`Policy`).
+    are for layers written with :mod:`fluxlike.precision.ops`, and ``unscoped`` for a
+    ``forward`` that also serves some calls outside a scope (see :class:`Policy`).
 
     >>> import mlx.core as mx
     >>> import mlx.nn as nn
@@ -152,6 +159,9 @@ def autocast_policy(
     if forward is not None and not (forward == "ops" or callable(forward)):
         raise TypeError(f"autocast_policy: forward must be None, 'ops' or a function, "
                         f"got {forward!r}")
+    if unscoped is not None and not (callable(unscoped) and callable(forward)):
+        raise TypeError(f"autocast_policy: unscoped must be a predicate given with a forward "
+                        f"function, got unscoped={unscoped!r}, forward={forward!r}")
     methods = dict(methods or {})
     for name, fn in methods.items():
         if not (isinstance(name, str) and callable(fn)):
@@ -160,7 +170,7 @@ def autocast_policy(
 
     def register(cls: M) -> M:
         _check_class(cls, "autocast_policy")
-        _declare(cls, kind=kind, forward=forward, methods=methods)
+        _declare(cls, kind=kind, forward=forward, methods=methods, unscoped=unscoped)
         return cls
 
     return register
@@ -265,12 +275,14 @@ def _route(cls: type) -> None:
     # own forward gets its parameters cast around it instead.
     covered = record.owner is not None and plain is _plain(record.owner.__call__)
     forward = record.forward if covered else None
+    unscoped = record.unscoped if covered else None
     if record.kind == "fp32":
         _install(cls, "__call__", plain, _unscoped_call(plain, float32=True), "fp32")
     elif record.kind == "down" and forward == "ops":
         _install(cls, "__call__", plain, None, None)
     elif record.kind == "down" and forward is not None:
-        _install(cls, "__call__", plain, _scoped_call(plain, cast(Callable, forward)), "down")
+        _install(cls, "__call__", plain, _scoped_call(plain, cast(Callable, forward), unscoped),
+                 "down")
     elif record.kind == "down":
         _install(cls, "__call__", plain, _swapping_call(plain), "down")
     elif _casts_at_ops(cls, plain):  # "none" over a forward that would cast: as outside
@@ -310,10 +322,13 @@ def _install(cls: type, name: str, plain: Callable, wrapper: Callable | None,
     setattr(cls, name, wrapper)
 
 
-def _scoped_call(plain: Callable, scoped: Callable) -> Callable:
+def _scoped_call(plain: Callable, scoped: Callable,
+                 unscoped: Callable[..., bool] | None = None) -> Callable:
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = context.get()
         if state is PLAIN or state[device_index()] is None:
+            if unscoped is not None and unscoped(self, *args, **kwargs):  # a converted layer
+                return scoped(self, *args, **kwargs)
             return plain(self, *args, **kwargs)
         return scoped(self, *args, **kwargs)
 
