@@ -144,8 +144,9 @@ def f16mix(model: T) -> T:
     The result takes float32 data (fluxlike's layers convert their input to their weights'
     dtype) and computes in float16. ``mlx.nn``'s own layers do not convert: with float32
     data they promote their weights to float32, and after a norm kept float32 so does the
-    rest; give such a model half-precision data and keep it under ``autocast`` (which casts
-    each layer's input), or use fluxlike's layers.
+    rest; give such a model half-precision data (it then runs fluxlike's kernels on the CPU,
+    :mod:`.stock`), keep it under ``autocast`` (which casts each layer's input), or use
+    fluxlike's layers.
 
     >>> import mlx.core as mx
     >>> from fluxlike import BatchNorm, Chain, Dense, f16mix, relu
