@@ -51,8 +51,9 @@ class Policy:
       function ``f(layer, *args, **kwargs)`` run inside a scope in place of ``__call__``;
     - ``methods``: other methods run inside a scope by a function of their own (a tied
       embedding's ``as_linear``);
-    - ``unscoped``: for a ``forward`` function: a predicate ``f(layer, *args, **kwargs)``
-      saying that outside a scope the call runs ``forward`` too (mlx.nn's layers after a
+    - ``unscoped``: for a ``forward`` function (and ``methods``): a predicate
+      ``f(layer, *args, **kwargs)`` saying that outside a scope the call runs ``forward``
+      (the method's function) too (mlx.nn's layers after a
       half-precision converter, whose own forwards would run MLX's slow CPU half kernels or
       refuse a float32 attention mask: :mod:`.stock`);
     - ``keep_float32``: whether ``f16mix``/``bf16mix`` leave its parameters in float32;
@@ -159,9 +160,9 @@ def autocast_policy(
     if forward is not None and not (forward == "ops" or callable(forward)):
         raise TypeError(f"autocast_policy: forward must be None, 'ops' or a function, "
                         f"got {forward!r}")
-    if unscoped is not None and not (callable(unscoped) and callable(forward)):
+    if unscoped is not None and not (callable(unscoped) and (callable(forward) or methods)):
         raise TypeError(f"autocast_policy: unscoped must be a predicate given with a forward "
-                        f"function, got unscoped={unscoped!r}, forward={forward!r}")
+                        f"function or methods, got unscoped={unscoped!r}, forward={forward!r}")
     methods = dict(methods or {})
     for name, fn in methods.items():
         if not (isinstance(name, str) and callable(fn)):
@@ -291,7 +292,7 @@ def _route(cls: type) -> None:
         _install(cls, "__call__", plain, None, None)
     for name, scoped in record.methods.items():
         method = _plain(getattr(cls, name))
-        _install(cls, name, method, _scoped_call(method, scoped), "down")
+        _install(cls, name, method, _scoped_call(method, scoped, record.unscoped), "down")
 
 
 def _casts_at_ops(cls: type, plain: Callable) -> bool:

@@ -11,8 +11,9 @@ parameters' casts swapped in, on MLX's native kernels.
 
 After a half-precision converter (``bf16mix``, ``f16``...), these forwards serve some calls
 outside a scope too, with the dtypes the layer's own forward would compute in (no input is
-converted that MLX would not convert): ``nn.Linear``, the convolutions and
-``nn.QuantizedLinear`` given an input of their own half dtype on the CPU, where their own
+converted that MLX would not convert): ``nn.Linear``, the convolutions,
+``nn.QuantizedLinear`` and the tied heads (``as_linear``) given an input of their own half
+dtype on the CPU, where their own
 forwards would run MLX's scalar half kernels (50x slower than fluxlike's), and
 ``nn.MultiHeadAttention`` with half projections on any device, whose own forward hands a
 float32 additive mask to ``mx.fast.scaled_dot_product_attention`` with half scores, which
@@ -161,8 +162,9 @@ for _cls in (nn.Bilinear, nn.RNN, nn.GRU, nn.LSTM):
     autocast_policy("down")(_cls)
 for _cls in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm, nn.BatchNorm):
     autocast_policy("fp32")(_cls)
-autocast_policy("none", methods={"as_linear": _tied_head})(nn.Embedding)
-autocast_policy("none", methods={"as_linear": _quantized_tied_head})(nn.QuantizedEmbedding)
+autocast_policy("none", methods={"as_linear": _tied_head}, unscoped=half_on_cpu)(nn.Embedding)
+autocast_policy("none", methods={"as_linear": _quantized_tied_head}, unscoped=half_on_cpu)(
+    nn.QuantizedEmbedding)
 autocast_policy("none")(nn.Dropout)
 for _cls in (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm):
     keep_float32(_cls)

@@ -174,6 +174,18 @@ def test_multi_head_attention_core_takes_float32_kernels(mask, monkeypatch):
 
 # --- converted (half-precision) stock layers outside a scope ------------------------------
 
+
+class TiedHead(nn.Module):
+    """An embedding used as a tied output head (mlx-lm's Qwen2, Gemma, GPT-2, Mamba)."""
+
+    def __init__(self, embedding: nn.Module):
+        super().__init__()
+        self.embedding = embedding
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.embedding.as_linear(x)
+
+
 CONVERTED = [
     ("Linear", lambda: nn.Linear(6, 5), (3, 4, 6), "linear"),
     ("Conv1d", lambda: nn.Conv1d(4, 6, 3, padding=1), (2, 9, 4), "conv"),
@@ -181,6 +193,9 @@ CONVERTED = [
      "conv_transpose"),
     ("QuantizedLinear", lambda: nn.QuantizedLinear(64, 32, group_size=32, bits=4), (3, 64),
      "quantized_linear"),
+    ("Embedding.as_linear", lambda: TiedHead(nn.Embedding(10, 6)), (3, 6), "linear"),
+    ("QuantizedEmbedding.as_linear", lambda: TiedHead(nn.QuantizedEmbedding(10, 64, 32, 4)),
+     (3, 64), "quantized_linear"),
 ]
 
 
@@ -197,8 +212,13 @@ def test_converted_layer_takes_fluxlikes_kernels_outside_a_scope(name, make, sha
     half = convert(layer)
     dtype = mx.bfloat16 if convert is bf16mix else mx.float16
     x = normal(*shape).astype(dtype)
-    plain = type(half).__call__.__fluxlike_plain__
-    expected = plain(half, x)  # MLX's own forward on the half layer
+    if isinstance(half, TiedHead):
+        embedding = half.embedding
+        plain = type(embedding).as_linear.__fluxlike_plain__
+        expected = plain(embedding, x)  # MLX's own as_linear on the half embedding
+    else:
+        plain = type(half).__call__.__fluxlike_plain__
+        expected = plain(half, x)  # MLX's own forward on the half layer
     calls = []
     original = getattr(ops, kernel)
     monkeypatch.setattr(ops, kernel, lambda *a, **k: calls.append(1) or original(*a, **k))
