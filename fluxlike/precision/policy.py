@@ -53,9 +53,9 @@ class Policy:
       embedding's ``as_linear``);
     - ``unscoped``: for a ``forward`` function (and ``methods``): a predicate
       ``f(layer, *args, **kwargs)`` saying that outside a scope the call runs ``forward``
-      (the method's function) too (mlx.nn's layers after a
-      half-precision converter, whose own forwards would run MLX's slow CPU half kernels or
-      refuse a float32 attention mask: :mod:`.stock`);
+      (or the method's function) too: mlx.nn's layers after a half-precision converter,
+      whose own forwards would run MLX's slow CPU half kernels or refuse a float32
+      attention mask (:mod:`.stock`);
     - ``keep_float32``: whether ``f16mix``/``bf16mix`` leave its parameters in float32;
     - ``owner``: the class that declared it (a subclass that defines its own ``__call__``
       is not covered by the owner's ``forward``).
