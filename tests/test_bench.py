@@ -198,3 +198,19 @@ def test_step_bench_prints_every_row():
                       done.stdout, re.M)
     assert len(rows) == 10, done.stdout
     assert "# per-step overhead:" in done.stdout
+
+
+def test_upstream_models_benchmark_quick_run():
+    """bench/upstream.py (real upstream models, float32 against autocast) at its smoke size:
+    one row per model, every column filled."""
+    models = "bert,llama" if importlib.util.find_spec("mlx_lm") is not None else "bert"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "upstream.py"), "--quick", "--models", models],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "processor:" in done.stdout
+    rows = [line for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| model")]
+    assert [row.split("|")[1].strip() for row in rows] == models.split(",")
+    assert all(len(row.split("|")) == 11 and "x" in row for row in rows)

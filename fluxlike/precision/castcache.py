@@ -111,7 +111,10 @@ def casts_if_seen(sources: tuple[mx.array, ...], dtype: mx.Dtype) -> list[mx.arr
 
     A hit means each source is an array seen before, so none is a tracer made for the
     transformation (``mx.grad``, ``mx.compile``) now running: the caller may then compute
-    with the casts as constants instead of through its custom gradient.
+    with the casts as constants instead of through its custom gradient. (Except for a layer
+    applied twice inside one plain ``mx.grad`` trace, which fluxlike cannot see: its second
+    application hits its first one's tracer. The casts are then ops of the trace, and the
+    gradients flow through them in float32: see the README on plain ``mx.grad``.)
 
     >>> import mlx.core as mx
     >>> w = mx.ones((2, 2), mx.bfloat16)

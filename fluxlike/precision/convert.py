@@ -3,7 +3,13 @@
 ``f32``, ``f64``, ``f16`` and ``bf16`` cast every floating parameter (full casts, like
 PyTorch's ``model.half()``). ``f16mix`` and ``bf16mix`` cast all but the layers that declare
 :func:`keep_float32` (BatchNorm, InstanceNorm and GroupNorm, fluxlike's and ``mlx.nn``'s),
-whose statistics and affine parameters stay float32, as in Flux.
+whose statistics and affine parameters stay float32, as in Flux; LayerNorm and RMSNorm are
+cast (under autocast they compute in float32 whatever their parameters' dtype).
+
+A half-precision conversion crosses the dispatch barrier (:func:`.policy.activate`), as the
+first ``autocast`` does: converted ``mlx.nn`` layers then run fluxlike's kernels where their
+own forwards would fall into MLX's slow CPU half kernels or refuse a float32 attention mask
+(:mod:`.stock`).
 
 Each converter returns a new model and leaves its argument unchanged: the module tree is
 copied node by node (sharing no module, list, dict or frozen-set with the argument), integer
@@ -26,7 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from .policy import policy_record
+from .policy import activate, policy_record
+from .state import HALF
 
 T = TypeVar("T")
 
@@ -45,6 +52,10 @@ def keeps_float32(layer: Any) -> bool:
 
 
 def _convert(tree: T, dtype: mx.Dtype, mixed: bool) -> T:
+    if dtype in HALF:
+        # A half model routes mlx.nn's layers to fluxlike's kernels outside a scope too
+        # (stock.py: ``unscoped``): that needs the dispatch barrier crossed, as autocast does.
+        activate()
     memo: dict[int | tuple[int, mx.Dtype], Any] = {}  # modules by id, arrays by (id, dtype)
 
     def leaf(x: Any, target: mx.Dtype, cast: bool) -> Any:
@@ -133,8 +144,9 @@ def f16mix(model: T) -> T:
     The result takes float32 data (fluxlike's layers convert their input to their weights'
     dtype) and computes in float16. ``mlx.nn``'s own layers do not convert: with float32
     data they promote their weights to float32, and after a norm kept float32 so does the
-    rest; give such a model half-precision data and keep it under ``autocast`` (which casts
-    each layer's input), or use fluxlike's layers.
+    rest; give such a model half-precision data (it then runs fluxlike's kernels on the CPU,
+    :mod:`.stock`), keep it under ``autocast`` (which casts each layer's input), or use
+    fluxlike's layers.
 
     >>> import mlx.core as mx
     >>> from fluxlike import BatchNorm, Chain, Dense, f16mix, relu

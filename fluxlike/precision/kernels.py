@@ -163,7 +163,7 @@ def linear(
         if weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
             y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
             return y if act is None else act(y)
-    elif not (state.differentiating or state.shapeless) and type(x) is mx.array:
+    if not (state.differentiating or state.shapeless) and type(x) is mx.array:
         y = _on_kept_casts(state, x, weight, bias, act)  # repeated inference, CPU half
         if y is not None:
             return y

@@ -52,13 +52,18 @@ class Policy:
       ``f(layer, *args, **kwargs)`` run inside a scope in place of the class's ``__call__``
       (not of a subclass's own);
     - ``methods``: other methods run inside a scope by a function of their own (a tied
-      embedding's ``as_linear``).
+      embedding's ``as_linear``);
+    - ``unscoped``: for a ``forward`` (and ``methods``), a predicate ``f(layer, *args,
+      **kwargs)`` saying that outside a scope the call runs ``forward`` (or the method's
+      function) too: ``mlx.nn``'s layers after a half-precision converter, whose own forwards
+      would run MLX's slow CPU half kernels or refuse a float32 attention mask (:mod:`.stock`).
     """
 
     kind: str = "none"
     keep_float32: bool = False
     forward: Callable | None = None
     methods: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    unscoped: Callable[..., bool] | None = None
 
 
 _NONE = Policy()
@@ -119,7 +124,7 @@ def _declare(cls: type, **fields: Any) -> None:
 
 def autocast_policy(
     kind: str, *, keep_float32: bool | None = None, forward: Callable | None = None,
-    methods: Mapping[str, Callable] | None = None,
+    methods: Mapping[str, Callable] | None = None, unscoped: Callable[..., bool] | None = None,
 ) -> Callable[[M], M]:
     """Class decorator giving a layer class its precision policy under autocast.
 
@@ -133,8 +138,8 @@ def autocast_policy(
     compute dtype for the call (its ``__call__`` runs on the layer itself, so state it
     writes persists); an ``"fp32"`` layer runs with autocast off, in float32. A subclass
     inherits its parent's policy unless it declares its own. ``keep_float32=True`` is
-    :func:`keep_float32` in the same line; ``forward`` and ``methods`` are for classes
-    fluxlike cannot edit (see :class:`Policy`).
+    :func:`keep_float32` in the same line; ``forward``, ``methods`` and ``unscoped`` are for
+    classes fluxlike cannot edit (see :class:`Policy`).
 
     >>> import mlx.core as mx
     >>> import mlx.nn as nn
@@ -161,12 +166,16 @@ def autocast_policy(
         raise TypeError(f"autocast_policy: keep_float32 must be a bool, got {keep_float32!r}")
     if forward is not None and not callable(forward):
         raise TypeError(f"autocast_policy: forward must be None or a function, got {forward!r}")
+    if unscoped is not None and not (callable(unscoped) and (forward is not None or methods)):
+        raise TypeError(f"autocast_policy: unscoped must be a predicate given with a forward "
+                        f"function or methods, got unscoped={unscoped!r}, forward={forward!r}")
     methods = dict(methods or {})
     for name, fn in methods.items():
         if not (isinstance(name, str) and callable(fn)):
             raise TypeError(f"autocast_policy: methods must map method names to functions, "
                             f"got {name!r}: {fn!r}")
-    fields: dict[str, Any] = {"kind": kind, "forward": forward, "methods": methods}
+    fields: dict[str, Any] = {"kind": kind, "forward": forward, "methods": methods,
+                              "unscoped": unscoped}
     if keep_float32 is not None:
         fields["keep_float32"] = keep_float32
 
@@ -270,7 +279,7 @@ def _route(cls: type) -> None:
     if record.kind == "fp32":
         wrapper, kind = _unscoped_call(plain, float32=True), "fp32"
     elif record.kind == "down" and forward is not None:
-        wrapper, kind = _scoped_call(plain, forward), "down"
+        wrapper, kind = _scoped_call(plain, forward, record.unscoped), "down"
     elif record.kind == "down" and not _ours(plain):
         wrapper, kind = _swapping_call(plain), "down"
     elif record.kind == "none" and _ours(plain) and _is_kernel_call(cls, plain):
@@ -282,7 +291,7 @@ def _route(cls: type) -> None:
     for name, scoped in record.methods.items():
         if name in cls.__dict__ or _declarer(cls, "methods") is cls:
             method = _plain(getattr(cls, name))
-            _install(cls, name, method, _scoped_call(method, scoped), "down")
+            _install(cls, name, method, _scoped_call(method, scoped, record.unscoped), "down")
 
 
 def _is_kernel_call(cls: type, plain: Callable) -> bool:
@@ -308,10 +317,13 @@ def _install(cls: type, name: str, plain: Callable, wrapper: Callable | None,
     setattr(cls, name, wrapper)
 
 
-def _scoped_call(plain: Callable, scoped: Callable) -> Callable:
+def _scoped_call(plain: Callable, scoped: Callable,
+                 unscoped: Callable[..., bool] | None = None) -> Callable:
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = context.get()
         if state is PLAIN or state[device_index()] is None:
+            if unscoped is not None and unscoped(self, *args, **kwargs):  # a converted layer
+                return scoped(self, *args, **kwargs)
             return plain(self, *args, **kwargs)
         return scoped(self, *args, **kwargs)
 

@@ -8,6 +8,16 @@ float32 kernels instead of MLX's scalar half-precision GEMM. A tied embedding he
 dtype too; the lookups stay in the weights' dtype, as in PyTorch. ``nn.Bilinear`` and the
 recurrent layers (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``) run their own forwards with their
 parameters' casts swapped in, on MLX's native kernels.
+
+After a half-precision converter (``bf16mix``, ``f16``...), these forwards serve some calls
+outside a scope too, with the dtypes the layer's own forward would compute in (no input is
+converted that MLX would not convert): ``nn.Linear``, the convolutions,
+``nn.QuantizedLinear`` and the tied heads (``as_linear``) given an input of their own half
+dtype on the CPU, where their own forwards would run MLX's scalar half kernels (50x slower
+than fluxlike's), and ``nn.MultiHeadAttention`` with half projections on any device, whose own
+forward hands a float32 additive mask to ``mx.fast.scaled_dot_product_attention`` with half
+scores, which MLX refuses ("Mask type must promote to output type"): the mask is cast to the
+scores' dtype, as under autocast (a boolean mask is kept).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import mlx.nn as nn
 from . import kernels
 from .attention import attend
 from .policy import autocast_policy
+from .state import HALF
 
 
 def _per_dim(value: int | tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -91,20 +102,68 @@ def _quantized_tied_head(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     return _quantized(self, x, None)
 
 
+def _dtype(layer: nn.Module) -> mx.Dtype:
+    """The dtype a (possibly quantized) layer computes in: its weight's, or its scales'."""
+    return (layer["scales"] if "scales" in layer else layer["weight"]).dtype
+
+
+def half_on_cpu(layer: nn.Module, x: object, *args: object, **kwargs: object) -> bool:
+    """Outside a scope: whether ``layer``'s own forward would run MLX's half-precision CPU
+    kernels on ``x``, an input of the layer's own half dtype on the CPU (a model after
+    ``bf16mix``, ``f16``...). Its forward through :mod:`.kernels` then runs instead, in the
+    same dtype, on fluxlike's kernels (oneDNN's bfloat16 where built, else float32 kernels
+    with half precision's numerics).
+
+    >>> import mlx.core as mx
+    >>> import mlx.nn as nn
+    >>> layer = nn.Linear(2, 3)
+    >>> half_on_cpu(layer, mx.ones((1, 2))), half_on_cpu(layer, mx.ones((1, 2), mx.bfloat16))
+    (False, False)
+    >>> layer.set_dtype(mx.bfloat16)
+    >>> with mx.stream(mx.cpu):
+    ...     half_on_cpu(layer, mx.ones((1, 2), mx.bfloat16))
+    True
+    """
+    if type(x) is not mx.array or x.itemsize != 2:  # cheap: every float32 call leaves here
+        return False
+    dtype = x.dtype
+    return (dtype in HALF and _dtype(layer) == dtype
+            and mx.default_device().type is mx.cpu)  # an enum member: identity is enough
+
+
+def half_attention(layer: nn.MultiHeadAttention, *args: object, **kwargs: object) -> bool:
+    """Outside a scope: whether an ``nn.MultiHeadAttention`` was converted to half precision
+    (its query projection is half): its forward through :func:`.attention.attend` then runs,
+    which casts a floating mask to the scores' dtype as autocast does.
+
+    >>> import mlx.core as mx
+    >>> import mlx.nn as nn
+    >>> layer = nn.MultiHeadAttention(8, 2)
+    >>> half_attention(layer)
+    False
+    >>> layer.set_dtype(mx.float16)
+    >>> half_attention(layer)
+    True
+    """
+    return _dtype(layer.query_proj) in HALF
+
+
 _cls: type[nn.Module]
 for _cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-    autocast_policy("down", forward=_conv)(_cls)
+    autocast_policy("down", forward=_conv, unscoped=half_on_cpu)(_cls)
 for _cls in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
-    autocast_policy("down", forward=_conv_transpose)(_cls)
-autocast_policy("down", forward=_linear)(nn.Linear)
-autocast_policy("down", forward=_quantized_linear)(nn.QuantizedLinear)
-autocast_policy("down", forward=_multi_head_attention)(nn.MultiHeadAttention)
+    autocast_policy("down", forward=_conv_transpose, unscoped=half_on_cpu)(_cls)
+autocast_policy("down", forward=_linear, unscoped=half_on_cpu)(nn.Linear)
+autocast_policy("down", forward=_quantized_linear, unscoped=half_on_cpu)(nn.QuantizedLinear)
+autocast_policy("down", forward=_multi_head_attention, unscoped=half_attention)(
+    nn.MultiHeadAttention)
 for _cls in (nn.Bilinear, nn.RNN, nn.GRU, nn.LSTM):
     autocast_policy("down")(_cls)
 for _cls in (nn.LayerNorm, nn.RMSNorm):
     autocast_policy("fp32")(_cls)
 for _cls in (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm):
     autocast_policy("fp32", keep_float32=True)(_cls)
-autocast_policy("none", methods={"as_linear": _tied_head})(nn.Embedding)
-autocast_policy("none", methods={"as_linear": _quantized_tied_head})(nn.QuantizedEmbedding)
+autocast_policy("none", methods={"as_linear": _tied_head}, unscoped=half_on_cpu)(nn.Embedding)
+autocast_policy("none", methods={"as_linear": _quantized_tied_head}, unscoped=half_on_cpu)(
+    nn.QuantizedEmbedding)
 autocast_policy("none")(nn.Dropout)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import half_copy, normal, np64
 
-from fluxlike import autocast
+from fluxlike import autocast, autocast_policy, bf16, bf16mix, f16, f16mix
 from fluxlike.precision import castcache, kernels
 
 TOL = {mx.float16: 4e-3, mx.bfloat16: 3e-2}
@@ -170,3 +170,152 @@ def test_multi_head_attention_core_takes_float32_kernels(mask, monkeypatch):
                               strict=True):
         assert g.dtype == mx.float32
         close(g, e, mx.bfloat16)
+
+
+# --- converted (half-precision) stock layers outside a scope ------------------------------
+
+
+class TiedHead(nn.Module):
+    """An embedding used as a tied output head (mlx-lm's Qwen2, Gemma, GPT-2, Mamba)."""
+
+    def __init__(self, embedding: nn.Module):
+        super().__init__()
+        self.embedding = embedding
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.embedding.as_linear(x)
+
+
+CONVERTED = [
+    ("Linear", lambda: nn.Linear(6, 5), (3, 4, 6), "linear"),
+    ("Conv1d", lambda: nn.Conv1d(4, 6, 3, padding=1), (2, 9, 4), "conv"),
+    ("ConvTranspose2d", lambda: nn.ConvTranspose2d(3, 2, 3, padding=1), (2, 4, 5, 3),
+     "conv_transpose"),
+    ("QuantizedLinear", lambda: nn.QuantizedLinear(64, 32, group_size=32, bits=4), (3, 64),
+     "quantized_linear"),
+    ("Embedding.as_linear", lambda: TiedHead(nn.Embedding(10, 6)), (3, 6), "linear"),
+    ("QuantizedEmbedding.as_linear", lambda: TiedHead(nn.QuantizedEmbedding(10, 64, 32, 4)),
+     (3, 64), "quantized_linear"),
+]
+
+
+@pytest.mark.parametrize("convert", [bf16mix, f16], ids=["bf16mix", "f16"])
+@pytest.mark.parametrize(("name", "make", "shape", "kernel"), CONVERTED,
+                         ids=[c[0] for c in CONVERTED])
+def test_converted_layer_takes_fluxlikes_kernels_outside_a_scope(name, make, shape, kernel,
+                                                                 convert, monkeypatch):
+    """A converted stock layer given its own half dtype on the CPU runs fluxlike's kernels
+    (oneDNN's bfloat16, or float32 kernels with half numerics), not MLX's half ones (50x
+    slower): the same numerics as its own forward, the same dtypes."""
+    layer = make()
+    mx.eval(layer.parameters())
+    half = convert(layer)
+    dtype = mx.bfloat16 if convert is bf16mix else mx.float16
+    x = normal(*shape).astype(dtype)
+    if isinstance(half, TiedHead):
+        embedding = half.embedding
+        plain = type(embedding).as_linear.__fluxlike_plain__
+        expected = plain(embedding, x)  # MLX's own as_linear on the half embedding
+    else:
+        plain = type(half).__call__.__fluxlike_plain__
+        expected = plain(half, x)  # MLX's own forward on the half layer
+    calls = []
+    original = getattr(kernels, kernel)
+    monkeypatch.setattr(kernels, kernel, lambda *a, **k: calls.append(1) or original(*a, **k))
+    with mx.stream(mx.cpu):
+        y = half(x)
+    assert calls == [1]
+    assert y.dtype == dtype and y.shape == expected.shape
+    close(y, expected, dtype)
+    # a float32 input promotes as MLX promotes it (no conversion): MLX's own float32 forward
+    with mx.stream(mx.cpu):
+        assert half(x.astype(mx.float32)).dtype == mx.float32
+    assert calls == [1]
+
+
+def test_converted_linear_runs_the_native_bfloat16_kernel(monkeypatch):
+    """Where the native companion has bfloat16 kernels, a bf16mix ``nn.Linear`` runs them,
+    as ``autocast`` does (the 47x slowdown was MLX's own bfloat16 GEMM)."""
+    from fluxlike import native as native_module
+
+    if not native_module.bfloat16_native():
+        pytest.skip("no native bfloat16 kernels here (./dev builds them on Linux x86-64)")
+    calls = []
+    ext = native_module.switch.ext
+
+    class Counting:  # the companion as the routing sees it, counting its matmuls
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def matmul(self, x, *args, **kwargs):
+            calls.append(x.dtype)
+            return ext.matmul(x, *args, **kwargs)
+
+    monkeypatch.setattr(native_module.switch, "ext", Counting())
+    half = bf16mix(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    x = normal(4, 16).astype(mx.bfloat16)
+    for _ in range(2):
+        mx.eval(half(x))
+    assert calls == [mx.bfloat16] * 4
+
+
+@pytest.mark.parametrize("convert", [bf16mix, f16mix, bf16])
+def test_converted_attention_takes_a_float32_additive_mask(convert):
+    """MLX refuses a float32 mask with half scores ("Mask type must promote to output
+    type"): a converted ``nn.MultiHeadAttention`` casts it as autocast does, and keeps a
+    boolean one."""
+    layer, x = nn.MultiHeadAttention(8, 2, bias=True), normal(2, 5, 8)
+    mx.eval(layer.parameters())
+    keep = mx.array([True, True, True, False, False])
+    additive = mx.where(keep, 0.0, -mx.inf)
+    reference = layer(x, x, x, additive)
+    half = convert(layer)
+    dtype = half.query_proj.weight.dtype
+    xh = x.astype(dtype)
+    y = half(xh, xh, xh, additive)
+    assert y.dtype == dtype
+    close(y, reference, dtype)
+    with autocast(dtype):
+        scoped = layer(xh, xh, xh, additive)
+    close(y, scoped, dtype)
+    close(half(xh, xh, xh, keep), reference, dtype)
+    assert half(x, x, x, additive).dtype == mx.float32  # float32 data: MLX's promotion
+
+
+def test_unscoped_needs_a_forward_function():
+    with pytest.raises(TypeError, match="unscoped"):
+        autocast_policy("down", unscoped=lambda layer, x: True)
+    with pytest.raises(TypeError, match="unscoped"):
+        autocast_policy("down", forward=lambda layer, x: x, unscoped="yes")
+
+
+CONVERTED_SCRIPT = '''
+import mlx.core as mx, mlx.nn as nn
+import fluxlike
+from fluxlike.precision import kernels, policy
+layer = nn.Linear(8, 8)
+assert not policy.is_routing()
+fluxlike.f32(layer)  # a float32 conversion needs no routing
+assert not policy.is_routing()
+half = fluxlike.bf16mix(layer)  # no autocast ever used: the converter starts the routing
+assert policy.is_routing()
+calls = []
+original = kernels.linear
+kernels.linear = lambda *a, **k: calls.append(1) or original(*a, **k)
+with mx.stream(mx.cpu):
+    y = half(mx.ones((2, 8), mx.bfloat16))
+assert y.dtype == mx.bfloat16 and calls == [1], calls
+print("converted ok")
+'''
+
+
+def test_a_converter_routes_stock_layers_in_a_fresh_interpreter():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", CONVERTED_SCRIPT],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "converted ok"
