@@ -38,10 +38,13 @@ VARIANTS: dict[str, dict[str, str]] = {
     "spin 10000": {"GOMP_SPINCOUNT": "10000"},
     "spin 1000": {"GOMP_SPINCOUNT": "1000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "1 thread": {"OMP_NUM_THREADS": "1"},
+    "1 thread passive": {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"},
     "off": {"FLUXLIKE_NATIVE": "0"},
 }
 MODELS = ("seed", "cnn", "lm")
-OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "FLUXLIKE_NATIVE", "FLUXLIKE_OMP")
+OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "FLUXLIKE_NATIVE",
+            "FLUXLIKE_OMP")
 
 CHILD = r"""
 import json, statistics, sys, time

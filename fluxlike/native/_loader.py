@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -16,6 +18,31 @@ _MLX = mx.__version__  # type: ignore[attr-defined]  # not in MLX's stub
 # The entries this fluxlike calls: a companion built from an older native/ lacks some.
 REQUIRED = ("matmul", "plain_linear", "conv", "conv_backward_data", "max_pool", "softmax",
             "adam_step", "rmsprop_step")
+
+
+# The wait policy of oneDNN's OpenMP threads where the environment sets none. libgomp's own
+# spins each thread for about 300,000 iterations after a parallel region: the fastest on an
+# idle machine (a seed-MLP step 1.7 ms against 2.4 passive), and 10-100x slower as soon as
+# anything else runs (the same step 69-214 ms beside one busy process, passive 3-8 ms), because
+# the spinning threads take the cores that MLX's threads, OpenBLAS's and the other processes
+# need (bench/README.md, "The OpenMP wait policy"; AMD EPYC, 2 cores, 2026-12-03).
+WAIT_POLICY = "PASSIVE"
+_OMP_SET_BY_USER = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+@contextmanager
+def _wait_policy() -> Iterator[None]:
+    """:data:`WAIT_POLICY` in the environment while the companion (and with it libgomp, which
+    reads it once, as it loads) is imported, unless the user set a policy; the environment as
+    it was afterwards, so that child processes inherit nothing from fluxlike."""
+    if any(key in os.environ for key in _OMP_SET_BY_USER):
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 @dataclass(frozen=True)
@@ -77,7 +104,8 @@ def find() -> tuple[NativeInfo, ModuleType | None, bool]:
                                  f"this is MLX {_MLX}: {rebuild}", built_for=built_for,
                           path=path), None, False
     try:
-        from fluxlike_native import _ext as ext
+        with _wait_policy():
+            from fluxlike_native import _ext as ext
     except ImportError as error:
         return NativeInfo(False, f"fluxlike-native at {path} could not be loaded ({error}); "
                                  f"reinstall it with ./dev setup", built_for=built_for,

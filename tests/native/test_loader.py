@@ -8,6 +8,7 @@ as if it were absent: ``FLUXLIKE_NATIVE=0 python -m pytest -q tests/native``.
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 from native_helpers import (
     INFO,
     _subprocess,
@@ -101,3 +102,22 @@ def test_native_info_in_use():
     assert INFO.built_for == mx.__version__ == INFO.mlx
     assert INFO.bfloat16 in ("native", "float32 kernels")
     assert "oneDNN" in INFO.reason and INFO.isa in INFO.reason
+
+
+@needs_native
+@pytest.mark.parametrize("env, policy", [({}, "PASSIVE"),
+                                         ({"OMP_WAIT_POLICY": "active"}, "ACTIVE")])
+def test_openmp_threads_wait_passively_unless_the_environment_says(env, policy):
+    """oneDNN's OpenMP threads sleep at once after a parallel region unless the user chose a
+    policy (libgomp's own spins, and costs 10-100x beside other busy processes); fluxlike
+    leaves the environment as it found it, so child processes inherit nothing."""
+    result = _subprocess("""
+        import os
+        import fluxlike
+        from fluxlike import native
+        assert native.available()
+        print("inherited:", os.environ.get("OMP_WAIT_POLICY"))
+    """, OMP_DISPLAY_ENV="true", **env)
+    assert result.returncode == 0, result.stderr
+    assert f"OMP_WAIT_POLICY = '{policy}'" in result.stderr + result.stdout
+    assert f"inherited: {env.get('OMP_WAIT_POLICY')}" in result.stdout
