@@ -125,7 +125,8 @@ from .optimisers.adaptive import (
 )
 from .optimisers.signs import Rprop, SignDecay, Signum
 from .optimisers.accumulate import AccumGrad
-from .precision.lossscale import DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite
+from .precision.lossscale import NoOpLossScale, StaticLossScale, all_finite
+from .precision.dynamicscale import DynamicLossScale
 from .gradients import gradient, withgradient
 from .optimisers.state import OptState, setup, update
 from .optimisers.hyperparameters import adjust

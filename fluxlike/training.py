@@ -26,7 +26,8 @@ from .gradients import _check_autocast, _value_and_grad
 from .optimisers.compiled import INTERRUPTS, put_back
 from .optimisers.state import OptState, _update, claim
 from .precision import lossscale
-from .precision.lossscale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from .precision.dynamicscale import DynamicLossScale
+from .precision.lossscale import LossScale, NoOpLossScale, StaticLossScale
 
 
 def _check_call(loss: Callable, model: nn.Module, args: tuple, data: Any, where: str) -> None:

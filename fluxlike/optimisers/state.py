@@ -19,7 +19,8 @@ from .._mlxtyping import tree_flatten
 from ..distributed import DataParallel, prepare
 from ..gradients import _INEXACT, _floating_or_tree, _trainable, _trainable_parameters
 from ..precision import lossscale
-from ..precision.lossscale import DynamicLossScale, LossScale, NoOpLossScale
+from ..precision.dynamicscale import DynamicLossScale
+from ..precision.lossscale import LossScale, NoOpLossScale
 from .compiled import (
     COMPILED,
     Compiled,
