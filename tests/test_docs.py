@@ -1,7 +1,7 @@
 """The documentation site (docs/, built by MkDocs from mkdocs.yml) as a user meets it: every
 page is in the navigation, every ```python block runs (as the README's do, in a fresh namespace
 after the README's preamble), printed output shown as a comment is what the block prints, and
-every ``./dev`` command a page names exists.
+every ``./dev`` command a page names exists. CONTRIBUTING.md's blocks run too.
 
 A block that cannot run here (it needs a GPU, or several processes) is marked on the line
 before its fence with ``<!-- test: skip (the reason) -->``, which the rendered page hides."""
@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
+# pages outside the site whose python blocks run too
+OTHERS = [ROOT / "CONTRIBUTING.md"]
 
 PREAMBLE = """
 import mlx.core as mx
@@ -39,7 +41,7 @@ def blocks(page: Path, language: str) -> list[tuple[int, str, str | None]]:
     return found
 
 
-PYTHON = [(page.name, line, code, skip) for page in PAGES
+PYTHON = [(str(page.relative_to(ROOT)), line, code, skip) for page in PAGES + OTHERS
           for line, code, skip in blocks(page, "python")]
 
 
@@ -60,14 +62,14 @@ def test_python_block_runs(page, line, code, skip, capsys):
     if skip:
         pytest.skip(skip)
     mx.random.seed(0)
-    namespace: dict = {"__name__": f"docs_{Path(page).stem}_{line}"}
+    namespace: dict = {"__name__": f"docs_{Path(page).stem}_{line}".replace("-", "_")}
     exec(compile(PREAMBLE, "<preamble>", "exec"), namespace)
-    exec(compile(code, f"docs/{page}:{line}", "exec"), namespace)
+    exec(compile(code, f"{page}:{line}", "exec"), namespace)
     shown = re.findall(r"print\(.*\)\s+# (.+)$", code, re.M)
     out = capsys.readouterr().out.splitlines()
     for comment, printed in zip(shown, out[-len(shown):] if shown else [], strict=True):
         expected = comment.split(":")[0].strip()
-        where = f"docs/{page}:{line}"
+        where = f"{page}:{line}"
         assert printed.strip() == expected, f"{where} shows {expected!r}, got {printed!r}"
 
 
