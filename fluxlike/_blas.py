@@ -1,7 +1,8 @@
 """An optimised BLAS under MLX on Linux.
 
 The Linux ``mlx-cpu`` wheel links a bundled *reference* BLAS and LAPACK (netlib, far slower
-than an optimised one: figures in ``bench/README.md``). At ``import fluxlike`` an optimised
+than an optimised one: figures in ``bench/README.md``, *Figures quoted by the
+code*). At ``import fluxlike`` an optimised
 BLAS is opened privately (``RTLD_LOCAL``) and ``libmlx.so``'s calls into BLAS and LAPACK are
 pointed at it: every slot of ``libmlx.so``'s global offset table for a BLAS or LAPACK routine
 (``cblas_sgemm``, ``sgetrf_``, ...) that the library defines itself gets that library's

@@ -38,7 +38,7 @@ here with their canaries all the same:
   (``tests/test_distributed.py``, ``test_ring_still_lacks_sum_scatter``).
 - **A reference BLAS under the Linux wheel** (``mlx[cpu]`` 0.32.4): MLX's CPU matmul calls a
   bundled netlib BLAS; ``fluxlike/_blas.py`` points it at an optimised one (figures in
-  ``bench/README.md``).
+  ``bench/README.md``, *Figures quoted by the code*).
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ def test_reductions_document_the_dtype_they_return(name):
 
 
 class TestActIsChecked:
-    """Issue 14 item 8: ``act=`` refuses what cannot be an activation, at construction."""
+    """``act=`` refuses what cannot be an activation, at construction."""
 
     @pytest.mark.parametrize(("act", "message"), [
         (nn.ReLU, r"act=nn.ReLU is a class, not an activation: pass an instance, nn.ReLU\(\), "

@@ -1,5 +1,5 @@
 """Checkpoints under faults: concurrent saves, killed saves, files changed after a load, and a
-generated corpus of hostile files (issue 14)."""
+generated corpus of hostile files."""
 
 from __future__ import annotations
 

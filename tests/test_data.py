@@ -307,7 +307,7 @@ class TestOtherLibrariesCalls:
 
 
 class TestHostileArguments:
-    """Issue 14: arguments that used to be taken by truthiness, by hash order or not at all."""
+    """Arguments that used to be taken by truthiness, by hash order or not at all."""
 
     @pytest.mark.parametrize("name", ["shuffle", "partial"])
     @pytest.mark.parametrize("bad", ["no", 0, 1, None, [], mx.array(True)])

@@ -68,7 +68,7 @@ def test_checkpoint_restores_the_trained_model(default_run):
 
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_autocast_run_within_one_point_of_float32(default_run, precision, capsys):
-    """Issue acceptance: the demo under autocast reaches within one percentage point of its
+    """The demo under autocast reaches within one percentage point of its
     float32 accuracy (same seed, same data order)."""
     float32_accuracy, _ = default_run
     accuracy = digits.main(["--precision", precision])

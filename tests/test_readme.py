@@ -27,14 +27,10 @@ labels = mx.random.randint(0, 10, (128,))
 SECTIONS = [
     "Install",
     "Ten lines",
-    "A language model in three precisions",
     "A tour",
-    "Writing your own loop",
-    "Coming from PyTorch AMP",
-    "Coming from Flux",
-    "The precision model",
-    "What autocast covers, and what it cannot reach",
+    "A language model in three precisions",
     "Performance",
+    "Contributing",
 ]
 
 
@@ -93,6 +89,11 @@ _optional = (ROOT / "pyproject.toml").read_text().split("[project.optional-depen
 EXTRAS = set(re.findall(r"^([\w-]+) = \[", _optional.split("\n[")[0], re.M))
 
 
+# the native kernels' build requirements, as ./dev installs them
+NATIVE_BUILD_DEPS = set(re.search(r'^NATIVE_BUILD_DEPS="([^"]+)"', (ROOT / "dev").read_text(),
+                                  re.M).group(1).split())
+
+
 def _dev_commands() -> set[str]:
     out = subprocess.run(["bash", str(ROOT / "dev"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -108,11 +109,16 @@ def test_shell_command_exists(line, argv):
         if argv[1] == "demo":  # what follows goes to examples/digits.py
             _check_script_arguments("examples/digits.py", argv[2:], where)
     elif argv[:2] == ["pip", "install"]:
-        for target in argv[2:]:
-            base, _, extras = target.partition("[")
-            assert base == ".", f"{where}: installs {base!r}, not this checkout"
-            named = set(extras.rstrip("]").split(",")) - {""}
-            assert named <= EXTRAS, f"{where}: no extra {named - EXTRAS} in pyproject.toml"
+        targets = [a for a in argv[2:] if not a.startswith("-")]
+        if all(t.startswith(".") for t in targets):
+            for target in targets:
+                base, _, extras = target.partition("[")
+                assert base in (".", "./native"), f"{where}: installs {base!r}, not this checkout"
+                assert (ROOT / base / "pyproject.toml").is_file(), where
+                named = set(extras.rstrip("]").split(",")) - {""}
+                assert named <= EXTRAS, f"{where}: no extra {named - EXTRAS} in pyproject.toml"
+        else:  # the native kernels' build requirements: exactly those ./dev installs
+            assert set(targets) == NATIVE_BUILD_DEPS, f"{where}: ./dev installs {NATIVE_BUILD_DEPS}"
     elif Path(argv[0]).name.startswith("python"):
         script = argv[1]
         assert (ROOT / script).is_file(), where

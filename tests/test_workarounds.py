@@ -60,7 +60,7 @@ _PLAIN_MLX = """
     for t in threads: t.join()
 """
 
-# The issue's case: threads running fluxlike layers under autocast (gelu is mx.compile-d)
+# With fluxlike: threads running its layers under autocast (gelu is mx.compile-d)
 _FLUXLIKE = """
     import threading
     import mlx.core as mx

@@ -274,7 +274,7 @@ def _keep_step_buffers(nbytes: int) -> None:
     limit the user chose. Without this a step whose arrays exceed the default 32 MiB hands
     them back to the C allocator, which returns them to the OS, and the next step takes them
     again as fresh pages (page faults, a sizeable part of a large MLP's step: see
-    ``bench/README.md``)."""
+    ``bench/README.md``, *Figures quoted by the code*)."""
     if mx.default_device() != mx.cpu:
         return
     current = mx.set_cache_limit(sys.maxsize)  # reads the limit (and restores it below)

@@ -153,9 +153,9 @@ class _NativeAdam:
     """For mlx's Adam and AdamW (bias-corrected): on the CPU, the update of a float32 or
     bfloat16 parameter (gradient and moments of its dtype) is one pass of the native
     companion's kernel (:func:`fluxlike.native.adam_kernel`), which computes MLX's arithmetic
-    bit for bit; MLX's own CPU kernels for it are scalar (``bench/README.md``). Anything else
-    (float16, mixed dtypes, a learning rate that is not one number, the GPU) takes MLX's
-    update."""
+    bit for bit; MLX's own CPU kernels for it are scalar (``bench/README.md``,
+    *bench/jit.py*). Anything else (float16, mixed dtypes, a learning rate that is not one
+    number, the GPU) takes MLX's update."""
 
     betas: list[float]
     eps: float

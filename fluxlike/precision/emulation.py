@@ -189,7 +189,8 @@ def _in_float32(
         upcast = [a.astype(mx.float32) for a in mx.depends(list(operands), [cotangent])]
         cotangent32 = cotangent.astype(mx.float32)
         if act is not None:  # relu'(y) is y > 0, and y > 0 exactly where its rounding is
-            # (a product, not mx.where, which is slower on the CPU: bench/README.md)
+            # (a product, not mx.where, which is slower on the CPU: bench/README.md,
+            # "Figures quoted by the code")
             cotangent32 = cotangent32 * (output > 0)
         grads = _kernel_vjp(name, kernel, upcast, cotangent32)
         grads = [g.astype(a.dtype) for g, a in zip(grads, operands, strict=True)]

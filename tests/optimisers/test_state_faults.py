@@ -1,4 +1,4 @@
-"""The optimiser state under faults and careless use (issue 14): Ctrl-C inside ``update``,
+"""The optimiser state under faults and careless use: Ctrl-C inside ``update``,
 another model's ``opt_state``, float64 gradients, corrupt optimiser values from a file."""
 
 from __future__ import annotations

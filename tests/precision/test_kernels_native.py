@@ -78,7 +78,8 @@ def test_a_large_float32_layer_runs_native_forward_and_backward(calls):
 @pytest.mark.parametrize("rows, dims", [(1, 8), (4, 256), (128, 64)])
 def test_float32_layers_of_every_size_run_native(calls, rows, dims):
     # oneDNN's float32 kernel beats MLX's (OpenBLAS) down to the smallest layers measured,
-    # forward and backward (bench/README.md): there is no size below which MLX takes over.
+    # forward and backward (bench/README.md, "Figures quoted by the code"): there is no size
+    # below which MLX takes over.
     layer, x = Dense(dims, dims, relu), mx.random.normal((rows, dims))
     y = layer(x)
     assert calls == [mx.float32] and y.dtype == mx.float32
