@@ -147,10 +147,10 @@ def linear(
     ((2, 4), mlx.core.bfloat16)
     """
     state = _state()
-    if state is PLAIN:
-        # The everyday float32 call, with as little Python as can be: the companion's entry
-        # (which decides in C++ what choose() decides for float32 operands, and declines what
-        # is not its), or one addmm.
+    if state.cpu is None and state.gpu is None:
+        # The everyday float32 call (no autocast; training too), with as little Python as can
+        # be: the companion's entry (which decides in C++ what choose() decides for float32
+        # operands, and declines what is not its), or outside training one addmm.
         ext = _switch.ext
         if ext is not None:
             fused, after = (False, None) if act is None else _split(act)
@@ -160,7 +160,7 @@ def linear(
                 y = None
             if y is not None:
                 return y if after is None else after(y)
-        if weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
+        if state is PLAIN and weight.itemsize == 4 and type(x) is mx.array and x.dtype == _F32:
             y = x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
             return y if act is None else act(y)
     if not (state.differentiating or state.shapeless) and type(x) is mx.array:
