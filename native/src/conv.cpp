@@ -172,6 +172,60 @@ void run(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, void* bias,
   }
 }
 
+// MLX's CPU convolution multiplies its zero padding by the weights where it runs as an explicit
+// GEMM (mlx/backend/cpu/conv.cpp, 0.32: kernel dilation 1 and one group, or 1-D): 0 * inf and
+// 0 * NaN make NaN in each output whose window reaches into the padding at a weight that is not
+// finite. oneDNN skips the padding, as MLX's direct loops do elsewhere. Whether MLX multiplies:
+bool mlx_multiplies_padding(const ConvParams& p) {
+  bool padded = false, dilated = false;
+  for (size_t a = 0; a < p.stride.size(); ++a) {
+    padded = padded || p.pad_lo[a] > 0 || p.pad_hi[a] > 0;
+    dilated = dilated || p.dilation[a] != 1;
+  }
+  return padded && !dilated && (p.groups == 1 || p.stride.size() == 1);
+}
+
+// ... and where it does, those outputs set to NaN (a scan of the weights first; outputs only
+// where one is not finite). U: the dtype's bits (float32, bfloat16).
+template <typename U>
+void nan_at_padding(const U* w, U* y, const mx::Shape& xs, const mx::Shape& ws,
+                    const mx::Shape& ys, const ConvParams& p, U magnitude, U inf, U nan) {
+  int k = static_cast<int>(ws.size()) - 2;
+  int64_t outs = ws[0], per = ws.back(), kn = 1, sn = 1;
+  for (int a = 0; a < k; ++a) kn *= ws[a + 1], sn *= ys[a + 1];
+  std::vector<char> bad(static_cast<size_t>(outs * kn), 0);
+  bool any = false;
+  for (int64_t i = 0; i < outs * kn; ++i) {
+    for (int64_t c = 0; c < per; ++c) {
+      bad[i] |= static_cast<char>((w[i * per + c] & magnitude) >= inf);
+    }
+    any = any || bad[i];
+  }
+  if (!any) return;
+  std::vector<int64_t> at(k), kp(k);
+  for (int64_t s = 0; s < sn; ++s) {
+    int64_t rest = s;
+    for (int a = k - 1; a >= 0; --a) {
+      at[a] = rest % ys[a + 1];
+      rest /= ys[a + 1];
+    }
+    for (int64_t q = 0; q < kn; ++q) {
+      rest = q;
+      bool pad = false;
+      for (int a = k - 1; a >= 0; --a) {
+        int64_t c = at[a] * p.stride[a] - p.pad_lo[a] + rest % ws[a + 1];
+        rest /= ws[a + 1];
+        pad = pad || c < 0 || c >= xs[a + 1];
+      }
+      if (!pad) continue;
+      for (int64_t o = 0; o < outs; ++o) {
+        if (!bad[o * kn + q]) continue;
+        for (int64_t n = 0; n < ys[0]; ++n) y[(n * sn + s) * outs + o] = nan;
+      }
+    }
+  }
+}
+
 mx::Shape conv_out_shape(const mx::Shape& xs, const mx::Shape& ws, const ConvParams& p) {
   int k = static_cast<int>(xs.size()) - 2;
   FLN_CHECK(k >= 1 && k <= 3 && ws.size() == xs.size(), FN, ": expected x (N, *spatial, C_in) "
@@ -325,8 +379,17 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
   encoder.dispatch([entry, kind = kind_, p0 = const_cast<void*>(in0.data<void>()),
                     p1 = const_cast<void*>(in1.data<void>()), pbias, po = out.data<void>(),
-                    relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size()]() {
+                    relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size(),
+                    nan_pad = kind_ == ConvKind::Forward && mlx_multiplies_padding(p_),
+                    xs = *xs, ws = *ws, ys = *ys, p = p_]() {
     run(*entry, kind, p0, p1, pbias, po);
+    if (nan_pad && bf16) {
+      nan_at_padding<uint16_t>(static_cast<const uint16_t*>(p1), static_cast<uint16_t*>(po), xs,
+                               ws, ys, p, 0x7FFF, 0x7F80, 0x7FC0);
+    } else if (nan_pad) {
+      nan_at_padding<uint32_t>(static_cast<const uint32_t*>(p1), static_cast<uint32_t*>(po), xs,
+                               ws, ys, p, 0x7FFFFFFFu, 0x7F800000u, 0x7FC00000u);
+    }
     if (relu) {  // after the kernel, keeping NaN (see relu_keeping_nan)
       relu_keeping_nan(po, n, bf16);
     }
