@@ -254,10 +254,13 @@ def _padding(name: str, padding: int | Sequence[Any], k: int) -> tuple[list[int]
 
 def _per_axis(name: str, value: int | Sequence[Any], k: int,
               what: str) -> list[int]:
-    if isinstance(value, int):
-        return [value] * k
-    values = list(value)
-    if len(values) != k or not all(isinstance(v, int) for v in values):
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if whole(value):
+        return [value] * k  # type: ignore[list-item]
+    values = list(value) if isinstance(value, (tuple, list)) else [value]
+    if len(values) != k or not all(whole(v) for v in values):
         raise ValueError(f"fluxlike.native.{name}: {what} must be an int or {k} ints (one per "
                          f"spatial axis), got {value!r}")
     return values

@@ -97,13 +97,31 @@ bool any_nan(const U* x, size_t n, U magnitude, U inf) {
   return found != 0;
 }
 
+// Sets output i's workspace entry (uint8 or int32) to `offset`, the maximum's place in its
+// window (row-major over the window's axes, padding counted), as oneDNN writes it: the jvp
+// and the tied windows' gradients read it.
+struct Workspace {
+  void* p;
+  bool wide;
+  void set(size_t i, int64_t offset) const {
+    if (wide) {
+      static_cast<int32_t*>(p)[i] = static_cast<int32_t>(offset);
+    } else {
+      static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(offset);
+    }
+  }
+};
+
 template <typename U>
-void nan_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
+void nan_windows(const U* x, U* y, Workspace ws, const mx::Shape& xs, const mx::Shape& ys,
                  const PoolParams& p, U magnitude, U inf, U quiet_nan) {
   int k = static_cast<int>(xs.size()) - 2;
   size_t n = 1;
   for (auto d : xs) n *= static_cast<size_t>(d);
   std::vector<int64_t> at(xs.size()), lo(k), hi(k), o(k);
+  size_t m = 1;
+  for (auto d : ys) m *= static_cast<size_t>(d);
+  std::vector<char> marked(m, 0);
   for (size_t i = 0; i < n; ++i) {
     if ((x[i] & magnitude) <= inf) continue;
     int64_t rest = static_cast<int64_t>(i);
@@ -121,9 +139,19 @@ void nan_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
     if (none) continue;
     o = lo;
     for (;;) {
-      int64_t off = at[0];
-      for (int a = 0; a < k; ++a) off = off * ys[a + 1] + o[a];
-      y[off * ys.back() + at.back()] = quiet_nan;
+      int64_t off = at[0], in_window = 0;
+      for (int a = 0; a < k; ++a) {
+        off = off * ys[a + 1] + o[a];
+        in_window = in_window * p.kernel[a] + at[a + 1] + p.pad_lo[a] - o[a] * p.stride[a];
+      }
+      size_t out = static_cast<size_t>(off * ys.back() + at.back());
+      // The first NaN of the window is its maximum (as MLX's argmax takes it): x is visited
+      // in order, so the first to reach an output is the window's first.
+      if (!marked[out]) {
+        marked[out] = 1;
+        ws.set(out, in_window);
+      }
+      y[out] = quiet_nan;
       int a = k - 1;
       while (a >= 0 && ++o[a] > hi[a]) {
         o[a] = lo[a];
@@ -138,7 +166,7 @@ void nan_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
 // comes out as -FLT_MAX where MLX's max gives -inf. Outputs equal to the lowest value whose
 // window does not hold it are set to -inf (a scan of y first; windows only where it is).
 template <typename U>
-void lowest_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
+void lowest_windows(const U* x, U* y, Workspace ws, const mx::Shape& xs, const mx::Shape& ys,
                     const PoolParams& p, U lowest, U neg_inf) {
   size_t m = 1;
   for (auto d : ys) m *= static_cast<size_t>(d);
@@ -164,9 +192,15 @@ void lowest_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
     bool held = false;
     pos = lo;
     for (;;) {
-      int64_t off = at[0];
-      for (int a = 0; a < k; ++a) off = off * xs[a + 1] + pos[a];
-      held = held || x[off * xs.back() + at.back()] == lowest;
+      int64_t off = at[0], in_window = 0;
+      for (int a = 0; a < k; ++a) {
+        off = off * xs[a + 1] + pos[a];
+        in_window = in_window * p.kernel[a] + pos[a] - (at[a + 1] * p.stride[a] - p.pad_lo[a]);
+      }
+      held = x[off * xs.back() + at.back()] == lowest;
+      // oneDNN starts at the lowest value and keeps its first index, which may be padding:
+      // the first real entry holding it is the maximum.
+      if (held) ws.set(i, in_window);
       int a = k - 1;
       while (a >= 0 && ++pos[a] > hi[a]) {
         pos[a] = lo[a];
@@ -178,21 +212,21 @@ void lowest_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
   }
 }
 
-void keep_nan(const void* x, void* y, const mx::Shape& xs, const mx::Shape& ys,
+void keep_nan(const void* x, void* y, Workspace ws, const mx::Shape& xs, const mx::Shape& ys,
               const PoolParams& p, bool bf16, size_t n) {
   if (bf16) {
     auto* bits = static_cast<const uint16_t*>(x);
     if (any_nan<uint16_t>(bits, n, 0x7FFF, 0x7F80)) {
-      nan_windows<uint16_t>(bits, static_cast<uint16_t*>(y), xs, ys, p, 0x7FFF, 0x7F80, 0x7FC0);
+      nan_windows<uint16_t>(bits, static_cast<uint16_t*>(y), ws, xs, ys, p, 0x7FFF, 0x7F80, 0x7FC0);
     }
-    lowest_windows<uint16_t>(bits, static_cast<uint16_t*>(y), xs, ys, p, 0xFF7F, 0xFF80);
+    lowest_windows<uint16_t>(bits, static_cast<uint16_t*>(y), ws, xs, ys, p, 0xFF7F, 0xFF80);
   } else {
     auto* bits = static_cast<const uint32_t*>(x);
     if (any_nan<uint32_t>(bits, n, 0x7FFFFFFFu, 0x7F800000u)) {
-      nan_windows<uint32_t>(bits, static_cast<uint32_t*>(y), xs, ys, p, 0x7FFFFFFFu,
+      nan_windows<uint32_t>(bits, static_cast<uint32_t*>(y), ws, xs, ys, p, 0x7FFFFFFFu,
                             0x7F800000u, 0x7FC00000u);
     }
-    lowest_windows<uint32_t>(bits, static_cast<uint32_t*>(y), xs, ys, p, 0xFF7FFFFFu,
+    lowest_windows<uint32_t>(bits, static_cast<uint32_t*>(y), ws, xs, ys, p, 0xFF7FFFFFu,
                              0xFF800000u);
   }
 }
@@ -244,8 +278,11 @@ void backward_sharing(const Prepared& e, const void* pd, void* pw, const void* p
   auto* y = static_cast<const U*>(py);
   size_t m = 1;
   for (auto d : ys) m *= static_cast<size_t>(d);
+  // A window of one entry: MLX's max over it is the entry itself, its gradient g.
+  int64_t entries = 1;
+  for (int q : p.kernel) entries *= q;
   bool any = false;
-  for (size_t i = 0; i < m; ++i) any = any || special_window<U>(y[i], dy[i]);
+  for (size_t i = 0; i < m && entries > 1; ++i) any = any || special_window<U>(y[i], dy[i]);
   if (!any) {
     execute(e, {{DNNL_ARG_DIFF_DST, const_cast<void*>(pd)}, {DNNL_ARG_DIFF_SRC, po},
                 {DNNL_ARG_WORKSPACE, pw}}, FN);
@@ -425,7 +462,7 @@ void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
                     pw = ws.data<void>(), xs = x.shape(), ys = y.shape(), p = p_,
                     bf16 = x.dtype() == mx::bfloat16, n = x.size()]() {
     execute(*entry, {{DNNL_ARG_SRC, px}, {DNNL_ARG_DST, py}, {DNNL_ARG_WORKSPACE, pw}}, FN);
-    keep_nan(px, py, xs, ys, p, bf16, n);
+    keep_nan(px, py, Workspace{pw, workspace_dtype(p) != mx::uint8}, xs, ys, p, bf16, n);
   });
 }
 
