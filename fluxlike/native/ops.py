@@ -258,8 +258,8 @@ def _per_axis(name: str, value: int | Sequence[Any], k: int,
         return isinstance(v, int) and not isinstance(v, bool)
 
     if whole(value):
-        return [value] * k  # type: ignore[list-item]
-    values = list(value) if isinstance(value, (tuple, list)) else [value]
+        return [value] * k  # type: ignore[list-item]  # (whole: an int)
+    values: list[Any] = list(value) if isinstance(value, (tuple, list)) else [value]
     if len(values) != k or not all(whole(v) for v in values):
         raise ValueError(f"fluxlike.native.{name}: {what} must be an int or {k} ints (one per "
                          f"spatial axis), got {value!r}")
@@ -396,8 +396,11 @@ def max_pool(
     :func:`conv` takes it, each side smaller than the window; padded entries never win. The
     result is ``(N, *out, C)``, ``out = (spatial + low + high - window) // stride + 1``, in
     ``x``'s dtype (exact: a maximum rounds nothing). The gradient goes to the first maximum
-    of each window (as PyTorch's), where MLX's ``max`` shares it among equal maxima; the
-    forward-mode derivative and the gradient's own gradients pick that same entry.
+    of each window (as PyTorch's), where MLX's ``max`` shares it among equal maxima; where
+    the maximum is NaN, -inf or the lowest finite value, or the cotangent is not finite, it
+    is shared as MLX shares it (padding counted as -inf). The forward-mode derivative picks
+    the first maximum (the first NaN), as MLX's does; the gradient's own gradients pick the
+    entry the forward pass recorded.
 
     >>> import mlx.core as mx
     >>> from fluxlike import native
