@@ -374,10 +374,10 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
     FLN_CHECK(bias->dtype() == dt || bias->dtype() == mx::float32, FN, ": bias must be of x's "
               "dtype or float32");
   }
-  // oneDNN 3.2's bfloat16 convolution with one input channel per group and several outputs per
-  // group reads each input channel in a pair with its neighbour, another group's, times a zero
-  // weight: an infinite neighbour made NaN where MLX gives a finite result. Float32 kernels.
-  bool paired = p.groups > 1 && w.shape().back() == 1 && w.shape(0) > p.groups;
+  // oneDNN 3.2's bfloat16 convolution with an odd number of input channels per group reads
+  // them in pairs, the last with the next group's first times a zero weight: an infinite or
+  // NaN neighbour made NaN where MLX gives a finite result. Float32 kernels.
+  bool paired = p.groups > 1 && w.shape().back() % 2 == 1;
   if (dt == mx::bfloat16 && (!native_bf16 || paired)) {
     std::optional<mx::array> b32;
     if (bias) b32 = mx::astype(*bias, mx::float32, stream);

@@ -24,7 +24,7 @@ from fluxlike import autocast, native
 from fluxlike.precision import attention, kernels
 
 pytestmark = needs_native
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 LOWEST = {mx.float32: float(np.finfo(np.float32).min), mx.bfloat16: -3.3895313892515355e38}
 
 
@@ -312,7 +312,10 @@ def test_convolution_is_mlx_s_with_special_values_and_extreme_geometry(case):
         theirs = mx.grad(loss(lambda x, w: mx.conv_general(
             x, w, stride=stride, padding=pad, kernel_dilation=dilation, groups=groups)),
             argnums=(0, 1))(x, w)
-        for a, b in zip(mine, theirs, strict=True):
+        for a, b, primal in zip(mine, theirs, (x, w), strict=True):
+            assert a.shape == primal.shape and a.dtype == primal.dtype
+            if b.shape != primal.shape:  # MLX 0.32.4: a grouped convolution's weight gradient
+                continue  # can come back with C_in, not C_in / groups, as its last axis
             close(a, b, rtol=5e-2 if bf16 else 1e-4, atol=5e-2 if bf16 else 1e-4)
 
 
@@ -336,6 +339,7 @@ def products(draw):
 @SETTINGS
 def test_linear_and_matmul_are_mlx_s_on_views_empty_axes_and_special_values(case):
     x, w = case
+    note(f"x {x.shape} {x.dtype} {np64(x).tolist()}\nw {w.shape} {np64(w).tolist()}")
     bf16 = x.dtype == mx.bfloat16
     tol = 2e-2 if bf16 else 1e-5
     want = x @ w.T
