@@ -375,9 +375,10 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
               "dtype or float32");
   }
   // oneDNN 3.2's bfloat16 convolution with an odd number of input channels per group reads
-  // them in pairs, the last with the next group's first times a zero weight: an infinite or
-  // NaN neighbour made NaN where MLX gives a finite result. Float32 kernels.
-  bool paired = p.groups > 1 && w.shape().back() % 2 == 1;
+  // them in pairs, the last with its neighbour (the next group's or pixel's first) times a zero
+  // weight: an infinite or NaN neighbour made NaN where MLX gives a finite result. Float32
+  // kernels (an RGB input's first layer among them).
+  bool paired = w.shape().back() % 2 == 1;
   if (dt == mx::bfloat16 && (!native_bf16 || paired)) {
     std::optional<mx::array> b32;
     if (bias) b32 = mx::astype(*bias, mx::float32, stream);

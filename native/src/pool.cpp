@@ -265,8 +265,9 @@ struct Bits {
 template <typename U>
 bool special_window(U y, U g) {
   using B = Bits<U>;
+  // (bfloat16's lowest too as float32: overlapping bfloat16 windows share in float32.)
   return (y & B::magnitude) > B::inf || y == B::neg_inf || y == B::lowest ||
-      (g & B::magnitude) >= B::inf;
+      (sizeof(U) == 4 && y == static_cast<U>(0xFF7F0000u)) || (g & B::magnitude) >= B::inf;
 }
 
 template <typename U>
