@@ -254,6 +254,21 @@ def conv_transpose_output_padding(output_padding: Sequence[int], padding: Pairs,
     return out_pad, extra
 
 
+def conv_general(x: mx.array, w: mx.array, stride: Sequence[int], padding: Any,
+                 dilation: Sequence[int], groups: int,
+                 stream: mx.Stream | mx.Device | None = None) -> mx.array:
+    """``mx.conv_general(x, w, ...)``, with zeros (a sum over nothing) where ``x`` has no
+    channels and the output is not empty.
+
+    MLX 0.32.4: its CPU convolution of an input with 0 channels divides by zero when it is
+    evaluated (the process dies of SIGFPE)."""
+    y = mx.conv_general(x, w, stride=stride, padding=padding, kernel_dilation=dilation,
+                        groups=groups, stream=stream)
+    if x.shape[-1] == 0 and y.size > 0:
+        return mx.zeros(y.shape, y.dtype, stream=stream)
+    return y
+
+
 def splits_groups(x: mx.array, groups: int) -> bool:
     """Whether a convolution of ``x`` with ``groups`` runs one call per group
     (:func:`grouped`).

@@ -58,7 +58,9 @@ def _subprocess(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items()
             if k not in ("FLUXLIKE_NATIVE", "FLUXLIKE_NATIVE_BF16", "ONEDNN_MAX_CPU_ISA",
                          "OMP_WAIT_POLICY")}
-    full.update(env, PYTHONPATH=str(ROOT))
+    # (an outer PYTHONPATH kept behind the checkout: ./dev asan's build of the companion)
+    full.update(env, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full,
                           capture_output=True, text=True, timeout=300)
 

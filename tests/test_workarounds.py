@@ -290,6 +290,24 @@ def test_canary_mlx_refuses_groups_in_3d():
     raise AssertionError(fixed("splits_groups") + " (and grouped): conv3d took groups=2")
 
 
+def test_canary_mlx_convolution_of_zero_channels_dies():
+    run = _run("""
+        import mlx.core as mx
+        mx.eval(mx.conv_general(mx.zeros((2, 5, 5, 0)), mx.zeros((4, 3, 3, 0))))
+    """)
+    assert run.returncode != 0, fixed("conv_general") + " (a 0-channel convolution evaluated)"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_conv_general_of_zero_channels_is_zeros_of_mlx_s_shape(dtype):
+    x, w = mx.zeros((2, 5, 5, 0), dtype), mx.zeros((4, 3, 3, 0), dtype)
+    y = workarounds.conv_general(x, w, (2, 1), ((1, 0), (1, 2)), (1, 1), 1)
+    assert y.shape == (2, 3, 5, 4) and y.dtype == dtype and not y.any().item()
+    empty = workarounds.conv_general(mx.zeros((0, 5, 5, 2)), mx.zeros((4, 3, 3, 2)), (1, 1),
+                                     (0, 0), (1, 1), 1)
+    assert empty.shape == (0, 3, 3, 4)
+
+
 def test_grouped_3d_convolution_is_block_diagonal():
     x = mx.random.normal((1, 3, 3, 3, 4))
     w = mx.random.normal((6, 2, 2, 2, 2))

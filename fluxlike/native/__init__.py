@@ -21,7 +21,9 @@ bfloat16 ones, and ``ONEDNN_MAX_CPU_ISA`` caps oneDNN's instruction set; all thr
 then. Numerics: float32 operands give float32 results (float32 accumulation, as
 ``mx.matmul``); bfloat16 operands give bfloat16 results accumulated in float32 and rounded
 once, in oneDNN's bfloat16 kernels on a CPU with AVX512-BF16, else in float32 kernels with the
-same roundings.
+same roundings. oneDNN's bfloat16 kernels flush bfloat16 denormals (below 1.2e-38) to zero,
+where MLX keeps them; ``FLUXLIKE_NATIVE_BF16=float32`` gives MLX's results there too (see
+``native/README.md``, "Numerics at the edges").
 """
 
 from __future__ import annotations

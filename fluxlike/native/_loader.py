@@ -124,7 +124,8 @@ def find() -> tuple[NativeInfo, ModuleType | None, bool]:
     forced = os.environ.get("FLUXLIKE_NATIVE_BF16", "").strip().lower()
     bf16 = ext.isa_has_bf16() and forced != "float32"
     if bf16:
-        how, why = "native", f"oneDNN's bfloat16 kernels ({isa})"
+        how, why = "native", (f"oneDNN's bfloat16 kernels ({isa}), which flush bfloat16 "
+                              f"denormals to zero (FLUXLIKE_NATIVE_BF16=float32 keeps them)")
     elif forced == "float32":
         how, why = "float32 kernels", "bfloat16 in float32 kernels (FLUXLIKE_NATIVE_BF16=float32)"
     else:

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import workarounds
 from ._loader import switch
 
 
@@ -46,10 +47,16 @@ def _named(name: str, **arrays: mx.array) -> Iterator[None]:
 
 
 def _check_arrays(name: str, **arrays: mx.array | None) -> None:
+    """A ``TypeError`` naming ``name`` unless each of ``arrays`` is an ``mx.array``; those
+    whose name ends in ``_`` (``bias_``: optional) may be ``None``."""
     for key, value in arrays.items():
-        if value is not None and not isinstance(value, mx.array):
-            raise TypeError(f"fluxlike.native.{name}: expected {key} to be an mx.array, got "
-                            f"{type(value).__name__}")
+        optional = key.endswith("_")
+        if (value is None and optional) or isinstance(value, mx.array):
+            continue
+        key = key.rstrip("_")
+        raise TypeError(f"fluxlike.native.{name}: expected {key} to be an mx.array"
+                        f"{' or None' if optional else ''}, got {type(value).__name__}; "
+                        f"convert it with mx.array({key})")
 
 
 def split_act(act: str | Callable | None, name: str = "linear"
@@ -124,7 +131,7 @@ def linear(
     if type(x) is not mx.array or type(w) is not mx.array or (
         bias is not None and type(bias) is not mx.array
     ):
-        _check_arrays("linear", x=x, w=w, bias=bias)
+        _check_arrays("linear", x=x, w=w, bias_=bias)
     fused, after = (False, None) if act is None else split_act(act)
     with _named("linear", x=x, w=w):
         y = ext.matmul(x, w, bias, False, True, fused, out_dtype, False, switch.bf16,
@@ -247,10 +254,13 @@ def _padding(name: str, padding: int | Sequence[Any], k: int) -> tuple[list[int]
 
 def _per_axis(name: str, value: int | Sequence[Any], k: int,
               what: str) -> list[int]:
-    if isinstance(value, int):
-        return [value] * k
-    values = list(value)
-    if len(values) != k or not all(isinstance(v, int) for v in values):
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if whole(value):
+        return [value] * k  # type: ignore[list-item]  # (whole: an int)
+    values: list[Any] = list(value) if isinstance(value, (tuple, list)) else [value]
+    if len(values) != k or not all(whole(v) for v in values):
         raise ValueError(f"fluxlike.native.{name}: {what} must be an int or {k} ints (one per "
                          f"spatial axis), got {value!r}")
     return values
@@ -287,7 +297,7 @@ def conv(
     ...     assert y.shape == (1, 5, 5, 3) and y[0, 2, 2, 0].item() == 18
     """
     ext = _require("conv")
-    _check_arrays("conv", x=x, w=w, bias=bias)
+    _check_arrays("conv", x=x, w=w, bias_=bias)
     k = x.ndim - 2
     if k < 1 or k > 3 or w.ndim != x.ndim:
         raise ValueError(f"fluxlike.native.conv: expected x (N, *spatial, C_in) with 1-3 "
@@ -298,8 +308,7 @@ def conv(
     lo, hi = _padding("conv", padding, k)
     fused, after = (False, None) if act is None else split_act(act, "conv")
     if x.size == 0 or w.size == 0:
-        y = mx.conv_general(x, w, stride=strides, padding=(lo, hi), kernel_dilation=dilations,
-                            groups=groups, stream=stream)
+        y = workarounds.conv_general(x, w, strides, (lo, hi), dilations, groups, stream)
         y = y if bias is None else y + bias
         y = mx.maximum(y, 0) if fused else y
     else:
@@ -336,7 +345,7 @@ def conv_transpose(
     ...     assert y.shape == (1, 9, 3)
     """
     ext = _require("conv_transpose")
-    _check_arrays("conv_transpose", x=x, w=w, bias=bias)
+    _check_arrays("conv_transpose", x=x, w=w, bias_=bias)
     k = x.ndim - 2
     if k < 1 or k > 3 or w.ndim != x.ndim:
         raise ValueError(f"fluxlike.native.conv_transpose: expected x (N, *spatial, C_in) with "
@@ -387,8 +396,11 @@ def max_pool(
     :func:`conv` takes it, each side smaller than the window; padded entries never win. The
     result is ``(N, *out, C)``, ``out = (spatial + low + high - window) // stride + 1``, in
     ``x``'s dtype (exact: a maximum rounds nothing). The gradient goes to the first maximum
-    of each window (as PyTorch's), where MLX's ``max`` shares it among equal maxima; the
-    forward-mode derivative and the gradient's own gradients pick that same entry.
+    of each window (as PyTorch's), where MLX's ``max`` shares it among equal maxima; where
+    the maximum is NaN, -inf or the lowest finite value, or the cotangent is not finite, it
+    is shared as MLX shares it (padding counted as -inf). The forward-mode derivative picks
+    the first maximum (the first NaN), as MLX's does; the gradient's own gradients pick the
+    entry the forward pass recorded.
 
     >>> import mlx.core as mx
     >>> from fluxlike import native

@@ -152,9 +152,7 @@ def plain_kernel(name: str, *options) -> Callable[..., mx.array]:
         return lambda a, b: a @ b
     if name == "conv":
         stride, padding, dilation, groups = options
-        return lambda x, w: mx.conv_general(
-            x, w, stride=stride, padding=padding, kernel_dilation=dilation, groups=groups
-        )
+        return lambda x, w: workarounds.conv_general(x, w, stride, padding, dilation, groups)
     stride, padding, dilation, output_padding, groups = options
     fn = {1: mx.conv_transpose1d, 2: mx.conv_transpose2d, 3: mx.conv_transpose3d}[len(stride)]
     one = (lambda t: t[0]) if len(stride) == 1 else (lambda t: t)

@@ -8,6 +8,9 @@
 
 #include "conv.h"
 
+#include <cmath>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 
@@ -172,6 +175,118 @@ void run(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, void* bias,
   }
 }
 
+// MLX's CPU convolution multiplies its zero padding by the weights where it runs as an explicit
+// GEMM (mlx/backend/cpu/conv.cpp, 0.32: kernel dilation 1 and one group, or 1-D): 0 * inf and
+// 0 * NaN make NaN in each output whose window reaches into the padding at a weight that is not
+// finite. oneDNN skips the padding, as MLX's direct loops do elsewhere. Whether MLX multiplies:
+bool padded_(const ConvParams& p) {
+  for (size_t a = 0; a < p.stride.size(); ++a) {
+    if (p.pad_lo[a] > 0 || p.pad_hi[a] > 0) return true;
+  }
+  return false;
+}
+
+bool mlx_multiplies_padding(const ConvParams& p) {
+  bool padded = false, dilated = false;
+  for (size_t a = 0; a < p.stride.size(); ++a) {
+    padded = padded || p.pad_lo[a] > 0 || p.pad_hi[a] > 0;
+    dilated = dilated || p.dilation[a] != 1;
+  }
+  return padded && !dilated && (p.groups == 1 || p.stride.size() == 1);
+}
+
+// float32 or bfloat16 bits to float and back (to bfloat16: round to nearest even, NaN quiet).
+float to_float(const void* p, size_t i, bool bf16) {
+  uint32_t w = bf16 ? static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16
+                    : static_cast<const uint32_t*>(p)[i];
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+void store_float(void* p, size_t i, float f, bool bf16) {
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  if (!bf16) {
+    static_cast<uint32_t*>(p)[i] = w;
+  } else if ((w & 0x7FFFFFFFu) > 0x7F800000u) {
+    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>((w >> 16) | 0x40);
+  } else {
+    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1)) >> 16);
+  }
+}
+
+// Where a weight that is not finite meets the padding (a scan of the weights first; nothing
+// more where all are finite), the outputs as MLX gives them: NaN where MLX multiplies its
+// padding, else the sum over the real entries only (0 * inf left out, as MLX's direct loops
+// do; oneDNN's implementations differ in this from one geometry to the next).
+struct ConvBuffers {
+  const void* x;
+  const void* w;
+  const void* bias;  // or nullptr
+  void* y;
+  bool bf16, bias_bf16;
+};
+
+void padding_as_mlx(const ConvBuffers& b, const mx::Shape& xs, const mx::Shape& ws,
+                    const mx::Shape& ys, const ConvParams& p) {
+  int k = static_cast<int>(ws.size()) - 2;
+  int64_t outs = ws[0], per = ws.back(), kn = 1, sn = 1, c_in = xs.back();
+  for (int a = 0; a < k; ++a) kn *= ws[a + 1], sn *= ys[a + 1];
+  std::vector<char> bad(static_cast<size_t>(outs * kn), 0);
+  bool any = false;
+  for (int64_t i = 0; i < outs * kn; ++i) {
+    for (int64_t c = 0; c < per; ++c) {
+      bad[i] |= static_cast<char>(!std::isfinite(to_float(b.w, i * per + c, b.bf16)));
+    }
+    any = any || bad[i];
+  }
+  if (!any) return;
+  bool multiplies = mlx_multiplies_padding(p);
+  float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<int64_t> at(k), coord(k);
+  auto window = [&](int64_t q) {  // the input coordinates of kernel entry q; false: padding
+    bool real = true;
+    for (int a = k - 1; a >= 0; --a) {
+      coord[a] = at[a] * p.stride[a] - p.pad_lo[a] + (q % ws[a + 1]) * p.dilation[a];
+      q /= ws[a + 1];
+      real = real && coord[a] >= 0 && coord[a] < xs[a + 1];
+    }
+    return real;
+  };
+  for (int64_t s = 0; s < sn; ++s) {
+    int64_t rest = s;
+    for (int a = k - 1; a >= 0; --a) {
+      at[a] = rest % ys[a + 1];
+      rest /= ys[a + 1];
+    }
+    for (int64_t o = 0; o < outs; ++o) {
+      bool hit = false;
+      for (int64_t q = 0; q < kn && !hit; ++q) hit = bad[o * kn + q] && !window(q);
+      if (!hit) continue;
+      int64_t group = o / (outs / p.groups);
+      for (int64_t n = 0; n < ys[0]; ++n) {
+        size_t out = static_cast<size_t>((n * sn + s) * outs + o);
+        if (multiplies) {
+          store_float(b.y, out, nan, b.bf16);
+          continue;
+        }
+        float sum = b.bias ? to_float(b.bias, o, b.bias_bf16) : 0.0f;
+        for (int64_t q = 0; q < kn; ++q) {
+          if (!window(q)) continue;
+          int64_t off = n;
+          for (int a = 0; a < k; ++a) off = off * xs[a + 1] + coord[a];
+          for (int64_t c = 0; c < per; ++c) {
+            sum += to_float(b.x, off * c_in + group * per + c, b.bf16) *
+                to_float(b.w, (o * kn + q) * per + c, b.bf16);
+          }
+        }
+        store_float(b.y, out, sum, b.bf16);
+      }
+    }
+  }
+}
+
 mx::Shape conv_out_shape(const mx::Shape& xs, const mx::Shape& ws, const ConvParams& p) {
   int k = static_cast<int>(xs.size()) - 2;
   FLN_CHECK(k >= 1 && k <= 3 && ws.size() == xs.size(), FN, ": expected x (N, *spatial, C_in) "
@@ -259,7 +374,12 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
     FLN_CHECK(bias->dtype() == dt || bias->dtype() == mx::float32, FN, ": bias must be of x's "
               "dtype or float32");
   }
-  if (dt == mx::bfloat16 && !native_bf16) {
+  // oneDNN 3.2's bfloat16 convolution with an odd number of input channels per group reads
+  // them in pairs, the last with its neighbour (the next group's or pixel's first) times a zero
+  // weight: an infinite or NaN neighbour made NaN where MLX gives a finite result. Float32
+  // kernels (an RGB input's first layer among them).
+  bool paired = w.shape().back() % 2 == 1;
+  if (dt == mx::bfloat16 && (!native_bf16 || paired)) {
     std::optional<mx::array> b32;
     if (bias) b32 = mx::astype(*bias, mx::float32, stream);
     auto y = conv(mx::astype(x, mx::float32, stream), mx::astype(w, mx::float32, stream), b32,
@@ -325,8 +445,13 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
   encoder.dispatch([entry, kind = kind_, p0 = const_cast<void*>(in0.data<void>()),
                     p1 = const_cast<void*>(in1.data<void>()), pbias, po = out.data<void>(),
-                    relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size()]() {
+                    relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size(),
+                    padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
+                    ys = *ys, p = p_, bias_bf16 = has_bias_ && bias_dt == mx::bfloat16]() {
     run(*entry, kind, p0, p1, pbias, po);
+    if (padded) {
+      padding_as_mlx({p0, p1, pbias, po, bf16, bias_bf16}, xs, ws, ys, p);
+    }
     if (relu) {  // after the kernel, keeping NaN (see relu_keeping_nan)
       relu_keeping_nan(po, n, bf16);
     }

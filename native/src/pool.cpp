@@ -10,6 +10,8 @@
 #include "pool.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 
@@ -95,13 +97,31 @@ bool any_nan(const U* x, size_t n, U magnitude, U inf) {
   return found != 0;
 }
 
+// Sets output i's workspace entry (uint8 or int32) to `offset`, the maximum's place in its
+// window (row-major over the window's axes, padding counted), as oneDNN writes it: the jvp
+// and the tied windows' gradients read it.
+struct Workspace {
+  void* p;
+  bool wide;
+  void set(size_t i, int64_t offset) const {
+    if (wide) {
+      static_cast<int32_t*>(p)[i] = static_cast<int32_t>(offset);
+    } else {
+      static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(offset);
+    }
+  }
+};
+
 template <typename U>
-void nan_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
+void nan_windows(const U* x, U* y, Workspace ws, const mx::Shape& xs, const mx::Shape& ys,
                  const PoolParams& p, U magnitude, U inf, U quiet_nan) {
   int k = static_cast<int>(xs.size()) - 2;
   size_t n = 1;
   for (auto d : xs) n *= static_cast<size_t>(d);
   std::vector<int64_t> at(xs.size()), lo(k), hi(k), o(k);
+  size_t m = 1;
+  for (auto d : ys) m *= static_cast<size_t>(d);
+  std::vector<char> marked(m, 0);
   for (size_t i = 0; i < n; ++i) {
     if ((x[i] & magnitude) <= inf) continue;
     int64_t rest = static_cast<int64_t>(i);
@@ -119,9 +139,19 @@ void nan_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
     if (none) continue;
     o = lo;
     for (;;) {
-      int64_t off = at[0];
-      for (int a = 0; a < k; ++a) off = off * ys[a + 1] + o[a];
-      y[off * ys.back() + at.back()] = quiet_nan;
+      int64_t off = at[0], in_window = 0;
+      for (int a = 0; a < k; ++a) {
+        off = off * ys[a + 1] + o[a];
+        in_window = in_window * p.kernel[a] + at[a + 1] + p.pad_lo[a] - o[a] * p.stride[a];
+      }
+      size_t out = static_cast<size_t>(off * ys.back() + at.back());
+      // The first NaN of the window is its maximum (as MLX's argmax takes it): x is visited
+      // in order, so the first to reach an output is the window's first.
+      if (!marked[out]) {
+        marked[out] = 1;
+        ws.set(out, in_window);
+      }
+      y[out] = quiet_nan;
       int a = k - 1;
       while (a >= 0 && ++o[a] > hi[a]) {
         o[a] = lo[a];
@@ -136,7 +166,7 @@ void nan_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
 // comes out as -FLT_MAX where MLX's max gives -inf. Outputs equal to the lowest value whose
 // window does not hold it are set to -inf (a scan of y first; windows only where it is).
 template <typename U>
-void lowest_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
+void lowest_windows(const U* x, U* y, Workspace ws, const mx::Shape& xs, const mx::Shape& ys,
                     const PoolParams& p, U lowest, U neg_inf) {
   size_t m = 1;
   for (auto d : ys) m *= static_cast<size_t>(d);
@@ -162,9 +192,15 @@ void lowest_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
     bool held = false;
     pos = lo;
     for (;;) {
-      int64_t off = at[0];
-      for (int a = 0; a < k; ++a) off = off * xs[a + 1] + pos[a];
-      held = held || x[off * xs.back() + at.back()] == lowest;
+      int64_t off = at[0], in_window = 0;
+      for (int a = 0; a < k; ++a) {
+        off = off * xs[a + 1] + pos[a];
+        in_window = in_window * p.kernel[a] + pos[a] - (at[a + 1] * p.stride[a] - p.pad_lo[a]);
+      }
+      held = x[off * xs.back() + at.back()] == lowest;
+      // oneDNN starts at the lowest value and keeps its first index, which may be padding:
+      // the first real entry holding it is the maximum.
+      if (held) ws.set(i, in_window);
       int a = k - 1;
       while (a >= 0 && ++pos[a] > hi[a]) {
         pos[a] = lo[a];
@@ -176,22 +212,131 @@ void lowest_windows(const U* x, U* y, const mx::Shape& xs, const mx::Shape& ys,
   }
 }
 
-void keep_nan(const void* x, void* y, const mx::Shape& xs, const mx::Shape& ys,
+void keep_nan(const void* x, void* y, Workspace ws, const mx::Shape& xs, const mx::Shape& ys,
               const PoolParams& p, bool bf16, size_t n) {
   if (bf16) {
     auto* bits = static_cast<const uint16_t*>(x);
     if (any_nan<uint16_t>(bits, n, 0x7FFF, 0x7F80)) {
-      nan_windows<uint16_t>(bits, static_cast<uint16_t*>(y), xs, ys, p, 0x7FFF, 0x7F80, 0x7FC0);
+      nan_windows<uint16_t>(bits, static_cast<uint16_t*>(y), ws, xs, ys, p, 0x7FFF, 0x7F80, 0x7FC0);
     }
-    lowest_windows<uint16_t>(bits, static_cast<uint16_t*>(y), xs, ys, p, 0xFF7F, 0xFF80);
+    lowest_windows<uint16_t>(bits, static_cast<uint16_t*>(y), ws, xs, ys, p, 0xFF7F, 0xFF80);
   } else {
     auto* bits = static_cast<const uint32_t*>(x);
     if (any_nan<uint32_t>(bits, n, 0x7FFFFFFFu, 0x7F800000u)) {
-      nan_windows<uint32_t>(bits, static_cast<uint32_t*>(y), xs, ys, p, 0x7FFFFFFFu,
+      nan_windows<uint32_t>(bits, static_cast<uint32_t*>(y), ws, xs, ys, p, 0x7FFFFFFFu,
                             0x7F800000u, 0x7FC00000u);
     }
-    lowest_windows<uint32_t>(bits, static_cast<uint32_t*>(y), xs, ys, p, 0xFF7FFFFFu,
+    lowest_windows<uint32_t>(bits, static_cast<uint32_t*>(y), ws, xs, ys, p, 0xFF7FFFFFu,
                              0xFF800000u);
+  }
+}
+
+// A float32 (U = uint32_t) or bfloat16 (U = uint16_t) value's bits, to and from float; to
+// bfloat16 rounding to nearest even (NaN kept quiet), as MLX's conversion does.
+template <typename U>
+struct Bits {
+  static float get(U b) {
+    uint32_t w = sizeof(U) == 2 ? static_cast<uint32_t>(b) << 16 : static_cast<uint32_t>(b);
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  }
+  static U put(float f) {
+    uint32_t w;
+    std::memcpy(&w, &f, 4);
+    if (sizeof(U) == 4) return static_cast<U>(w);
+    if ((w & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<U>((w >> 16) | 0x40);
+    return static_cast<U>((w + 0x7FFFu + ((w >> 16) & 1)) >> 16);
+  }
+  static constexpr U magnitude = sizeof(U) == 2 ? U(0x7FFF) : U(0x7FFFFFFFu);
+  static constexpr U inf = sizeof(U) == 2 ? U(0x7F80) : U(0x7F800000u);
+  static constexpr U neg_inf = sizeof(U) == 2 ? U(0xFF80) : U(0xFF800000u);
+  static constexpr U lowest = sizeof(U) == 2 ? U(0xFF7F) : U(0xFF7FFFFFu);
+};
+
+// MLX's max pooling (mx.max over windows padded with -inf) shares each output's cotangent
+// among the window's entries equal to its maximum, padding included: (g / count) * (entry ==
+// max) to each, NaN to every entry where the count is 0 (a NaN maximum) or g is not finite.
+// oneDNN sends g to one entry: the first maximum (documented, as PyTorch's) where the maximum is
+// finite and g too; but a -inf maximum ties with the padding, a maximum at the lowest finite
+// value (oneDNN's starting value) may be recorded in the padding, and NaN is no maximum at all.
+// Those windows, and those whose g is not finite, are held back from oneDNN's pass (a copy of
+// dy with zeros there) and shared here, as MLX shares them; a scan of y and dy finds them.
+template <typename U>
+bool special_window(U y, U g) {
+  using B = Bits<U>;
+  // (bfloat16's lowest too as float32: overlapping bfloat16 windows share in float32.)
+  return (y & B::magnitude) > B::inf || y == B::neg_inf || y == B::lowest ||
+      (sizeof(U) == 4 && y == static_cast<U>(0xFF7F0000u)) || (g & B::magnitude) >= B::inf;
+}
+
+template <typename U>
+void backward_sharing(const Prepared& e, const void* pd, void* pw, const void* px,
+                      const void* py, void* po, const mx::Shape& xs, const mx::Shape& ys,
+                      const PoolParams& p) {
+  using B = Bits<U>;
+  auto* dy = static_cast<const U*>(pd);
+  auto* y = static_cast<const U*>(py);
+  size_t m = 1;
+  for (auto d : ys) m *= static_cast<size_t>(d);
+  // A window of one entry: MLX's max over it is the entry itself, its gradient g.
+  int64_t entries = 1;
+  for (int q : p.kernel) entries *= q;
+  bool any = false;
+  for (size_t i = 0; i < m && entries > 1; ++i) any = any || special_window<U>(y[i], dy[i]);
+  if (!any) {
+    execute(e, {{DNNL_ARG_DIFF_DST, const_cast<void*>(pd)}, {DNNL_ARG_DIFF_SRC, po},
+                {DNNL_ARG_WORKSPACE, pw}}, FN);
+    return;
+  }
+  std::vector<U> held(dy, dy + m);
+  for (size_t i = 0; i < m; ++i) {
+    if (special_window<U>(y[i], dy[i])) held[i] = 0;
+  }
+  execute(e, {{DNNL_ARG_DIFF_DST, held.data()}, {DNNL_ARG_DIFF_SRC, po},
+              {DNNL_ARG_WORKSPACE, pw}}, FN);
+  auto* x = static_cast<const U*>(px);
+  auto* dx = static_cast<U*>(po);
+  int k = static_cast<int>(xs.size()) - 2;
+  std::vector<int64_t> at(ys.size()), first(k), pos(k);
+  for (size_t i = 0; i < m; ++i) {
+    if (!special_window<U>(y[i], dy[i])) continue;
+    int64_t rest = static_cast<int64_t>(i);
+    for (int d = static_cast<int>(ys.size()) - 1; d >= 0; --d) {
+      at[d] = rest % ys[d];
+      rest /= ys[d];
+    }
+    for (int a = 0; a < k; ++a) first[a] = at[a + 1] * p.stride[a] - p.pad_lo[a];
+    // Visits the window's entries: f(offset into x, or -1 for padding).
+    auto each = [&](auto&& f) {
+      for (int a = 0; a < k; ++a) pos[a] = 0;
+      for (;;) {
+        int64_t off = at[0];
+        bool pad = false;
+        for (int a = 0; a < k; ++a) {
+          int64_t c = first[a] + pos[a];
+          pad = pad || c < 0 || c >= xs[a + 1];
+          off = off * xs[a + 1] + c;
+        }
+        f(pad ? int64_t{-1} : off * xs.back() + at.back());
+        int a = k - 1;
+        while (a >= 0 && ++pos[a] >= p.kernel[a]) {
+          pos[a] = 0;
+          --a;
+        }
+        if (a < 0) break;
+      }
+    };
+    float v = B::get(y[i]);
+    int64_t count = 0;
+    each([&](int64_t o) { count += o < 0 ? v == -INFINITY : B::get(x[o]) == v; });
+    // MLX: (g / count) in g's dtype (count converted to it), times the mask.
+    float share = B::get(B::put(B::get(dy[i]) / B::get(B::put(static_cast<float>(count)))));
+    each([&](int64_t o) {
+      if (o < 0) return;
+      float add = B::get(B::put(share * (B::get(x[o]) == v ? 1.0f : 0.0f)));
+      dx[o] = B::put(B::get(dx[o]) + add);
+    });
   }
 }
 
@@ -219,13 +364,20 @@ mx::Shape pool_out_shape(const mx::Shape& xs, const PoolParams& p) {
   return out;
 }
 
-mx::array backward(const mx::array& dy, const mx::array& ws, const mx::Shape& x_tail,
-                   const PoolParams& p, mx::Stream s) {
+// dx from dy and the workspace; x and y (of dy's dtype) for the windows shared as MLX shares
+// them (see share_special).
+mx::array backward(const mx::array& dy, const mx::array& ws, const mx::array& x,
+                   const mx::array& y, const mx::Shape& x_tail, const PoolParams& p,
+                   mx::Stream s) {
   mx::Shape shape{dy.shape(0)};
   shape.insert(shape.end(), x_tail.begin(), x_tail.end());
+  auto as_dy = [&](const mx::array& a) {
+    return mx::contiguous(a.dtype() == dy.dtype() ? a : mx::astype(a, dy.dtype(), s), false, s);
+  };
   return mx::array(std::move(shape), dy.dtype(),
                    std::make_shared<MaxPoolBackward>(s, p, x_tail),
-                   {mx::contiguous(dy, false, s), mx::contiguous(ws, false, s)});
+                   {mx::contiguous(dy, false, s), mx::contiguous(ws, false, s), as_dy(x),
+                    as_dy(y)});
 }
 
 // v (N, *spatial, C) at each window's maximum -> (N, *out, C): the workspace holds the
@@ -278,7 +430,10 @@ mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
             "got ", dt);
   auto shape = pool_out_shape(x.shape(), p);
   FLN_CHECK(x.size() != 0, FN, ": empty input ", shape_str(x.shape()));
-  if (dt == mx::bfloat16 && (!native_bf16 || !isa_has_bf16())) {
+  // oneDNN 3.2's bfloat16 pooling loses the window offset when it needs an int32 workspace
+  // (windows of 256 entries or more: every gradient went to the window's first entry).
+  bool wide = workspace_dtype(p) != mx::uint8;
+  if (dt == mx::bfloat16 && (!native_bf16 || !isa_has_bf16() || wide)) {
     // The maximum is exact in any dtype: through float32 kernels, rounded back exactly.
     return mx::astype(max_pool(mx::astype(x, mx::float32, stream), p, false, stream), dt,
                       stream);
@@ -308,7 +463,7 @@ void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
                     pw = ws.data<void>(), xs = x.shape(), ys = y.shape(), p = p_,
                     bf16 = x.dtype() == mx::bfloat16, n = x.size()]() {
     execute(*entry, {{DNNL_ARG_SRC, px}, {DNNL_ARG_DST, py}, {DNNL_ARG_WORKSPACE, pw}}, FN);
-    keep_nan(px, py, xs, ys, p, bf16, n);
+    keep_nan(px, py, Workspace{pw, workspace_dtype(p) != mx::uint8}, xs, ys, p, bf16, n);
   });
 }
 
@@ -335,10 +490,11 @@ std::vector<mx::array> MaxPool::vjp(
   if (overlap && x.dtype() == mx::bfloat16) {
     // Overlapping windows add cotangents: oneDNN's bfloat16 backward pass would round each
     // sum; in float32 they are accumulated and rounded once (the workspace is the same).
-    auto dx = backward(mx::astype(c, mx::float32, stream()), outputs[1], tail, p_, stream());
+    auto dx = backward(mx::astype(c, mx::float32, stream()), outputs[1], x, outputs[0], tail,
+                       p_, stream());
     return {mx::astype(dx, mx::bfloat16, stream())};
   }
-  return {backward(c, outputs[1], tail, p_, stream())};
+  return {backward(c, outputs[1], x, outputs[0], tail, p_, stream())};
 }
 
 std::pair<std::vector<mx::array>, std::vector<int>> MaxPool::vmap(
@@ -359,9 +515,9 @@ std::pair<std::vector<mx::array>, std::vector<int>> MaxPoolBackward::vmap(
     const std::vector<int>& axes) {
   auto s = stream();
   auto apply = [this, s](const std::vector<mx::array>& in) {
-    return std::vector<mx::array>{backward(in[0], in[1], x_tail_, p_, s)};
+    return std::vector<mx::array>{backward(in[0], in[1], in[2], in[3], x_tail_, p_, s)};
   };
-  return vmap_rows(inputs, axes, {true, true}, apply, s);
+  return vmap_rows(inputs, axes, {true, true, true, true}, apply, s);
 }
 
 std::vector<mx::array> MaxPool::jvp(
@@ -383,19 +539,24 @@ void MaxPoolBackward::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   auto& ws = inputs[1];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) return;
-  if (!dy.flags().row_contiguous || !ws.flags().row_contiguous) {
-    throw std::runtime_error(std::string(FN) + ": internal error: operand not contiguous");
+  for (auto& in : inputs) {
+    if (!in.flags().row_contiguous) {
+      throw std::runtime_error(std::string(FN) + ": internal error: operand not contiguous");
+    }
   }
   auto entry = lookup(true, p_, out.shape(), dy.shape(), dy.dtype());
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(dy);
-  encoder.set_input_array(ws);
+  for (auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
-  encoder.dispatch([entry, pd = const_cast<void*>(dy.data<void>()),
-                    pw = const_cast<void*>(ws.data<void>()),
-                    po = out.data<void>()]() {
-    execute(*entry, {{DNNL_ARG_DIFF_DST, pd}, {DNNL_ARG_DIFF_SRC, po}, {DNNL_ARG_WORKSPACE, pw}},
-            FN);
+  encoder.dispatch([entry, pd = dy.data<void>(), pw = const_cast<void*>(ws.data<void>()),
+                    px = inputs[2].data<void>(), py = inputs[3].data<void>(),
+                    po = out.data<void>(), xs = out.shape(), ys = dy.shape(), p = p_,
+                    bf16 = dy.dtype() == mx::bfloat16]() {
+    if (bf16) {
+      backward_sharing<uint16_t>(*entry, pd, pw, px, py, po, xs, ys, p);
+    } else {
+      backward_sharing<uint32_t>(*entry, pd, pw, px, py, po, xs, ys, p);
+    }
   });
 }
 
@@ -422,7 +583,7 @@ std::vector<mx::array> MaxPoolBackward::vjp(
   std::vector<mx::array> grads;
   for (int arg : argnums) {
     grads.push_back(arg == 0 ? gather_at_max(c, primals[1], p_, stream())
-                             : mx::zeros_like(primals[1], stream()));
+                             : mx::zeros_like(primals[arg], stream()));
   }
   return grads;
 }
@@ -436,7 +597,7 @@ std::vector<mx::array> MaxPoolBackward::jvp(
       auto& dy = primals[0];
       auto t = tangents[i].dtype() == dy.dtype() ? tangents[i]
                                                  : mx::astype(tangents[i], dy.dtype(), stream());
-      return {backward(t, primals[1], x_tail_, p_, stream())};
+      return {backward(t, primals[1], primals[2], primals[3], x_tail_, p_, stream())};
     }
   }
   mx::Shape shape{primals[0].shape(0)};
