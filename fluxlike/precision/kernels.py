@@ -73,8 +73,15 @@ def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,
 
 
 def _takes_linear(dtype: mx.Dtype, x: Any = None, w: Any = None, geometry: Any = None) -> bool:
-    """float32, or bfloat16 in oneDNN's bfloat16 kernels, or bfloat16 outside differentiation
-    (in float32 kernels with bfloat16's roundings: in training the emulation keeps less)."""
+    """float32, or bfloat16 in oneDNN's bfloat16 kernels. (Without them the emulation keeps
+    less for a backward pass, and a plain ``mx.grad`` is a backward pass fluxlike cannot see;
+    repeated inference on kept casts takes the native kernel anyway: :func:`linear`.)"""
+    return dtype == _F32 or _switch.bf16
+
+
+def _bf16_or_inference(dtype: mx.Dtype) -> bool:
+    """float32, or bfloat16 in oneDNN's bfloat16 kernels, or bfloat16 outside fluxlike's
+    differentiation (in float32 kernels with bfloat16's roundings)."""
     return dtype == _F32 or _switch.bf16 or not _state().differentiating
 
 
@@ -89,7 +96,7 @@ def _takes_conv(dtype: mx.Dtype, x: mx.array, w: mx.array, geometry: tuple) -> b
     """1-3 spatial axes; in training always (faster than MLX's at every size measured, and
     MLX's convolution gradient has no ``mx.vmap``), else from :data:`NATIVE_CONV_MIN_MACS`
     (bfloat16: always)."""
-    if x.ndim < 3 or x.ndim > 5 or not _takes_linear(dtype):
+    if x.ndim < 3 or x.ndim > 5 or not _bf16_or_inference(dtype):
         return False
     if dtype == _BF16 or _state().differentiating:
         return True

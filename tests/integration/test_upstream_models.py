@@ -22,7 +22,7 @@ import zoo
 from mlx.utils import tree_flatten, tree_map
 
 import fluxlike
-from fluxlike import Adam, autocast, bf16, bf16mix, f16mix, gradient, setup, train
+from fluxlike import Adam, autocast, bf16, bf16mix, f16mix, gradient, native, setup, train
 
 NEEDS_MLX_LM = "the upstream-model tests build mlx-lm's models: pip install -e '.[test]'"
 NAMES = zoo.LM_NAMES + zoo.STOCK_NAMES
@@ -187,7 +187,8 @@ def test_training_loss_falls_like_float32(name, dtype, tokens):
 def test_mamba_gradients_from_plain_mlx_agree_with_fluxlikes(name, tokens):
     """Plain ``nn.value_and_grad`` under ``autocast`` against ``gradient(autocast=)``.
 
-    bfloat16 agrees exactly. float16 differs, by design: Mamba applies ``x_proj`` and
+    bfloat16 agrees exactly where it runs in oneDNN's bfloat16 kernels (both paths take the
+    same kernel); elsewhere, and in float16, it differs, by design: Mamba applies ``x_proj`` and
     ``dt_proj`` once per time step, and fluxlike cannot see MLX's ``mx.grad`` trace, so from
     the second application on the plain transform takes autocast's inference path (kept
     weight casts, plain float32 ops), whose weight gradients add up in float32 before one
@@ -201,7 +202,10 @@ def test_mamba_gradients_from_plain_mlx_agree_with_fluxlikes(name, tokens):
     with autocast(mx.bfloat16):
         _, plain = nn.value_and_grad(model, lambda m: loss(m, tokens))(model)
     ours, _ = gradient(loss, model, tokens, autocast=mx.bfloat16)
-    assert tree_rel(plain, ours) == 0.0
+    if native.bfloat16_native():
+        assert tree_rel(plain, ours) == 0.0
+    else:  # within bfloat16's rounding (2**-8)
+        assert tree_rel(plain, ours) < 1e-2
     with autocast(mx.float16):
         _, plain = nn.value_and_grad(model, lambda m: loss(m, tokens) * F16_SCALE)(model)
     ours, _ = gradient(loss, model, tokens, autocast=mx.float16, loss_scale=F16_SCALE)
