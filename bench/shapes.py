@@ -1,0 +1,138 @@
+"""Shapes that vary: native kernels against off, interleaved in one run.
+
+The issue's float32 MLP gradient (``Chain(Dense(64, 128, relu), Dense(128, 64))`` on
+``(4, length, 64)``), and
+a small causal transformer LM (bench/models.py's ``LanguageModel``: dims 128, 4 heads, 2
+layers, vocab 512, batch 4) trained under ``autocast(bfloat16)`` on batches of random
+sequence length, and a generation-style loop (the whole prefix again, one token longer each
+call), each with the native kernels and with them off (``fluxlike.native.disabled()``).
+The first pass meets every length for the first time; the steady pass repeats them.
+Reported: ms per step (median), and the primitives created (``fluxlike.native.cache_info``).
+
+    .venv/bin/python bench/shapes.py [--lengths 120] [--max-length 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import models as M  # noqa: E402
+
+import fluxlike  # noqa: E402
+from fluxlike import autocast, native, setup, update, withgradient  # noqa: E402
+
+SPEC = M.LMSpec(name="shapes", description="LM for varying shapes", vocab=512, dims=128,
+                heads=4, layers=2, context=512, batch=4)
+
+
+def creations() -> int:
+    info = native.cache_info()
+    return 0 if info is None else int(info["creations"])
+
+
+def trainer() -> Callable[[int], None]:
+    mx.random.seed(0)
+    lm = M.LanguageModel(SPEC)
+    opt_state = setup(fluxlike.Adam(1e-3), lm)
+    captured = [lm.state, opt_state.optimizer.state]
+    mx.eval(captured)
+
+    def step(length: int) -> None:
+        tokens = mx.random.randint(0, SPEC.vocab, (SPEC.batch, length))
+        targets = mx.random.randint(0, SPEC.vocab, (SPEC.batch, length))
+        loss, grads = withgradient(lambda m: M.lm_loss(m, tokens, targets), lm,
+                                   autocast=mx.bfloat16)
+        update(opt_state, lm, grads[0])
+        mx.eval(loss, captured)
+
+    return step
+
+
+def generator() -> Callable[[int], None]:
+    mx.random.seed(1)
+    lm = M.LanguageModel(SPEC)
+    mx.eval(lm.parameters())
+
+    def step(length: int) -> None:
+        tokens = mx.random.randint(0, SPEC.vocab, (1, length))
+        with autocast(mx.bfloat16):
+            mx.eval(lm(tokens)[:, -1].argmax(-1))
+
+    return step
+
+
+def mlp_gradient() -> Callable[[int], None]:
+    """A float32 gradient with a new row count per length: Chain(Dense(64, 128, relu),
+    Dense(128, 64)) on (4, length, 64) inputs."""
+    mx.random.seed(2)
+    model = fluxlike.Chain(fluxlike.Dense(64, 128, fluxlike.relu), fluxlike.Dense(128, 64))
+    mx.eval(model.parameters())
+
+    def step(length: int) -> None:
+        x = mx.random.normal((4, length, 64))
+        loss, grads = withgradient(lambda m: (m(x) ** 2).mean(), model)
+        mx.eval(loss, grads)
+
+    return step
+
+
+def run(step: Callable[[int], None], lengths: list[int], off: bool) -> tuple[float, int]:
+    """Median ms per call over ``lengths``, and the primitives created meanwhile."""
+    before = creations()
+    times = []
+    for length in lengths:
+        if off:
+            with native.disabled():
+                start = time.perf_counter()
+                step(length)
+        else:
+            start = time.perf_counter()
+            step(length)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, creations() - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, default=120, help="distinct training lengths")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=96, help="generation steps")
+    args = parser.parse_args()
+    mx.set_cache_limit(1 << 30)
+    rng = random.Random(0)
+    lengths = rng.sample(range(1, args.max_length + 1), args.lengths)
+    gen = list(range(1, args.tokens + 1))
+    print(f"native: {native.native_info().reason}")
+    rows = []
+    loops = (("mlp f32 grad", mlp_gradient, lengths), ("lm bf16 train", trainer, lengths),
+             ("generation", generator, gen))
+    for name, make, ls in loops:
+        native_step, off_step = make(), make()
+        # interleaved: each length with native, then off (a chunk of 8 lengths at a time)
+        results: dict[str, list] = {"native first": [], "off first": [],
+                                    "native steady": [], "off steady": []}
+        for phase in ("first", "steady"):
+            for i in range(0, len(ls), 8):
+                chunk = ls[i:i + 8]
+                results[f"native {phase}"].append(run(native_step, chunk, False))
+                results[f"off {phase}"].append(run(off_step, chunk, True))
+        for key, parts in results.items():
+            ms = statistics.median(p[0] for p in parts)
+            made = sum(p[1] for p in parts)
+            rows.append((name, key, ms, made))
+    print(f"\n{'loop':<14} {'variant':<15} {'ms/step (median)':>17} {'primitives made':>16}")
+    for name, key, ms, made in rows:
+        print(f"{name:<14} {key:<15} {ms:>17.2f} {made:>16}")
+
+
+if __name__ == "__main__":
+    main()
