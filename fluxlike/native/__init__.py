@@ -7,7 +7,8 @@ stream, with ``vjp``/``jvp``/``vmap`` and ``output_shapes`` (so ``mx.grad``, ``m
 ``mx.vmap`` and ``mx.compile``, shapeless too, work). fluxlike works without it.
 
 - :func:`native_info` says whether the kernels are in use, and why (or why not);
-  :func:`available` and :func:`bfloat16_native` are its two answers the routing needs.
+  :func:`available` and :func:`bfloat16_native` its two answers (the routing reads
+  :data:`switch` itself).
 - :func:`disabled` switches fluxlike's routing off the kernels for a block.
 - The kernels themselves (:func:`linear`, :func:`matmul`, :func:`conv`,
   :func:`conv_transpose`, :func:`max_pool`, :func:`softmax`, :func:`adam_kernel`,

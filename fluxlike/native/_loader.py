@@ -25,7 +25,7 @@ REQUIRED = ("matmul", "plain_linear", "conv", "conv_backward_data", "max_pool", 
 # idle machine (a seed-MLP step 1.7 ms against 2.4 passive), and 10-100x slower as soon as
 # anything else runs (the same step 69-214 ms beside one busy process, passive 3-8 ms), because
 # the spinning threads take the cores that MLX's threads, OpenBLAS's and the other processes
-# need (bench/README.md, "The OpenMP wait policy"; AMD EPYC, 2 cores, 2026-12-03).
+# need (bench/results/2026-12-03-openmp-wait-policy.md; AMD EPYC, 2 cores, 2026-12-03).
 WAIT_POLICY = "PASSIVE"
 _OMP_SET_BY_USER = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 

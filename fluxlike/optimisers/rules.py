@@ -182,8 +182,8 @@ class _NativeAdam:
         return new
 
 
-def _native_update_takes(kernel: Callable | None, learning_rate: mx.array, parameter: mx.array,
-                  *arrays: mx.array | None) -> bool:
+def _native_update_takes(kernel: Callable | None, learning_rate: mx.array,
+                         parameter: mx.array, *arrays: mx.array | None) -> bool:
     """Whether a native update ``kernel`` takes this parameter: the kernels are in use, the
     default device is the CPU, the learning rate is one number, and the parameter is float32
     or bfloat16 with its gradient and state ``arrays`` (present) of its dtype."""

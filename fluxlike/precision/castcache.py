@@ -18,8 +18,7 @@ is made once and reused for as long as its source array is alive and not replace
   every step or trace: their casts serve that step only (a layer applied several times, a
   recurrent layer's time steps) and go with them. The float32 values of the half casts
   (:func:`casts_if_seen`, :func:`rounded_f32_if_seen`) are never kept for them: computed as
-  constants, they
-  would hold float32 copies for the backward pass.
+  constants, they would hold float32 copies for the backward pass.
 - MLX arrays are values, but ``w[i] = v`` and ``w += v`` rewrite an array in place, under
   the same identity; the cache cannot see that. Assign a new array instead (``layer.weight
   = layer.weight + v``, as ``Module.update`` and the optimisers do) or call

@@ -41,7 +41,7 @@ NATIVE_CONV_MIN_MACS = 2**17
 _F32, _BF16 = mx.float32, mx.bfloat16
 _HALF = frozenset(HALF)
 _EMULABLE = frozenset(("linear", "conv", "conv_transpose", "matmul", "quantized_linear"))
-_switch = _loader.switch  # read once per call: the companion's module, or None
+_switch = _loader.switch  # .ext read per call: the companion's module, or None
 _state = context.get  # bound once: read on every call of every layer
 
 Padding = tuple[int, ...] | tuple[tuple[int, ...], tuple[int, ...]]

@@ -224,10 +224,11 @@ def activate() -> None:
     with routing.lock:
         if routing.on:
             return
-        # Bases first, so that a subclass's own routing replaces an inherited wrapper.
+        # The hook first: a class defined meanwhile in another thread waits for the lock and is
+        # routed then. Bases first, so that a subclass's own routing replaces a base's wrapper.
+        nn.Module.__init_subclass__ = classmethod(_route_new)  # type: ignore[assignment]  # one hook, on the root
         for cls in sorted(_with_subclasses(nn.Module), key=lambda c: len(c.__mro__)):
             _route(cls)
-        nn.Module.__init_subclass__ = classmethod(_route_new)  # type: ignore[assignment]  # one hook, on the root
         routing.on = True
 
 
@@ -280,7 +281,7 @@ def _route(cls: type) -> None:
         wrapper, kind = _unscoped_call(plain, float32=True), "fp32"
     elif record.kind == "down" and forward is not None:
         wrapper, kind = _scoped_call(plain, forward, record.unscoped), "down"
-    elif record.kind == "down" and not _ours(plain):
+    elif record.kind == "down" and not _casts_at_kernels(cls, plain):
         wrapper, kind = _swapping_call(plain), "down"
     elif record.kind == "none" and _ours(plain) and _is_kernel_call(cls, plain):
         # fluxlike's down forward declared "none" in a subclass: computes as outside a scope
@@ -292,6 +293,16 @@ def _route(cls: type) -> None:
         if name in cls.__dict__ or _declarer(cls, "methods") is cls:
             method = _plain(getattr(cls, name))
             _install(cls, name, method, _scoped_call(method, scoped, record.unscoped), "down")
+
+
+def _casts_at_kernels(cls: type, plain: Callable) -> bool:
+    """Whether ``plain``, written in fluxlike, runs as one of fluxlike's own "down" classes in
+    ``cls``'s hierarchy (``cls`` included): it casts at the kernels. A fluxlike ``__call__`` of
+    another kind (an ``Embedding``'s, a ``LayerNorm``'s) declared "down" in a user's subclass
+    is cast around, as a user's own."""
+    return _ours(plain) and any(
+        base.__module__.startswith("fluxlike.") and _declared.get(base, {}).get("kind") == "down"
+        for base in cls.__mro__)
 
 
 def _is_kernel_call(cls: type, plain: Callable) -> bool:

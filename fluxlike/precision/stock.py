@@ -17,7 +17,9 @@ dtype on the CPU, where their own forwards would run MLX's scalar half kernels (
 than fluxlike's), and ``nn.MultiHeadAttention`` with half projections on any device, whose own
 forward hands a float32 additive mask to ``mx.fast.scaled_dot_product_attention`` with half
 scores, which MLX refuses ("Mask type must promote to output type"): the mask is cast to the
-scores' dtype, as under autocast (a boolean mask is kept).
+scores' dtype, as under autocast (a boolean mask is kept). This routing starts with the first
+``autocast`` or half-precision converter of the process; a model made half otherwise
+(``set_dtype``, half weights loaded) gets it after ``fluxlike.precision.policy.activate()``.
 """
 
 from __future__ import annotations

@@ -580,3 +580,22 @@ def test_every_down_layer_calls_the_kernels(name, monkeypatch):
     y = y[0] if isinstance(y, tuple) else y
     assert calls and y.dtype == BF16, (calls, y.dtype)
     assert all(p.dtype == mx.float32 for _, p in tree_flatten(layer.parameters()))
+
+
+def test_a_fluxlike_layer_of_another_kind_declared_down_in_a_subclass_is_cast_around():
+    """Only fluxlike's own "down" forwards cast at the kernels: an Embedding's or a
+    LayerNorm's forward declared "down" in a user's subclass computes in the scope's dtype
+    through the swapped casts, as a user's own layer does."""
+
+    @autocast_policy("down")
+    class Lookup(fl.Embedding):
+        pass
+
+    @autocast_policy("down")
+    class Norm(fl.LayerNorm):
+        pass
+
+    with autocast(BF16):
+        assert Lookup(10, 4)(mx.array([1, 2])).dtype == BF16
+        assert Norm(4)(mx.ones((2, 4))).dtype == BF16
+    assert not hasattr(fl.Dense.__call__, "__fluxlike_plain__")  # still unwrapped
