@@ -3,7 +3,12 @@ on several threads at once."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -229,3 +234,24 @@ def assert_parameters(model, expected, rtol=1e-5, atol=1e-6):
     for name, w in expected.items():
         np.testing.assert_allclose(np64(getattr(model, name)), w, rtol=rtol, atol=atol,
                                    err_msg=name)
+
+
+def interrupted_child(code: str, root: object) -> tuple[str, str]:
+    """Run ``code`` in a child Python (``root`` on its path), wait for it to print
+    ``ready``, then send it SIGINT every 3 ms until it exits (60 s at most); its
+    ``(stdout, stderr)``. For the tests that a Ctrl-C takes all of a step or none of it."""
+    child = subprocess.Popen([sys.executable, "-c", code],
+                             env={**os.environ, "PYTHONPATH": str(root)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stderr is not None
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
+        deadline = time.monotonic() + 60
+        while child.poll() is None and time.monotonic() < deadline:
+            child.send_signal(signal.SIGINT)
+            time.sleep(0.003)
+        return child.communicate(timeout=30)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+

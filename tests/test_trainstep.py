@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import signal
-import subprocess
-import sys
 import textwrap
-import time
 import weakref
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import leaves, mse_of
+from helpers import interrupted_child, leaves, mse_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -427,19 +423,7 @@ _CHILD = """
 def test_ctrl_c_inside_trainstep_takes_all_of_the_step_or_none(compile):
     root = Path(__file__).resolve().parent.parent
     code = textwrap.dedent(_CHILD).replace("COMPILE", str(compile))
-    child = subprocess.Popen([sys.executable, "-c", code],
-                             env={**os.environ, "PYTHONPATH": str(root)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
-        deadline = time.monotonic() + 60
-        while child.poll() is None and time.monotonic() < deadline:
-            child.send_signal(signal.SIGINT)
-            time.sleep(0.003)
-        out, err = child.communicate(timeout=30)
-    finally:
-        child.kill()
-        child.wait(timeout=10)
+    out, err = interrupted_child(code, root)
     assert "INTERRUPTED 40 TORN 0" in out, (out, err[-2000:])
 
 

@@ -3,17 +3,13 @@ another model's ``opt_state``, float64 gradients, corrupt optimiser values from 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import interrupted_child
 from mlx.utils import tree_flatten
 
 from fluxlike import (
@@ -83,19 +79,7 @@ _CHILD = """
 
 
 def test_ctrl_c_inside_a_compiled_update_takes_all_of_the_step_or_none():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CHILD)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
-        deadline = time.monotonic() + 60
-        while child.poll() is None and time.monotonic() < deadline:
-            child.send_signal(signal.SIGINT)
-            time.sleep(0.003)
-        out, err = child.communicate(timeout=30)
-    finally:
-        child.kill()
-        child.wait(timeout=10)
+    out, err = interrupted_child(textwrap.dedent(_CHILD), ROOT)
     assert "INTERRUPTED 60 TORN 0" in out, (out, err[-2000:])
 
 
