@@ -60,34 +60,42 @@ _valid = nn.Module.valid_parameter_filter
 _trainable = nn.Module.trainable_parameter_filter
 
 
-def _trainable_parameters(module: nn.Module) -> tuple[dict, bool]:
+def _trainable_parameters(module: nn.Module, leaves: list | None = None) -> tuple[dict, bool]:
     """``(module.trainable_parameters(), whether any parameter is frozen)`` in one walk of
     the module tree, with ``mlx.nn``'s filters (``withgradient`` runs on every step; a model
-    without frozen entries then needs no ``parameters()`` walk)."""
+    without frozen entries then needs no ``parameters()`` walk). ``leaves``, a list, receives
+    ``(id(owning module), path in it, shape, dtype)`` of each trainable array, in order: what
+    identifies the tree for :mod:`fluxlike.eagerstep`."""
     frozen = False
 
     def walk(owner: nn.Module, key: str, value: Any) -> Any:
+        # mlx.nn's trainable_parameter_filter and the dtype test inline, and the paths made
+        # only inside containers: this walk runs on every step
         nonlocal frozen
         entries: Iterable[tuple[Any, Any]]
         if isinstance(value, nn.Module):
-            owner, entries, prefix = value, value.items(), ""
+            owner, entries, prefix = value, value.items(), None
         elif isinstance(value, (dict, list)):
             entries = value.items() if isinstance(value, dict) else enumerate(value)
             prefix = f"{key}."
         else:
             return value
-        out = {}
+        out: dict[Any, Any] = {}
+        no_grad = owner._no_grad
         for k, v in entries:
-            path = f"{prefix}{k}"
-            # (the dtype test inline: this walk runs on every step)
-            if _trainable(owner, path, v) and (
-                not isinstance(v, mx.array) or v.dtype in _INEXACT
-            ):
+            path: str = k if prefix is None else f"{prefix}{k}"  # type: ignore[assignment]
+            if isinstance(v, mx.array):
+                if v.dtype in _INEXACT and path[:1] != "_" and path not in no_grad:
+                    out[k] = v
+                    if leaves is not None:
+                        leaves.append((id(owner), path, v.shape, v.dtype))
+                    continue
+            elif isinstance(v, (dict, list)) and path[:1] != "_" and path not in no_grad:
                 out[k] = walk(owner, path, v)
-            else:
-                frozen = frozen or _valid(owner, path, v)
-                if owner is not value:  # in a dict or list, as filter_and_map: a placeholder
-                    out[k] = {}
+                continue
+            frozen = frozen or _valid(owner, path, v)
+            if owner is not value:  # in a dict or list, as filter_and_map: a placeholder
+                out[k] = {}
         return list(out.values()) if isinstance(value, list) else out
 
     return walk(module, "", module), frozen

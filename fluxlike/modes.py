@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import mlx.nn as nn
 
-from .precision.state import context, enter, mode_fixes
+from .precision.state import context, enter_differentiating, mode_fixes
 
 
 def mode_changed() -> None:
@@ -26,7 +26,7 @@ def mode_changed() -> None:
 @contextmanager
 def differentiating() -> Iterator[None]:
     """Mark the enclosed code as inside a gradient computation (automatic train mode)."""
-    token = enter(differentiating=True)
+    token = enter_differentiating()
     try:
         yield
     finally:

@@ -20,7 +20,10 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import workarounds  # noqa: F401  (registers the exit guard for worker threads)
+from . import (
+    eagerstep,
+    workarounds,  # noqa: F401  (registers the exit guard for worker threads)
+)
 from .compiledstep import compiled_step
 from .gradients import _check_autocast, _value_and_grad
 from .optimisers.compiled import INTERRUPTS, put_back
@@ -103,27 +106,28 @@ def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
     scale, optimizer = opt_state.loss_scale, opt_state.optimizer
     scale_before = dict(scale.state)  # a few scalars
     fresh: list = []
-    guarded = False
+    # The step is taken, read and, if need be, undone as one: a Ctrl-C meanwhile is held
+    # back until it is over (the forward and backward only build the graph: the arithmetic
+    # is the evaluation below, so this delays a Ctrl-C by no more than the step itself).
+    guarded = INTERRUPTS.enter()
     try:
-        if not compile:  # (Ctrl-C may stop the forward and backward: nothing has changed)
-            value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
-                                             wrt_arrays=False, fresh_state=fresh)
-        # From here to the end the step is taken, read and, if need be, undone as one: a
-        # Ctrl-C meanwhile is held back until it is over.
-        guarded = INTERRUPTS.enter()
-        out = compiled_step(loss, model, args, opt_state, dtype, where) if compile else None
+        if compile:
+            out = compiled_step(loss, model, args, opt_state, dtype, where)
+        else:  # the same model and state as before: one walk, one gradient, one update
+            out = eagerstep.step(loss, model, args, opt_state, dtype, where)
         if out is not None:
             value, finite, grads, new_params, fresh_arrays, before, state_before = out
-        else:
-            if compile:  # an optimiser that cannot be captured: the eager step
-                value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
-                                                 wrt_arrays=False, fresh_state=fresh)
+        else:  # the long way: everything validated (an optimiser that cannot be captured)
+            value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
+                                             wrt_arrays=False, fresh_state=fresh)
             value = value[0] if isinstance(value, tuple) else value
             if opt_state.distributed is not None:  # the group's mean: every rank decides alike
                 value = opt_state.distributed.mean(value)
             new_params, finite, grads, state_before, before = _update(opt_state, model, g,
                                                                       False, where)
             fresh_arrays = [v for _, _, new in fresh for v in new.values()]
+            if not compile and not fresh:
+                eagerstep.remember(opt_state, model, grads, where)
         mx.eval(value, finite, new_params, optimizer.state, scale.state, fresh_arrays)
         loss_value = cast(float, value.item())
         taken = math.isfinite(loss_value) and cast(bool, finite.item())

@@ -330,6 +330,68 @@ def test_a_step_installs_no_signal_handler_flattens_no_tree_and_reads_the_device
     assert calls == {"signal": 0, "flatten": 0, "eval": 5, "async_eval": 0}
 
 
+def test_after_its_first_step_a_model_is_stepped_without_validating_it_again(monkeypatch):
+    # the first step validates the model's tree (fluxlike.optimisers.state._check_grads);
+    # later steps of the same tree take the remembered path and give the same numbers
+    x, y = _data()
+    model, twin = _model(), _model()
+    opt_state, twin_state = setup(Adam(0.01), model), setup(Adam(0.01), twin)
+    trainstep(mse_of, model, (x, y), opt_state)
+    checks = []
+    import fluxlike.optimisers.state as state_module
+    real = state_module._check_grads
+    monkeypatch.setattr(state_module, "_check_grads",
+                        lambda *a, **k: checks.append(1) or real(*a, **k))
+    losses = [trainstep(mse_of, model, (x, y), opt_state) for _ in range(3)]
+    assert checks == []
+    monkeypatch.undo()
+    twin_losses = [float(withgradient_step(twin, twin_state, x, y)) for _ in range(4)]
+    assert losses == twin_losses[1:]
+    assert _same(_state(model, opt_state)[:2] + (0,), _state(twin, twin_state)[:2] + (0,))
+
+
+def withgradient_step(model, opt_state, x, y):
+    """A step the long way round: gradient, then update."""
+    from fluxlike import withgradient
+    loss, (g, *_) = withgradient(mse_of, model, x, y)
+    update(opt_state, model, g)
+    mx.eval(model.parameters(), opt_state.state)
+    return loss.item()
+
+
+@pytest.mark.parametrize("change", ["reshape", "freeze", "thaw", "new layer"])
+def test_a_model_changed_between_steps_is_validated_again(change):
+    x, y = _data()
+    model = _model()
+    opt_state = setup(Descent(0.1), model)
+    for _ in range(2):
+        trainstep(mse_of, model, (x, y), opt_state)
+    if change == "reshape":  # another model's shape: refused, nothing changed
+        model.layers[1].weight = mx.zeros((1, 5))
+        model.layers[0] = Dense(3, 5, relu)
+        before = _state(model, opt_state)
+        with pytest.raises(ValueError, match="trainstep: opt_state was set up for another"):
+            trainstep(mse_of, model, (x, y), opt_state)
+        assert _same(_state(model, opt_state), before)
+        return
+    if change == "freeze":  # a frozen weight is not stepped
+        model.layers[0].freeze()
+    elif change == "thaw":
+        model.layers[0].freeze()
+        trainstep(mse_of, model, (x, y), opt_state)
+        model.layers[0].unfreeze()
+    else:  # a layer swapped for one of the same shapes: its own arrays are stepped
+        model.layers[1] = Dense(4, 1)
+    frozen = np.array(model.layers[0].weight)
+    swapped = np.array(model.layers[1].weight)
+    trainstep(mse_of, model, (x, y), opt_state)
+    if change == "freeze":
+        np.testing.assert_array_equal(np.array(model.layers[0].weight), frozen)
+    else:
+        assert not np.array_equal(np.array(model.layers[0].weight), frozen)
+    assert not np.array_equal(np.array(model.layers[1].weight), swapped)
+
+
 # ---------------------------------------------------------------- against a model of the rule
 
 

@@ -259,9 +259,15 @@ def _settings(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, dict):
         return (dict, *((k, _settings(v, depth + 1)) for k, v in obj.items()))
     if isinstance(obj, (optim.Optimizer, LossScale)):
-        return (type(obj), *((k, _settings(v, depth + 1)) for k, v in vars(obj).items()
-                             if k not in ("_state", "_initialized")))
+        out: list = [type(obj)]
+        for k, v in vars(obj).items():  # (plain values inline: this runs on every step)
+            if k != "_state" and k != "_initialized":
+                out.append((k, v if type(v) in _PLAIN else _settings(v, depth + 1)))
+        return tuple(out)
     return _Same(obj)
+
+
+_PLAIN = frozenset((type(None), bool, int, float, str, mx.Dtype))
 
 
 _CPU_CACHE_DEFAULT = 32 << 20  # MLX's CPU allocator keeps at most this much freed memory
@@ -303,10 +309,14 @@ class Compiled:
         self.eager: str | None = None
         self.initialised: set[tuple] = set()  # gradient signatures the state was checked for
         self.whole: dict[tuple, Callable] = {}  # whole training steps (fluxlike.compiledstep)
+        # model trees validated for this state, by fingerprint: their gradient signature
+        # (fluxlike.eagerstep)
+        self.fingerprints: dict[tuple, tuple] = {}
 
     def fall_back(self, reason: str) -> None:
         self.steps.clear()
         self.whole.clear()
+        self.fingerprints.clear()
         self.eager = reason
 
     def step(self, opt_state: Any, model: nn.Module, grads: dict, params: dict,

@@ -52,6 +52,17 @@ def enter(**changes: Any) -> Token:
     return context.set(PLAIN if plain else new)
 
 
+_DIFFERENTIATING = PLAIN._replace(differentiating=True)
+
+
+def enter_differentiating() -> Token:
+    """``enter(differentiating=True)``, without building a record in the common case (called
+    on every training step)."""
+    current = context.get()
+    return context.set(_DIFFERENTIATING if current is PLAIN else
+                       current._replace(differentiating=True))
+
+
 def with_dtype(slot: int, dtype: mx.Dtype | None) -> Token:
     """Set the compute dtype of device ``slot`` (0 cpu, 1 gpu)."""
     new = context.get()._replace(cpu=dtype) if slot == 0 else context.get()._replace(gpu=dtype)
