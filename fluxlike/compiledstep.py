@@ -79,10 +79,9 @@ def _structure(model: nn.Module) -> tuple:
         if isinstance(value, nn.Module):
             frozen = value._no_grad
             out.append((id(value), value._training, frozenset(frozen) if frozen else None))
-            stack.extend(v for v in value.values() if isinstance(v, (nn.Module, list, dict)))
-        else:  # a list or dict inside a module
-            stack.extend(v for v in (value.values() if isinstance(value, dict) else value)
-                         if isinstance(v, (nn.Module, list, dict)))
+        for v in value.values() if isinstance(value, dict) else value:
+            if isinstance(v, (dict, list)):  # (a module is a dict)
+                stack.append(v)
     return tuple(out)
 
 

@@ -3,9 +3,13 @@ pass over the data (a loop over ``trainstep``).
 
 Float16 gradients underflow, so ``autocast=mx.float16`` scales the loss with a
 :class:`~fluxlike.DynamicLossScale` by default; the scale lives in ``opt_state.loss_scale``,
-so it carries over from one call to the next and into checkpoints. A step whose loss is not
-finite is not taken: its decision is an ``mx.where`` on the device, read with the loss (one
-device read per step), so nothing is copied to be able to undo it.
+so it carries over from one call to the next and into checkpoints. A step whose loss or
+gradients are not finite is not taken: whether they are is read with the loss (one device
+read per step), and the rare step that must not be taken is undone from the arrays of
+before it, kept (MLX arrays are immutable), not copied.
+
+The eager step of a model seen before takes :mod:`fluxlike.eagerstep`'s short path; the
+compiled one is :mod:`fluxlike.compiledstep`.
 """
 
 from __future__ import annotations
@@ -202,9 +206,9 @@ def trainstep(
     model (running statistics included), ``opt_state`` (the loss scale too, after a
     non-finite loss) and the random state are as before it, and the loss is returned all the
     same, for the caller to decide (:func:`train` raises). After gradients that overflow a
-    loss scale, the scale is lowered, as :func:`~fluxlike.update` does. The decision is made
-    on the device (``mx.where``) and read with the loss: one device read per step, nothing
-    copied to undo it.
+    loss scale, the scale is lowered, as :func:`~fluxlike.update` does. Whether they are
+    finite is read with the loss: one device read per step; a step that must not be taken
+    is undone from the arrays of before it (kept, not copied).
 
     ``compile=True`` runs the whole step (forward, backward, loss scaling, the rule) as one
     ``mx.compile``-d function with the model, optimiser, loss-scale and random state

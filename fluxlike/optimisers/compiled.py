@@ -249,21 +249,24 @@ def _settings(obj: Any, depth: int = 0) -> Any:
     """A hashable snapshot of the Python values a trace of ``obj``'s step bakes in as constants
     (betas, eps, weight decay, schedules, clipping transforms, loss-scale factor...): the
     attributes of an optimiser or loss scale other than its array state, recursively;
-    anything else (functions, arrays, transforms) by identity."""
-    if obj is None or isinstance(obj, (bool, int, float, str, mx.Dtype)):
+    anything else (functions, arrays, transforms) by identity. (Plain values are taken
+    inline, without a call: this runs on every step.)"""
+    kind = type(obj)
+    if kind in _PLAIN:
         return obj
     if depth > 6:
         return _Same(obj)
     if isinstance(obj, (list, tuple)):
-        return (type(obj), *(_settings(v, depth + 1) for v in obj))
+        return (kind, *[v if type(v) in _PLAIN else _settings(v, depth + 1) for v in obj])
     if isinstance(obj, dict):
-        return (dict, *((k, _settings(v, depth + 1)) for k, v in obj.items()))
+        return (dict, *[(k, v if type(v) in _PLAIN else _settings(v, depth + 1))
+                        for k, v in obj.items()])
     if isinstance(obj, (optim.Optimizer, LossScale)):
-        out: list = [type(obj)]
-        for k, v in vars(obj).items():  # (plain values inline: this runs on every step)
-            if k != "_state" and k != "_initialized":
-                out.append((k, v if type(v) in _PLAIN else _settings(v, depth + 1)))
-        return tuple(out)
+        return (kind, *[(k, v if type(v) in _PLAIN else _settings(v, depth + 1))
+                        for k, v in vars(obj).items()
+                        if k != "_state" and k != "_initialized"])
+    if isinstance(obj, (bool, int, float, str)):  # a subclass (numpy's float64...)
+        return obj
     return _Same(obj)
 
 
