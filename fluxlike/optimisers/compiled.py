@@ -84,11 +84,14 @@ class _Interrupts:
         if current is not self.handler:
             if current is None:  # installed from C: cannot be chained
                 return False
+            # the handler to chain to is known before ours is installed: a Ctrl-C arriving
+            # just after the installation is delivered to it, not to the one before
+            earlier, self.previous = self.previous, current
             try:
                 signal.signal(signal.SIGINT, self.handler)
             except (ValueError, OSError):  # no signals here (an embedded interpreter)
+                self.previous = earlier
                 return False
-            self.previous = current
         self.depth += 1
         return True
 

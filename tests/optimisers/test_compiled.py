@@ -191,12 +191,16 @@ def test_schedule_is_followed_step_by_step():
     assert len(_compiled(opt_state).steps) == 1
 
 
-def test_python_hyperparameter_change_retraces():
+@pytest.mark.parametrize("how", ["assigned", "changed in place"])
+def test_python_hyperparameter_change_retraces(how):
     model, twin, opt_state, reference = _pair(Adam(0.01))
     for step in range(3):
-        if step == 2:
+        if step == 2 and how == "assigned":
             opt_state.optimizer.betas = reference.betas = [0.5, 0.6]
             opt_state.optimizer.eps = reference.eps = 1e-3
+        elif step == 2:  # the list the trace read its betas from
+            opt_state.optimizer.betas[0] = 0.5
+            reference.betas = list(opt_state.optimizer.betas)
         g = _grads(model, step)
         _step_both(opt_state, model, reference, twin, g)
     _assert_matches(model, twin, opt_state, reference)

@@ -83,6 +83,31 @@ def test_ctrl_c_inside_a_compiled_update_takes_all_of_the_step_or_none():
     assert "INTERRUPTED 60 TORN 0" in out, (out, err[-2000:])
 
 
+def test_a_ctrl_c_arriving_as_the_guard_installs_itself_reaches_the_users_handler(monkeypatch):
+    # CI once saw the race: the guard installed its handler, a Ctrl-C came before it had
+    # recorded the handler to chain to, and every later Ctrl-C went to the one before that
+    import signal
+
+    from fluxlike.optimisers import compiled
+
+    guard, seen = compiled._Interrupts(), []
+    real = signal.signal
+
+    def install_then_interrupt(signum, handler):
+        earlier = real(signum, handler)
+        handler(signum, None)  # the signal lands right after the installation
+        return earlier
+
+    monkeypatch.setattr(compiled.signal, "signal", install_then_interrupt)
+    saved = real(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        assert guard.enter()
+        guard.exit()
+    finally:
+        real(signal.SIGINT, saved)
+    assert seen == [signal.SIGINT]  # delivered to the user's handler, once, not dropped
+
+
 def test_an_interrupted_eager_update_restores_the_model_too(monkeypatch):
     # the eager path (an optimiser whose step cannot be traced) rolled back the optimiser
     # state but not the parameters already written
