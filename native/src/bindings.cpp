@@ -89,6 +89,21 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
       "capacity"_a,
       "Set how many primitives the cache keeps (least recently used evicted first); returns "
       "the old capacity.");
+  m.def(
+      "set_single_thread_macs",
+      [](double macs) {
+        FLN_CHECK(macs >= 0, "fluxlike_native.set_single_thread_macs: the threshold must be a "
+                  "number of multiply-adds >= 0 (0: every kernel on OpenMP's threads), got ",
+                  macs);
+        double old = fluxlike_native::set_single_thread_macs(macs);
+        fluxlike_native::primitive_cache().clear();  // entries keep their creation's threads
+        return old;
+      },
+      "macs"_a,
+      "Set the size (multiply-adds; for pooling, compared entries) below which a kernel runs "
+      "on one OpenMP thread; returns the old one. Clears the primitive cache.");
+  m.def("single_thread_macs", &fluxlike_native::single_thread_macs,
+        "The size (multiply-adds) below which a kernel runs on one OpenMP thread.");
   m.def("clear_cache", []() { fluxlike_native::primitive_cache().clear(); },
         "Drop the cached oneDNN primitives (matmul, convolution, softmax and pooling) and "
         "zero the cache's counts.");

@@ -97,7 +97,7 @@ std::shared_ptr<const ConvPrepared> lookup(
     double macs = static_cast<double>(ws.back());
     for (auto d : ys) macs *= d;
     for (size_t i = 1; i + 1 < ws.size(); ++i) macs *= ws[i];
-    OneThread one(macs < SINGLE_THREAD_MACS);
+    OneThread one(macs < single_thread_macs());
     auto attr = user_scratchpad();
     auto fwd_hint = dnnl::convolution_forward::primitive_desc(
         eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x_md,

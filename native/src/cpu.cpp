@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <sstream>
 
 #include "oneapi/dnnl/dnnl.hpp"
@@ -34,7 +35,21 @@ const Omp& omp() {
   return o;
 }
 
+std::atomic<double> threshold{SINGLE_THREAD_MACS};
+
 } // namespace
+
+double single_thread_macs() {
+  return threshold.load(std::memory_order_relaxed);
+}
+
+double set_single_thread_macs(double macs) {
+  return threshold.exchange(macs);
+}
+
+int omp_max_threads() {
+  return omp().get_max_threads != nullptr ? omp().get_max_threads() : 1;
+}
 
 OneThread::OneThread(bool on) {
   if (on && omp().set_num_threads != nullptr) {

@@ -16,11 +16,24 @@ bool isa_has_avx512();
 std::string onednn_version();
 
 // Primitives for problems below this many multiply-adds are created on one OpenMP thread,
-// so they also run on one: on two shared cores an OpenMP barrier can wait a whole
-// scheduler tick (milliseconds) for a preempted team thread, far longer than the work.
-constexpr double SINGLE_THREAD_MACS = 1 << 20;
+// and run on one (engine.h: Prepared::one_thread): on two shared cores an OpenMP barrier can
+// wait a whole scheduler tick (milliseconds) for a preempted team thread, far longer than
+// the work. 2**22 (bench/onethread.py, AMD EPYC Zen 3, AVX2, 2 cores, 2026-12-04): alone a
+// float32 GEMM gains from a second thread from ~2**21 (1.2x at 2**22, 1.6-2x from 2**23);
+// beside one busy process one thread is as fast or faster up to 2**24; over training steps
+// of the seed MLP, the small CNN and a charlm-sized LM, 2**22 was the best compromise.
+constexpr double SINGLE_THREAD_MACS = 1 << 22;
 
-// While alive (and `on`), oneDNN primitives created on this thread use one thread.
+// The threshold in use (SINGLE_THREAD_MACS unless set_single_thread_macs changed it).
+double single_thread_macs();
+// Sets it; returns the old one. Primitives already cached keep the thread count they were
+// created with (the binding clears the cache).
+double set_single_thread_macs(double macs);
+// OpenMP's thread count for a parallel region started on this thread now (1 without libgomp).
+int omp_max_threads();
+
+// While alive (and `on`), OpenMP regions started on this thread, and oneDNN primitives
+// created on it, use one thread.
 class OneThread {
  public:
   explicit OneThread(bool on);

@@ -2,6 +2,8 @@
 
 #include "engine.h"
 
+#include "cpu.h"
+
 #include <cstdlib>
 #include <stdexcept>
 #include <unordered_map>
@@ -46,6 +48,7 @@ Prepared prepare(const dnnl::primitive_desc_base& pd, std::initializer_list<int>
   p.scratch_bytes = p.scratch_md.get_size();
   p.work_bytes = p.scratch_bytes;
   p.impl = pd.impl_info_str();
+  p.one_thread = omp_max_threads() == 1;
   p.prim = dnnl::primitive(pd.get());
   return p;
 }
@@ -62,6 +65,7 @@ void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* f
   if (scratch.p) {
     mem.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(p.scratch_md, eng, scratch.p));
   }
+  OneThread one(p.one_thread);
   p.prim.execute(strm, mem);
   strm.wait();
 }

@@ -44,11 +44,15 @@ struct Prepared {
   // the reordered weights): what a cached entry costs when it runs, counted by the cache.
   size_t work_bytes = 0;
   std::string impl;  // oneDNN's implementation name, e.g. "brg:avx512_core"
+  // Created on one OpenMP thread (cpu.h: OneThread), so executed on one too: some
+  // implementations fix their thread count when created (brgemm matmul), others take
+  // OpenMP's at each execution (pooling, reorders), which would be the stream thread's.
+  bool one_thread = false;
 
   const dnnl::memory::desc& md(int arg) const;
 };
 
-// The primitive of `pd`, with the descriptions of the arguments `args` (DNNL_ARG_*) it will
+// The primitive of `pd` (created on one thread where OpenMP allows one now), with the descriptions of the arguments `args` (DNNL_ARG_*) it will
 // be executed with.
 Prepared prepare(const dnnl::primitive_desc_base& pd, std::initializer_list<int> args);
 

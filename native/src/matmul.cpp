@@ -136,7 +136,7 @@ std::shared_ptr<const Prepared> lookup(
     dnnl::memory::desc dst_md(dst_dims, dnnl_type(out_dt, FN), row_major(dst_dims));
     double macs = static_cast<double>(a.dims.back());
     for (auto d : dst_dims) macs *= static_cast<double>(d);
-    OneThread one(macs < SINGLE_THREAD_MACS);
+    OneThread one(macs < single_thread_macs());
     auto attr = user_scratchpad();
     dnnl::matmul::primitive_desc pd;
     if (bias_dt) {

@@ -58,7 +58,7 @@ std::shared_ptr<const Prepared> lookup(bool backward, const PoolParams& p, const
     double work = 1;
     for (auto d : ys) work *= d;
     for (int k : p.kernel) work *= k;
-    OneThread one(work < SINGLE_THREAD_MACS);
+    OneThread one(work < single_thread_macs());
     auto fwd = dnnl::pooling_forward::primitive_desc(
         eng, dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, x_md, y_md,
         strides, kernel, dil, pl, pr, attr);

@@ -7,6 +7,7 @@
 
 #include "updates.h"
 #include "common.h"
+#include "cpu.h"
 
 #include <bit>
 #include <cmath>
@@ -103,15 +104,17 @@ FLN_VECTOR_CLONES void rmsprop_range(const uint16_t* p, const uint16_t* g, const
   }
 }
 
-// Below this many elements one thread does the whole pass (a parallel region costs more
-// than it saves); above, blocks of BLOCK elements are shared out.
-constexpr int64_t PARALLEL_MIN = 1 << 16;
+// One element of a pass takes about as long as this many multiply-adds of a float32 GEMM
+// (bench/onethread.py, "adam" rows against "linear" rows): a pass of n elements runs on one
+// thread where a GEMM of n * ELEMENT_MACS would (cpu.h: single_thread_macs); above, blocks
+// of BLOCK elements are shared out.
+constexpr double ELEMENT_MACS = 32;
 constexpr int64_t BLOCK = 1 << 14;
 
 // range(lo, hi) over [0, n): on this thread, or in blocks shared out over OpenMP's.
 template <typename Range>
 void shared_out(int64_t n, const Range& range) {
-  if (n < PARALLEL_MIN) {
+  if (n <= BLOCK || static_cast<double>(n) * ELEMENT_MACS < single_thread_macs()) {
     range(0, n);
     return;
   }
