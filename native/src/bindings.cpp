@@ -124,6 +124,29 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
       R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h).)");
 
   m.def(
+      "set_matmul_mode",
+      [](const std::string& mode) -> std::string {
+        using fluxlike_native::MatmulMode;
+        static const char* names[] = {"auto", "primitive", "gemm"};
+        int i = 0;
+        while (i < 3 && mode != names[i]) {
+          ++i;
+        }
+        FLN_CHECK(i < 3, "fluxlike_native.set_matmul_mode: mode must be 'auto', 'primitive' "
+                  "or 'gemm', got '", mode, "'");
+        return names[static_cast<int>(fluxlike_native::set_matmul_mode(MatmulMode(i)))];
+      },
+      "mode"_a,
+      R"(How unbatched float32 products run, process-wide; returns the old mode. 'auto' (the
+default): on oneDNN's GEMM without a primitive where the float32 matmul primitive is that GEMM
+anyway (below AVX-512), else a cached primitive per shape; 'primitive': always a cached
+primitive per shape; 'gemm': always the GEMM (for tests and benchmarks).)");
+  m.def("direct_gemm", &fluxlike_native::direct_gemm_in_use,
+        "Whether unbatched float32 products run on oneDNN's GEMM without a primitive now.");
+  m.def("primitive_is_jit_gemm", &fluxlike_native::primitive_is_jit_gemm,
+        "Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU.");
+
+  m.def(
       "plain_linear",
       [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
          bool relu) -> std::optional<mx::array> {

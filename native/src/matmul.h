@@ -22,6 +22,18 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
                  bool batched, bool native_bf16, mx::StreamOrDevice s = {});
 
+// How unbatched float32 products run (tests and benchmarks switch it; process-wide):
+// Auto: on oneDNN's GEMM without a primitive where the float32 matmul primitive is that GEMM
+// anyway (below AVX-512), else on a cached primitive per shape; Primitive: always a cached
+// primitive per shape; Gemm: always the GEMM without a primitive.
+enum class MatmulMode { Auto = 0, Primitive = 1, Gemm = 2 };
+MatmulMode set_matmul_mode(MatmulMode mode);  // returns the old mode
+MatmulMode matmul_mode();
+// Whether unbatched float32 products run on the GEMM without a primitive now.
+bool direct_gemm_in_use();
+// Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU (probed once).
+bool primitive_is_jit_gemm();
+
 class Matmul : public mx::UnaryPrimitive {
  public:
   Matmul(
