@@ -122,7 +122,8 @@ std::shared_ptr<const Prepared> lookup(
     const dnnl::memory::dims& dst_dims,
     mx::Dtype in_dt,
     mx::Dtype out_dt,
-    std::optional<mx::Dtype> bias_dt) {
+    std::optional<mx::Dtype> bias_dt,
+    bool defer_first = false) {
   CacheKey key;
   key.reserve(8 + 5 * a.dims.size());
   key.push_back(static_cast<int64_t>(in_dt.val()));
@@ -152,7 +153,7 @@ std::shared_ptr<const Prepared> lookup(
     // (Without a bias, its description is empty and no buffer is passed for it.)
     return std::make_shared<const Prepared>(
         prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_BIAS, DNNL_ARG_DST}));
-  });
+  }, defer_first);
 }
 
 // ---- float32 products on oneDNN's GEMM, without a primitive ----------------------------------
@@ -203,6 +204,8 @@ Lead lead(const View& v) {
 // dst (M x N, row-major) = a @ b (+ bias), a (M x K) and b (K x N) as `lead` reads them.
 void direct_gemm(const float* a, Lead la, const float* b, Lead lb, const float* bias,
                  float* dst, int64_t m, int64_t n, int64_t k) {
+  // (The thread count as the primitive's: the GEMM splits K among threads for few rows and
+  // columns, so one thread would change the sum's order, e.g. at 5x2048x64.)
   auto status = dnnl_sgemm(la.trans, lb.trans, m, n, k, 1.0f, a, la.ld, b, lb.ld, 0.0f, dst, n);
   if (status != dnnl_success) {
     throw std::runtime_error(std::string(FN) + ": oneDNN's GEMM failed (status " +
@@ -251,9 +254,16 @@ MatmulMode matmul_mode() {
   return static_cast<MatmulMode>(g_mode.load());
 }
 
-bool direct_gemm_in_use() {
+MatmulMode effective_mode() {
   auto mode = matmul_mode();
-  return mode == MatmulMode::Gemm || (mode == MatmulMode::Auto && primitive_is_jit_gemm());
+  if (mode != MatmulMode::Auto) {
+    return mode;
+  }
+  return primitive_is_jit_gemm() ? MatmulMode::Gemm : MatmulMode::Reused;
+}
+
+bool direct_gemm_in_use() {
+  return effective_mode() == MatmulMode::Gemm;
 }
 
 mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
@@ -355,10 +365,20 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.set_output_array(out);
   void* pbias = has_bias_ ? const_cast<void*>(bias.data<void>()) : nullptr;
 
+  // Unbatched float32: oneDNN's GEMM without a primitive (see direct_gemm), always, or for a
+  // shape's first use (Reused: its primitive is made from its second use).
+  std::shared_ptr<const Prepared> entry;
+  Lead la, lb;
   if (!batched_ && a.dtype() == mx::float32 && out.dtype() == mx::float32 &&
-      (!has_bias_ || bias.dtype() == mx::float32) && direct_gemm_in_use()) {
-    Lead la = lead(va), lb = lead(vb);
-    if (la.trans != 0 && lb.trans != 0) {
+      (!has_bias_ || bias.dtype() == mx::float32)) {
+    la = lead(va);
+    lb = lead(vb);
+    auto mode = effective_mode();
+    if (mode == MatmulMode::Reused && la.trans != 0 && lb.trans != 0) {
+      entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt, /*defer_first=*/true);
+    }
+    if ((mode == MatmulMode::Gemm || (mode == MatmulMode::Reused && !entry)) &&
+        la.trans != 0 && lb.trans != 0) {
       encoder.dispatch([pa = a.data<float>(), la, pb = b.data<float>(), lb,
                         pbias = static_cast<const float*>(pbias), pdst = out.data<float>(),
                         m = dst_dims[0], n = dst_dims[1], k = va.dims[1], relu = relu_]() {
@@ -370,7 +390,9 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       return;
     }
   }
-  auto entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt);
+  if (!entry) {
+    entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt);
+  }
   encoder.dispatch([entry,
                     pa = const_cast<void*>(a.data<void>()),
                     pb = const_cast<void*>(b.data<void>()),
