@@ -135,13 +135,15 @@ def main() -> None:
     variants = ["auto", "off"] + (["primitive"] if args.per_shape else [])
     for name, make, ls in loops:
         steps = {v: make() for v in variants}
-        # interleaved: a chunk of 8 lengths with each variant in turn
+        # interleaved: a chunk of 8 lengths with each variant in turn, the order rotated
+        # from chunk to chunk (the first to meet a length also warms MLX's buffer cache)
         results: dict[str, list] = {f"{v} {phase}": [] for phase in ("first", "steady")
                                     for v in variants}
         for phase in ("first", "steady"):
             for i in range(0, len(ls), 8):
                 chunk = ls[i:i + 8]
-                for v in variants:
+                turn = (i // 8) % len(variants)
+                for v in variants[turn:] + variants[:turn]:
                     results[f"{v} {phase}"].append(run(steps[v], chunk, v))
         for key, parts in results.items():
             ms = statistics.median(p[0] for p in parts)
