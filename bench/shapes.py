@@ -9,7 +9,11 @@ call), each with the native kernels and with them off (``fluxlike.native.disable
 The first pass meets every length for the first time; the steady pass repeats them.
 Reported: ms per step (median), and the primitives created (``fluxlike.native.cache_info``).
 
-    .venv/bin/python bench/shapes.py [--lengths 120] [--max-length 512]
+    .venv/bin/python bench/shapes.py [--lengths 120] [--max-length 512] [--per-shape]
+
+Variants: ``auto`` (the companion as it ships), ``off`` (``fluxlike.native.disabled()``) and,
+with ``--per-shape``, ``primitive`` (the companion's matmul mode with a primitive per shape, as
+before 2026-12-04).
 """
 
 from __future__ import annotations
@@ -85,19 +89,27 @@ def mlp_gradient() -> Callable[[int], None]:
     return step
 
 
-def run(step: Callable[[int], None], lengths: list[int], off: bool) -> tuple[float, int]:
-    """Median ms per call over ``lengths``, and the primitives created meanwhile."""
+def run(step: Callable[[int], None], lengths: list[int], variant: str) -> tuple[float, int]:
+    """Median ms per call over ``lengths``, and the primitives created meanwhile, for the
+    variant ``"off"`` (fluxlike.native.disabled()) or a matmul mode of the companion
+    (``"auto"``; ``"primitive"``: a primitive per shape, as before 2026-12-04)."""
+    ext = native.switch.loaded
     before = creations()
     times = []
-    for length in lengths:
-        if off:
-            with native.disabled():
+    old = ext.set_matmul_mode(variant) if ext is not None and variant != "off" else None
+    try:
+        for length in lengths:
+            if variant == "off":
+                with native.disabled():
+                    start = time.perf_counter()
+                    step(length)
+            else:
                 start = time.perf_counter()
                 step(length)
-        else:
-            start = time.perf_counter()
-            step(length)
-        times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
+    finally:
+        if old is not None:
+            ext.set_matmul_mode(old)
     return statistics.median(times) * 1e3, creations() - before
 
 
@@ -106,32 +118,40 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, default=120, help="distinct training lengths")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=96, help="generation steps")
+    parser.add_argument("--per-shape", action="store_true",
+                        help="also the companion with a primitive per shape (matmul mode "
+                             "'primitive', as before 2026-12-04)")
     args = parser.parse_args()
     mx.set_cache_limit(1 << 30)
     rng = random.Random(0)
     lengths = rng.sample(range(1, args.max_length + 1), args.lengths)
     gen = list(range(1, args.tokens + 1))
     print(f"native: {native.native_info().reason}")
+    if native.switch.loaded is not None:
+        print(f"matmul mode: {native.switch.loaded.matmul_mode()}")
     rows = []
     loops = (("mlp f32 grad", mlp_gradient, lengths), ("lm bf16 train", trainer, lengths),
              ("generation", generator, gen))
+    variants = ["auto", "off"] + (["primitive"] if args.per_shape else [])
     for name, make, ls in loops:
-        native_step, off_step = make(), make()
-        # interleaved: each length with native, then off (a chunk of 8 lengths at a time)
-        results: dict[str, list] = {"native first": [], "off first": [],
-                                    "native steady": [], "off steady": []}
+        steps = {v: make() for v in variants}
+        # interleaved: a chunk of 8 lengths with each variant in turn, the order rotated
+        # from chunk to chunk (the first to meet a length also warms MLX's buffer cache)
+        results: dict[str, list] = {f"{v} {phase}": [] for phase in ("first", "steady")
+                                    for v in variants}
         for phase in ("first", "steady"):
             for i in range(0, len(ls), 8):
                 chunk = ls[i:i + 8]
-                results[f"native {phase}"].append(run(native_step, chunk, False))
-                results[f"off {phase}"].append(run(off_step, chunk, True))
+                turn = (i // 8) % len(variants)
+                for v in variants[turn:] + variants[:turn]:
+                    results[f"{v} {phase}"].append(run(steps[v], chunk, v))
         for key, parts in results.items():
             ms = statistics.median(p[0] for p in parts)
             made = sum(p[1] for p in parts)
             rows.append((name, key, ms, made))
-    print(f"\n{'loop':<14} {'variant':<15} {'ms/step (median)':>17} {'primitives made':>16}")
+    print(f"\n{'loop':<14} {'variant':<16} {'ms/step (median)':>17} {'primitives made':>16}")
     for name, key, ms, made in rows:
-        print(f"{name:<14} {key:<15} {ms:>17.2f} {made:>16}")
+        print(f"{name:<14} {key:<16} {ms:>17.2f} {made:>16}")
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ from .ops import (
 )
 
 __all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "available", "bfloat16_native",
-           "cache_info", "conv", "conv_transpose", "disabled", "linear", "matmul", "max_pool",
-           "native_info", "rmsprop_kernel", "softmax", "switch"]
+           "cache_info", "conv", "conv_transpose", "disabled", "linear", "matmul", "matmul_mode",
+           "max_pool", "native_info", "rmsprop_kernel", "softmax", "switch"]
+
+MATMUL_MODES = ("auto", "gemm", "reused", "primitive")
 
 
 _lock = threading.Lock()
@@ -131,3 +133,29 @@ def cache_info() -> dict | None:
     return dict(ext.cache_info()) if hasattr(ext, "cache_info") else {
         "matmul": ext.cache_size(), "conv": ext.conv_cache_size(),
         "pool": ext.pool_cache_size(), "softmax": ext.softmax_cache_size()}
+
+
+def matmul_mode(mode: str | None = None) -> str | None:
+    """How the companion's unbatched float32 products (linear layers, their gradients) run,
+    process-wide; sets it to ``mode`` if given. Returns the mode in effect (``"auto"``
+    resolved), ``None`` where the companion is not in use.
+
+    - ``"gemm"``: on oneDNN's GEMM without a primitive: nothing to create for a new row count;
+    - ``"reused"``: a shape's first use on that GEMM, a cached primitive from its second use;
+    - ``"primitive"``: a cached primitive per shape from its first use (before 2026-12-04);
+    - ``"auto"`` (the default): ``"gemm"`` where oneDNN's float32 matmul primitive is that GEMM
+      anyway (below AVX-512: the same results bit for bit), else ``"reused"``.
+
+    >>> from fluxlike import native
+    >>> native.matmul_mode() in (None, "gemm", "reused")
+    True
+    """
+    if mode is not None and mode not in MATMUL_MODES:
+        raise ValueError(f"fluxlike.native.matmul_mode: mode must be one of {MATMUL_MODES} or "
+                         f"None (to read it), got {mode!r}")
+    ext = switch.loaded
+    if ext is None:
+        return None
+    if mode is not None:
+        ext.set_matmul_mode(mode)
+    return str(ext.matmul_mode())

@@ -139,6 +139,37 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
       R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h).)");
 
   m.def(
+      "set_matmul_mode",
+      [](const std::string& mode) -> std::string {
+        using fluxlike_native::MatmulMode;
+        static const char* names[] = {"auto", "primitive", "gemm", "reused"};
+        int i = 0;
+        while (i < 4 && mode != names[i]) {
+          ++i;
+        }
+        FLN_CHECK(i < 4, "fluxlike_native.set_matmul_mode: mode must be 'auto', 'primitive', "
+                  "'gemm' or 'reused', got '", mode, "'");
+        return names[static_cast<int>(fluxlike_native::set_matmul_mode(MatmulMode(i)))];
+      },
+      "mode"_a,
+      R"(How unbatched float32 products run, process-wide; returns the old mode. 'gemm': on
+oneDNN's GEMM without a primitive, any row count; 'reused': a shape's first use on that GEMM,
+a cached primitive from its second; 'primitive': a cached primitive per shape from its first
+use; 'auto' (the default): 'gemm' where the float32 matmul primitive is that GEMM anyway
+(below AVX-512), else 'reused' (see matmul.h).)");
+  m.def(
+      "matmul_mode",
+      []() -> std::string {
+        static const char* names[] = {"auto", "primitive", "gemm", "reused"};
+        return names[static_cast<int>(fluxlike_native::effective_mode())];
+      },
+      "The mode unbatched float32 products run in now ('auto' resolved).");
+  m.def("direct_gemm", &fluxlike_native::direct_gemm_in_use,
+        "Whether unbatched float32 products run on oneDNN's GEMM without a primitive now.");
+  m.def("primitive_is_jit_gemm", &fluxlike_native::primitive_is_jit_gemm,
+        "Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU.");
+
+  m.def(
       "plain_linear",
       [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
          bool relu) -> std::optional<mx::array> {

@@ -2,6 +2,7 @@
 
 #include "cache.h"
 
+#include <algorithm>
 #include <map>
 
 namespace fluxlike_native {
@@ -87,6 +88,18 @@ void PrimitiveCache::evict(std::vector<std::shared_ptr<const Prepared>>& dropped
   }
 }
 
+bool PrimitiveCache::missed_before(const CacheKey& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (missed_.count(key) != 0) {
+    return true;
+  }
+  if (missed_.size() >= std::max<size_t>(capacity_, 1)) {
+    missed_.clear();  // bounded: a sweep over many shapes forgets them all
+  }
+  missed_.insert(key);
+  return false;
+}
+
 size_t PrimitiveCache::set_capacity(size_t capacity) {
   std::vector<std::shared_ptr<const Prepared>> dropped;
   std::lock_guard<std::mutex> lock(mutex_);
@@ -100,6 +113,7 @@ void PrimitiveCache::clear() {
   Lru dropped;
   std::lock_guard<std::mutex> lock(mutex_);
   index_.clear();
+  missed_.clear();
   dropped.swap(lru_);
   counts_ = {};
 }

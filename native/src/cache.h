@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -38,7 +39,8 @@ struct CacheKeyHash {
 struct CacheCounts {
   uint64_t size = 0;       // entries held
   uint64_t hits = 0;       // lookups that found their entry
-  uint64_t misses = 0;     // lookups that did not (each then creates a primitive)
+  uint64_t misses = 0;     // lookups that did not (each then creates a primitive, unless
+                           // deferred: see cached())
   uint64_t creations = 0;  // primitives created (a thread that lost a race counts too)
   uint64_t evictions = 0;  // entries dropped to keep within the capacity
   uint64_t create_ns = 0;  // time spent creating primitives
@@ -66,6 +68,10 @@ class PrimitiveCache {
   std::shared_ptr<const Prepared> insert(Op op, CacheKey key,
                                          std::shared_ptr<const Prepared> made, uint64_t ns);
 
+  // Whether `key` missed before (since the last clear); remembers it if not. At most
+  // `capacity` keys are remembered (all forgotten when more come). A miss is not counted.
+  bool missed_before(const CacheKey& key);
+
   // Sets the capacity (0: nothing is kept), evicting down to it; returns the old one.
   size_t set_capacity(size_t capacity);
   // Drops every entry and zeroes the counts (as functools.lru_cache's cache_clear).
@@ -91,6 +97,7 @@ class PrimitiveCache {
   std::mutex mutex_;
   Lru lru_;
   std::unordered_map<CacheKey, Lru::iterator, CacheKeyHash> index_;
+  std::unordered_set<CacheKey, CacheKeyHash> missed_;
   std::array<CacheCounts, OP_COUNT> counts_{};
 };
 
@@ -99,14 +106,18 @@ PrimitiveCache& primitive_cache();
 
 // The cached primitive of `op` for `key`, or the one `create()` makes (a shared_ptr to a
 // Prepared or a struct derived from it), timed and stored. oneDNN's refusal becomes
-// "<fn>: oneDNN has no <what> for these operands (...)".
+// "<fn>: oneDNN has no <what> for these operands (...)". With `defer_first`, nullptr the
+// first time `key` is missed (the caller computes that call another way, see matmul.cpp).
 template <class T, class Create>
 std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char* what,
-                                Create&& create) {
+                                Create&& create, bool defer_first = false) {
   auto& cache = primitive_cache();
   key.insert(key.begin(), static_cast<int64_t>(op));  // one map for all ops
   if (auto hit = cache.find(op, key)) {
     return std::static_pointer_cast<const T>(hit);
+  }
+  if (defer_first && !cache.missed_before(key)) {
+    return nullptr;
   }
   auto start = std::chrono::steady_clock::now();
   std::shared_ptr<const T> made;

@@ -10,9 +10,11 @@
 #include "matmul.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
+#include <string>
 
 #include "cache.h"
 #include "common.h"
@@ -120,7 +122,8 @@ std::shared_ptr<const Prepared> lookup(
     const dnnl::memory::dims& dst_dims,
     mx::Dtype in_dt,
     mx::Dtype out_dt,
-    std::optional<mx::Dtype> bias_dt) {
+    std::optional<mx::Dtype> bias_dt,
+    bool defer_first = false) {
   CacheKey key;
   key.reserve(8 + 5 * a.dims.size());
   key.push_back(static_cast<int64_t>(in_dt.val()));
@@ -150,7 +153,72 @@ std::shared_ptr<const Prepared> lookup(
     // (Without a bias, its description is empty and no buffer is passed for it.)
     return std::make_shared<const Prepared>(
         prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_BIAS, DNNL_ARG_DST}));
-  });
+  }, defer_first);
+}
+
+// ---- float32 products on oneDNN's GEMM, without a primitive ----------------------------------
+//
+// Where oneDNN's float32 matmul primitive is its jit GEMM anyway (`gemm:jit:f32`: oneDNN 3.2
+// below AVX-512, e.g. on AVX2), an unbatched float32 product calls that GEMM directly
+// (dnnl_sgemm): the same kernel, the same results bit for bit (tests/native/test_shapes.py),
+// but no primitive to create for a new row count (0.2-0.6 ms each) and less work per call
+// (2.8 against 14 us at 4x64x128; bench/results/2026-12-04-shapes.md). The bias is added after
+// the product, as the primitive adds it (adding it first, as beta = 1 on a bias-filled
+// output, changes the sum's order once K is blocked).
+
+std::atomic<int> g_mode{static_cast<int>(MatmulMode::Auto)};
+
+bool probe_jit_gemm() {
+  static const bool jit = [] {
+    dnnl::memory::desc a({64, 64}, dnnl::memory::data_type::f32, dnnl::memory::dims{64, 1});
+    dnnl::memory::desc b({64, 64}, dnnl::memory::data_type::f32, dnnl::memory::dims{1, 64});
+    dnnl::memory::desc c({64, 64}, dnnl::memory::data_type::f32, dnnl::memory::dims{64, 1});
+    try {
+      dnnl::matmul::primitive_desc pd(engine(), a, b, c, user_scratchpad());
+      return std::string(pd.impl_info_str()).rfind("gemm:jit", 0) == 0;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return jit;
+}
+
+// How dnnl_sgemm (row-major) reads a 2-D view: 'N' with leading dimension ld for row-major,
+// 'T' for column-major; trans 0 where it cannot.
+struct Lead {
+  char trans = 0;
+  int64_t ld = 0;
+};
+
+Lead lead(const View& v) {
+  int64_t r = v.dims[0], c = v.dims[1], s0 = v.strides[0], s1 = v.strides[1];
+  if ((c == 1 || s1 == 1) && (r == 1 || s0 >= c)) {
+    return {'N', r == 1 ? std::max<int64_t>(c, 1) : s0};
+  }
+  if ((r == 1 || s0 == 1) && (c == 1 || s1 >= r)) {
+    return {'T', c == 1 ? std::max<int64_t>(r, 1) : s1};
+  }
+  return {};
+}
+
+// dst (M x N, row-major) = a @ b (+ bias), a (M x K) and b (K x N) as `lead` reads them.
+void direct_gemm(const float* a, Lead la, const float* b, Lead lb, const float* bias,
+                 float* dst, int64_t m, int64_t n, int64_t k) {
+  // (The thread count as the primitive's: the GEMM splits K among threads for few rows and
+  // columns, so one thread would change the sum's order, e.g. at 5x2048x64.)
+  auto status = dnnl_sgemm(la.trans, lb.trans, m, n, k, 1.0f, a, la.ld, b, lb.ld, 0.0f, dst, n);
+  if (status != dnnl_success) {
+    throw std::runtime_error(std::string(FN) + ": oneDNN's GEMM failed (status " +
+                             std::to_string(static_cast<int>(status)) + ")");
+  }
+  if (bias != nullptr) {
+    for (int64_t i = 0; i < m; ++i) {
+      float* row = dst + i * n;
+      for (int64_t j = 0; j < n; ++j) {
+        row[j] += bias[j];
+      }
+    }
+  }
 }
 
 mx::array reduce_to(const mx::array& x, const mx::Shape& shape, mx::StreamOrDevice s) {
@@ -173,6 +241,30 @@ mx::array swap_last(const mx::array& x, bool t, mx::StreamOrDevice s) {
 }
 
 } // namespace
+
+MatmulMode set_matmul_mode(MatmulMode mode) {
+  return static_cast<MatmulMode>(g_mode.exchange(static_cast<int>(mode)));
+}
+
+bool primitive_is_jit_gemm() {
+  return probe_jit_gemm();
+}
+
+MatmulMode matmul_mode() {
+  return static_cast<MatmulMode>(g_mode.load());
+}
+
+MatmulMode effective_mode() {
+  auto mode = matmul_mode();
+  if (mode != MatmulMode::Auto) {
+    return mode;
+  }
+  return primitive_is_jit_gemm() ? MatmulMode::Gemm : MatmulMode::Reused;
+}
+
+bool direct_gemm_in_use() {
+  return effective_mode() == MatmulMode::Gemm;
+}
 
 mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
@@ -267,13 +359,40 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   if (has_bias_) {
     bias_dt = inputs[2].dtype();
   }
-  auto entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt);
-
   for (auto& in : inputs) {
     encoder.set_input_array(in);
   }
   encoder.set_output_array(out);
   void* pbias = has_bias_ ? const_cast<void*>(bias.data<void>()) : nullptr;
+
+  // Unbatched float32: oneDNN's GEMM without a primitive (see direct_gemm), always, or for a
+  // shape's first use (Reused: its primitive is made from its second use).
+  std::shared_ptr<const Prepared> entry;
+  Lead la, lb;
+  if (!batched_ && a.dtype() == mx::float32 && out.dtype() == mx::float32 &&
+      (!has_bias_ || bias.dtype() == mx::float32)) {
+    la = lead(va);
+    lb = lead(vb);
+    auto mode = effective_mode();
+    if (mode == MatmulMode::Reused && la.trans != 0 && lb.trans != 0) {
+      entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt, /*defer_first=*/true);
+    }
+    if ((mode == MatmulMode::Gemm || (mode == MatmulMode::Reused && !entry)) &&
+        la.trans != 0 && lb.trans != 0) {
+      encoder.dispatch([pa = a.data<float>(), la, pb = b.data<float>(), lb,
+                        pbias = static_cast<const float*>(pbias), pdst = out.data<float>(),
+                        m = dst_dims[0], n = dst_dims[1], k = va.dims[1], relu = relu_]() {
+        direct_gemm(pa, la, pb, lb, pbias, pdst, m, n, k);
+        if (relu) {
+          relu_keeping_nan(pdst, static_cast<size_t>(m * n), false);
+        }
+      });
+      return;
+    }
+  }
+  if (!entry) {
+    entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt);
+  }
   encoder.dispatch([entry,
                     pa = const_cast<void*>(a.data<void>()),
                     pb = const_cast<void*>(b.data<void>()),

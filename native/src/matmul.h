@@ -22,6 +22,23 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
                  bool batched, bool native_bf16, mx::StreamOrDevice s = {});
 
+// How unbatched float32 products run (process-wide; tests and benchmarks switch it):
+// - Gemm: on oneDNN's GEMM (dnnl_sgemm) without a primitive, for any row count;
+// - Reused: a shape's first use on that GEMM, a cached primitive from its second use on
+//   (a shape seen once creates nothing; one that comes back gets the primitive's kernel);
+// - Primitive: a cached primitive per shape from its first use (as before 2026-12-04);
+// - Auto (the default): Gemm where the float32 matmul primitive is that GEMM anyway
+//   (`gemm:jit:f32`: oneDNN 3.2 below AVX-512), else Reused (brgemm primitives).
+enum class MatmulMode { Auto = 0, Primitive = 1, Gemm = 2, Reused = 3 };
+MatmulMode set_matmul_mode(MatmulMode mode);  // returns the old mode
+MatmulMode matmul_mode();
+// The mode Auto stands for here (or the mode set).
+MatmulMode effective_mode();
+// Whether unbatched float32 products run on the GEMM without a primitive now (Gemm).
+bool direct_gemm_in_use();
+// Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU (probed once).
+bool primitive_is_jit_gemm();
+
 class Matmul : public mx::UnaryPrimitive {
  public:
   Matmul(

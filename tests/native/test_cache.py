@@ -21,12 +21,15 @@ OPS = {"matmul", "conv", "softmax", "max_pool"}
 
 @pytest.fixture(autouse=True)
 def _fresh_cache() -> Iterator[None]:
-    """Each test starts from an empty cache with zeroed counts, and leaves the capacity as
-    it found it."""
+    """Each test starts from an empty cache with zeroed counts, its float32 matmuls on cached
+    primitives (not on oneDNN's GEMM without one, as below AVX-512), and leaves the capacity
+    and that mode as it found them."""
     capacity = _ext.set_cache_capacity(4096)
+    mode = _ext.set_matmul_mode("primitive")
     _ext.clear_cache()
     yield
     _ext.set_cache_capacity(capacity)
+    _ext.set_matmul_mode(mode)
     _ext.clear_cache()
 
 

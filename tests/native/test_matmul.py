@@ -16,6 +16,8 @@ as if it were absent: ``FLUXLIKE_NATIVE=0 python -m pytest -q tests/native``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -410,6 +412,14 @@ def test_from_several_threads():
 def test_primitives_are_cached_by_shape_dtype_and_layout():
     from fluxlike_native import _ext
 
+    mode = _ext.set_matmul_mode("primitive")  # (not oneDNN's GEMM without one: AVX2)
+    try:
+        _primitives_are_cached_by_shape_dtype_and_layout(_ext)
+    finally:
+        _ext.set_matmul_mode(mode)
+
+
+def _primitives_are_cached_by_shape_dtype_and_layout(_ext: Any) -> None:
     _ext.clear_cache()
     x, w = rand((11, 13)), rand((17, 13))
     mx.eval(native.linear(x, w))

@@ -1,0 +1,211 @@
+"""Products whose row count varies (issue 27): the matmul modes of native/src/matmul.h.
+
+- ``gemm``: unbatched float32 products on oneDNN's GEMM without a primitive: no primitive for
+  any row count, bit for bit what the primitive computes where that primitive is the same
+  GEMM (``gemm:jit:f32``, below AVX-512); elsewhere within float32's rounding.
+- ``reused``: a shape's first use on that GEMM, its primitive from the second use.
+- ``primitive``: a primitive per shape from its first use (the behaviour before).
+- ``auto``: ``gemm`` where the primitive is the jit GEMM anyway, else ``reused``.
+
+Calls fluxlike_native._ext directly; wall-clock time is measured in bench/shapes.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+if os.environ.get("FLUXLIKE_NATIVE", "").strip().lower() in {"0", "off", "no", "false", "none"}:
+    pytest.skip("FLUXLIKE_NATIVE disables the native kernels", allow_module_level=True)
+_ext = pytest.importorskip("fluxlike_native._ext")
+
+MODES = ("auto", "primitive", "gemm", "reused")
+# Where the primitive is not the jit GEMM (brgemm on AVX-512), the two kernels sum in another
+# order: float32 rounding of a K-term sum, relative to the sum of |terms|.
+RTOL = 1e-5
+SHAPES = [(1, 1, 1), (1, 64, 128), (2, 64, 128), (3, 7, 5), (7, 128, 512), (64, 4096, 8),
+          (4, 4096, 4), (33, 128, 512), (256, 512, 128), (1000, 128, 300), (5, 2048, 64)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    """Each test starts from an empty cache in mode ``auto`` and leaves mode and capacity as
+    it found them."""
+    mode = _ext.set_matmul_mode("auto")
+    capacity = _ext.set_cache_capacity(4096)
+    _ext.clear_cache()
+    yield
+    _ext.set_matmul_mode(mode)
+    _ext.set_cache_capacity(capacity)
+    _ext.clear_cache()
+
+
+def linear(x: mx.array, w: mx.array, b: mx.array | None = None, relu: bool = False) -> mx.array:
+    return _ext.matmul(x, w, b, False, True, relu, None, False, False)
+
+
+def results(mode: str, x: mx.array, w: mx.array, b: mx.array | None, relu: bool,
+            g: mx.array) -> list[np.ndarray]:
+    """The product, its two gradients (dx: rows again, dW: a product over the rows) and the
+    product of a column-major x, computed in ``mode``."""
+    _ext.set_matmul_mode(mode)
+
+    def loss(x: mx.array, w: mx.array) -> mx.array:
+        return (linear(x, w, b, relu) * g).sum()
+
+    y = linear(x, w, b, relu)
+    dx, dw = mx.grad(loss, argnums=(0, 1))(x, w)
+    x_cols = mx.array(np.asfortranarray(np.array(x)))
+    y_cols = linear(x_cols, w, b, relu)
+    mx.eval(y, dx, dw, y_cols)
+    return [np.array(t) for t in (y, dx, dw, y_cols)]
+
+
+def same(got: np.ndarray, want: np.ndarray, scale: np.ndarray | float) -> None:
+    """Bit for bit where the primitive is oneDNN's jit GEMM; else within :data:`RTOL`."""
+    if _ext.primitive_is_jit_gemm():
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=RTOL * np.max(scale) + 1e-30)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_computes_what_the_primitive_computes(shape):
+    m, k, n = shape
+    x, w = mx.random.normal((m, k)), mx.random.normal((n, k))
+    b, g = mx.random.normal((n,)), mx.random.normal((m, n))
+    for bias in (None, b):
+        for relu in (False, True):
+            want = results("primitive", x, w, bias, relu, g)
+            got = results("gemm", x, w, bias, relu, g)
+            scale = np.abs(np.array(x)) @ np.abs(np.array(w)).T  # sum of |terms| per output
+            for name, p, q in zip(("y", "dx", "dw", "y_cols"), want, got, strict=True):
+                if name == "y" or name == "y_cols":
+                    same(q, p, scale)
+                else:
+                    np.testing.assert_allclose(q, p, rtol=RTOL, atol=RTOL * np.abs(p).max())
+                    if _ext.primitive_is_jit_gemm():
+                        np.testing.assert_array_equal(q, p, err_msg=name)
+
+
+def test_gemm_creates_no_primitive_for_any_row_count():
+    _ext.set_matmul_mode("gemm")
+    w, b = mx.random.normal((48, 32)), mx.random.normal((48,))
+    x = mx.random.normal((300, 32))
+    for m in (1, 2, 5, 17, 64, 100, 255, 300):
+        y = linear(x[:m], w, b, True)
+        g = mx.grad(lambda x, w: linear(x, w, b, True).sum(), argnums=(0, 1))(x[:m], w)
+        mx.eval(y, g)
+        ref = np.maximum(np.array(x[:m]) @ np.array(w).T + np.array(b), 0)
+        np.testing.assert_allclose(np.array(y), ref, rtol=1e-5, atol=1e-5)
+    info = _ext.cache_info()["ops"]["matmul"]
+    assert info["creations"] == 0 and info["size"] == 0 and info["misses"] == 0
+
+
+def test_rows_agree_across_row_counts():
+    """A row's result in a product of m rows against the same row in a product of 300: within
+    float32's rounding (not bit for bit: oneDNN's jit GEMM computes the rows past the last
+    full block of its kernel, 6 rows on AVX2, with a tail kernel; so did the primitive per
+    shape before, bench/results/2026-12-04-shapes.md)."""
+    w = mx.random.normal((96, 80))
+    x = mx.random.normal((300, 80))
+    for mode in ("gemm", "primitive"):
+        _ext.set_matmul_mode(mode)
+        full = np.array(linear(x, w))
+        scale = np.abs(np.array(x)) @ np.abs(np.array(w)).T
+        for m in (1, 2, 3, 7, 8, 31, 32, 128, 299):
+            part = np.array(linear(x[:m], w))
+            np.testing.assert_allclose(part, full[:m], rtol=0, atol=RTOL * scale[:m].max())
+
+
+def test_reused_creates_a_primitive_from_a_shapes_second_use():
+    _ext.set_matmul_mode("reused")
+    assert _ext.matmul_mode() == "reused"
+    x, w = mx.random.normal((9, 16)), mx.random.normal((8, 16))
+    ys = [np.array(linear(x, w)) for _ in range(3)]
+    info = _ext.cache_info()["ops"]["matmul"]
+    # the first call missed and ran the GEMM; the second missed again and made the
+    # primitive; the third found it
+    assert (info["misses"], info["creations"], info["hits"], info["size"]) == (2, 1, 1, 1)
+    scale = np.abs(np.array(x)) @ np.abs(np.array(w)).T
+    same(ys[0], ys[1], scale)
+    np.testing.assert_array_equal(ys[1], ys[2])
+    for m in range(1, 9):  # each row count seen once: nothing made
+        mx.eval(linear(x[:m], w))
+    assert _ext.cache_info()["ops"]["matmul"]["creations"] == 1
+
+
+def test_reused_under_a_tiny_cache_stays_right_and_bounded():
+    _ext.set_matmul_mode("reused")
+    _ext.set_cache_capacity(2)
+    w = mx.random.normal((8, 16))
+    x = mx.random.normal((40, 16))
+    ref = np.array(x) @ np.array(w).T
+    for _ in range(3):
+        for m in range(1, 40, 3):
+            np.testing.assert_allclose(np.array(linear(x[:m], w)), ref[:m], rtol=1e-5, atol=1e-5)
+    info = _ext.cache_info()["ops"]["matmul"]
+    assert info["size"] <= 2 and info["evictions"] == max(0, info["creations"] - 2)
+
+
+def test_auto_is_gemm_below_avx512_else_reused():
+    want = "gemm" if _ext.primitive_is_jit_gemm() else "reused"
+    assert _ext.matmul_mode() == want
+    assert _ext.direct_gemm() == (want == "gemm")
+
+
+def test_set_matmul_mode_returns_the_old_and_names_the_choices():
+    assert _ext.set_matmul_mode("gemm") == "auto"
+    assert _ext.set_matmul_mode("primitive") == "gemm"
+    with pytest.raises(ValueError, match="set_matmul_mode: mode must be 'auto', 'primitive', "
+                       "'gemm' or 'reused', got 'fast'"):
+        _ext.set_matmul_mode("fast")
+    assert _ext.matmul_mode() == "primitive"
+
+
+@pytest.mark.parametrize("mode", ["gemm", "reused"])
+def test_threads_building_and_evaluating_at_once(mode):
+    """Six threads, each its own row counts and one shared, started together: right results
+    (the GEMM keeps no state between calls; reused mode races to create the shared one)."""
+    _ext.set_matmul_mode(mode)
+    _ext.set_cache_capacity(3)
+    w = mx.random.normal((24, 40))
+    x = mx.random.normal((64, 40))
+    mx.eval(w, x)
+    ref = np.array(x) @ np.array(w).T
+    start = threading.Barrier(6)
+    failures: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(4):
+                start.wait()
+                for m in (64, 10 + k, 30 + k):
+                    y = np.array(linear(x[:m], w))
+                    np.testing.assert_allclose(y, ref[:m], rtol=1e-5, atol=1e-5)
+        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
+            failures.append(error)
+            start.abort()
+
+    pool = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not failures, failures
+
+
+def test_fluxlike_native_matmul_mode_sets_and_reads():
+    from fluxlike import native
+
+    assert native.matmul_mode() == _ext.matmul_mode()
+    assert native.matmul_mode("primitive") == "primitive"
+    assert native.matmul_mode() == "primitive"
+    with pytest.raises(ValueError, match=r"matmul_mode: mode must be one of .*got 'fast'"):
+        native.matmul_mode("fast")
+    assert native.matmul_mode("auto") in ("gemm", "reused")
