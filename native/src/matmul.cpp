@@ -204,8 +204,11 @@ Lead lead(const View& v) {
 // dst (M x N, row-major) = a @ b (+ bias), a (M x K) and b (K x N) as `lead` reads them.
 void direct_gemm(const float* a, Lead la, const float* b, Lead lb, const float* bias,
                  float* dst, int64_t m, int64_t n, int64_t k) {
-  // (The thread count as the primitive's: the GEMM splits K among threads for few rows and
-  // columns, so one thread would change the sum's order, e.g. at 5x2048x64.)
+  // The thread count as the primitive's (one below the threshold, cpu.h): the GEMM splits K
+  // among threads for few rows and columns, so another count changes the sum's order (e.g. at
+  // 5x2048x64) and the results would differ from the primitive's.
+  double macs = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  OneThread one(macs < single_thread_macs());
   auto status = dnnl_sgemm(la.trans, lb.trans, m, n, k, 1.0f, a, la.ld, b, lb.ld, 0.0f, dst, n);
   if (status != dnnl_success) {
     throw std::runtime_error(std::string(FN) + ": oneDNN's GEMM failed (status " +
