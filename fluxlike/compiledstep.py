@@ -86,7 +86,10 @@ def _structure(model: nn.Module) -> tuple:
 
 
 def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtype | None,
-           where: str) -> Callable:
+           where: str, with_grads: bool) -> Callable:
+    """The step to trace. It returns only what the caller reads (each output of a compiled
+    function costs its call a little): not the new parameters (the captured model holds
+    them), the gradients only ``with_grads``."""
     optimizer, scale, parallel = opt_state.optimizer, opt_state.loss_scale, opt_state.distributed
     average = averager(opt_state)
 
@@ -103,30 +106,31 @@ def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtyp
                                                        keep=False)
         model.update(new_params)
         statistics = [v for _, _, new in fresh for v in new.values()]
-        return value, finite, grads, new_params, statistics, before, state_before
+        return value, finite, grads if with_grads else None, statistics, before, state_before
 
     return whole
 
 
 def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
-                  dtype: mx.Dtype | None, where: str) -> tuple | None:
+                  dtype: mx.Dtype | None, where: str, with_grads: bool = False) -> tuple | None:
     """The step through the compiled function for its key (traced first if new):
-    ``(loss, finite, grads, new parameters, new running statistics, the model's parameters
-    before, the optimiser state before)``, arrays not yet evaluated (a non-finite step is
-    taken: the caller undoes it); ``None`` when this optimiser cannot be captured (then
-    nothing has changed: take the step eagerly)."""
+    ``(loss, finite, grads (``None`` unless ``with_grads``), the new parameters (the model's
+    state: a tree to evaluate), new running statistics, the model's parameters before, the
+    optimiser state before)``, arrays not yet evaluated (a non-finite step is taken: the
+    caller undoes it); ``None`` when this optimiser cannot be captured (then nothing has
+    changed: take the step eagerly)."""
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     live = optimizer.state
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
     settings = (_settings(optimizer), _settings(scale))
     key = (_loss_key(loss), tuple(map(_batch_key, args)), dtype, precision_state.context.get(),
            _Same(optimizer), _Same(scale), id(live), id(scale.state), settings,
-           native.available(), _structure(model))
+           native.available(), with_grads, _structure(model))
     fn = compiled.whole.get(key)
     if fn is not None:
         out = fn(*args)  # one C++ call: the captured state is written all at once
         _sync_statistics(opt_state, model)
-        return out
+        return _with_parameters(out, model)
     if compiled.eager is not None or live is not optimizer.state:
         return None  # an optimiser that must run eagerly (see fluxlike.update)
     params = _trainable_parameters(model)[0]
@@ -138,7 +142,7 @@ def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptS
         compiled.initialised.add(signature)
     captured = [model.state, live, scale.state, mx.random.state]
     before = (model.parameters(), dict(tree_flatten(live)), dict(scale.state))
-    fn = mx.compile(_whole(loss, model, opt_state, dtype, where), inputs=captured,
+    fn = mx.compile(_whole(loss, model, opt_state, dtype, where, with_grads), inputs=captured,
                     outputs=captured)
     with uninterrupted():
         try:
@@ -156,7 +160,12 @@ def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptS
             del compiled.whole[next(iter(compiled.whole))]
         compiled.whole[key] = fn
     _sync_statistics(opt_state, model)
-    return out
+    return _with_parameters(out, model)
+
+
+def _with_parameters(out: tuple, model: nn.Module) -> tuple:
+    value, finite, grads, *rest = out
+    return value, finite, grads, model.state, *rest
 
 
 def _sync_statistics(opt_state: OptState, model: nn.Module) -> None:

@@ -101,11 +101,13 @@ def _reseed(key: Any) -> None:
 
 
 def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
-          dtype: mx.Dtype | None, compile: bool, where: str) -> tuple[float, bool, dict]:
+          dtype: mx.Dtype | None, compile: bool, where: str,
+          with_grads: bool = False) -> tuple[float, bool, dict | None]:
     """One step: ``(loss value, whether the step was taken, gradients)``, with one device
     read. A step whose loss or (unscaled) gradients are not finite is undone when that read
     shows it (rare): the arrays of before it are put back (kept, not copied: MLX arrays are
-    immutable), so the graph of every step carries no selections for it."""
+    immutable), so the graph of every step carries no selections for it. The gradients are
+    ``None`` from a compiled step unless ``with_grads``."""
     key = mx.random.state[0]  # type: ignore[index]  # MLX's stub lacks mx.random.state
     scale, optimizer = opt_state.loss_scale, opt_state.optimizer
     scale_before = dict(scale.state)  # a few scalars
@@ -116,7 +118,7 @@ def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
     guarded = INTERRUPTS.enter()
     try:
         if compile:
-            out = compiled_step(loss, model, args, opt_state, dtype, where)
+            out = compiled_step(loss, model, args, opt_state, dtype, where, with_grads)
         else:  # the same model and state as before: one walk, one gradient, one update
             out = eagerstep.step(loss, model, args, opt_state, dtype, where)
         if out is not None:
@@ -277,8 +279,8 @@ def trainstep_withgradient(
     dtype = _check_args(model, opt_state, autocast, where)
     _choose_scale(opt_state, loss_scale, dtype, where)
     value, _, grads = _step(loss, model, _batch_args(batch), opt_state, dtype, bool(compile),
-                            where)
-    return value, grads
+                            where, with_grads=True)
+    return value, cast(dict, grads)
 
 
 def train(
