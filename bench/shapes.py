@@ -10,6 +10,7 @@ The first pass meets every length for the first time; the steady pass repeats th
 Reported: ms per step (median), and the primitives created (``fluxlike.native.cache_info``).
 
     .venv/bin/python bench/shapes.py [--lengths 120] [--max-length 512] [--per-shape]
+    .venv/bin/python bench/shapes.py --first-calls 3     # first calls only, each against off
 
 Variants: ``auto`` (the companion as it ships), ``off`` (``fluxlike.native.disabled()``) and,
 with ``--per-shape``, ``primitive`` (the companion's matmul mode with a primitive per shape, as
@@ -19,6 +20,7 @@ before 2026-12-04).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -89,6 +91,68 @@ def mlp_gradient() -> Callable[[int], None]:
     return step
 
 
+def cnn_forward() -> Callable[[int], None]:
+    """A small CNN's inference on a new image size per call: Conv 3x3 3->16, ReLU, MaxPool 2,
+    Conv 3x3 16->32, ReLU on (2, size, size, 3)."""
+    mx.random.seed(3)
+    model = fluxlike.Chain(fluxlike.Conv((3, 3), 3, 16, fluxlike.relu),
+                           fluxlike.MaxPool((2, 2)), fluxlike.Conv((3, 3), 16, 32, fluxlike.relu))
+    mx.eval(model.parameters())
+
+    def step(size: int) -> None:
+        mx.eval(model(mx.random.normal((2, size, size, 3))))
+
+    return step
+
+
+def first_calls(rounds: int, max_length: int) -> None:
+    """Each call's time with the kernels on against off, first calls only: the companion's
+    cache is emptied before every round, and every length is new to it. A length runs three
+    times back to back, on, off and off again, in a rotating order (the first also warms
+    MLX's allocator); the ratio of the two off calls is the machine's noise floor."""
+    ext = native.switch.loaded
+    if ext is None:
+        print("first calls: the companion is not in use")
+        return
+    loops = (("mlp f32 grad", mlp_gradient, list(range(1, max_length + 1, 7))),
+             ("generation", generator, list(range(1, 65))),
+             ("cnn forward", cnn_forward, list(range(8, 40))))
+    print(f"\n{'loop (first calls)':<20} {'calls':>6} {'on/off: median':>15} {'p90':>5} "
+          f"{'> 1.10':>7} {'| off/off: p90':>15} {'> 1.10':>7} {'ms on':>6} {'ms off':>7}")
+    variants = ("on", "off", "off again")
+    for name, make, lengths in loops:
+        step = make()
+        step(lengths[0])  # warm: imports, the weights' casts
+        ratios: dict[str, list[float]] = {"on": [], "off again": []}
+        on_ms, off_ms = [], []
+        for r in range(rounds):
+            ext.clear_cache()
+            order = random.Random(r).sample(lengths, len(lengths))
+            for i, length in enumerate(order):
+                times = {}
+                turn = (i + r) % 3
+                for variant in variants[turn:] + variants[:turn]:
+                    with contextlib.nullcontext() if variant == "on" else native.disabled():
+                        start = time.perf_counter()
+                        step(length)
+                        times[variant] = time.perf_counter() - start
+                for key in ratios:
+                    ratios[key].append(times[key] / times["off"])
+                on_ms.append(times["on"] * 1e3)
+                off_ms.append(times["off"] * 1e3)
+        on, noise = sorted(ratios["on"]), sorted(ratios["off again"])
+
+        def p90(values: list[float]) -> float:
+            return values[int(0.9 * len(values))]
+
+        def over(values: list[float]) -> str:
+            return f"{sum(v > 1.10 for v in values) / len(values):.0%}"
+
+        print(f"{name:<20} {len(on):>6} {statistics.median(on):>15.2f} {p90(on):>5.2f} "
+              f"{over(on):>7} {p90(noise):>15.2f} {over(noise):>7} "
+              f"{statistics.median(on_ms):>6.2f} {statistics.median(off_ms):>7.2f}")
+
+
 def run(step: Callable[[int], None], lengths: list[int], variant: str) -> tuple[float, int]:
     """Median ms per call over ``lengths``, and the primitives created meanwhile, for the
     variant ``"off"`` (fluxlike.native.disabled()) or a matmul mode of the companion
@@ -121,8 +185,15 @@ def main() -> None:
     parser.add_argument("--per-shape", action="store_true",
                         help="also the companion with a primitive per shape (matmul mode "
                              "'primitive', as before 2026-12-04)")
+    parser.add_argument("--first-calls", type=int, metavar="ROUNDS", default=0,
+                        help="only first calls, each against the kernels off: ROUNDS rounds, "
+                             "the primitive cache emptied before each")
     args = parser.parse_args()
     mx.set_cache_limit(1 << 30)
+    if args.first_calls:
+        print(f"native: {native.native_info().reason}")
+        first_calls(args.first_calls, args.max_length)
+        return
     rng = random.Random(0)
     lengths = rng.sample(range(1, args.max_length + 1), args.lengths)
     gen = list(range(1, args.tokens + 1))

@@ -5,13 +5,16 @@
 #include "softmax.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
 
 #include "cache.h"
 #include "common.h"
+#include "matmul.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -21,7 +24,15 @@ namespace {
 
 const char* FN = "fluxlike_native.softmax";
 
+// A small shape's first use runs the loops below instead of a primitive: creating one (about
+// 0.2 ms on AVX2) costs more than such a softmax itself, and with a new length per call
+// (generation's scores grow by a column each token) every call would pay it. Its second use
+// creates the primitive (matmul_mode "primitive": from the first use, as before).
+constexpr int64_t FIRST_USE_LOOP_MAX_ELEMENTS = int64_t{1} << 16;
+
 std::shared_ptr<const Prepared> lookup(bool backward, int64_t rows, int64_t cols) {
+  bool defer_first = rows * cols <= FIRST_USE_LOOP_MAX_ELEMENTS &&
+      matmul_mode() != MatmulMode::Primitive;
   return cached<Prepared>(Op::Softmax, {backward, rows, cols}, FN, "softmax", [&] {
     auto& eng = engine();
     dnnl::memory::desc md({rows, cols}, dnnl::memory::data_type::f32, {cols, 1});
@@ -36,7 +47,45 @@ std::shared_ptr<const Prepared> lookup(bool backward, int64_t rows, int64_t cols
         eng, dnnl::algorithm::softmax_accurate, md, md, md, 1, fwd, attr);
     return std::make_shared<const Prepared>(
         prepare(bwd, {DNNL_ARG_DIFF_DST, DNNL_ARG_DST, DNNL_ARG_DIFF_SRC}));
-  });
+  }, defer_first);
+}
+
+// The primitive's algorithms as plain loops, float32 throughout, for a shape's first use:
+// softmax_accurate (the row's maximum subtracted first; std::exp, so within a few ulp of
+// oneDNN's exp) and its gradient y * (g - sum(g * y)). Rows that the primitive's caller sets
+// to NaN (nan_rows) are set here too.
+void softmax_loops(const float* x, float* y, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = x + r * cols;
+    float* out = y + r * cols;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < cols; ++j) {
+      top = std::max(top, in[j]);
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < cols; ++j) {
+      out[j] = std::exp(in[j] - top);
+      sum += out[j];
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      out[j] /= sum;
+    }
+  }
+}
+
+void softmax_grad_loops(const float* g, const float* y, float* dx, int64_t rows,
+                        int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gr = g + r * cols;
+    const float* yr = y + r * cols;
+    float dot = 0.0f;
+    for (int64_t j = 0; j < cols; ++j) {
+      dot += gr[j] * yr[j];
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      dx[r * cols + j] = yr[j] * (gr[j] - dot);
+    }
+  }
 }
 
 void check(const mx::array& x, const char* what) {
@@ -116,10 +165,19 @@ void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.dispatch([entry, backward = backward_, in0 = const_cast<void*>(inputs[0].data<void>()),
                     in1, dst = out.data<void>(), rows, cols]() {
     if (backward) {  // in0 = g (diff_dst), in1 = y (dst)
-      execute(*entry, {{DNNL_ARG_DIFF_DST, in0}, {DNNL_ARG_DST, in1}, {DNNL_ARG_DIFF_SRC, dst}},
-              FN);
+      if (entry) {
+        execute(*entry,
+                {{DNNL_ARG_DIFF_DST, in0}, {DNNL_ARG_DST, in1}, {DNNL_ARG_DIFF_SRC, dst}}, FN);
+      } else {
+        softmax_grad_loops(static_cast<const float*>(in0), static_cast<const float*>(in1),
+                           static_cast<float*>(dst), rows, cols);
+      }
     } else {
-      execute(*entry, {{DNNL_ARG_SRC, in0}, {DNNL_ARG_DST, dst}}, FN);
+      if (entry) {
+        execute(*entry, {{DNNL_ARG_SRC, in0}, {DNNL_ARG_DST, dst}}, FN);
+      } else {
+        softmax_loops(static_cast<const float*>(in0), static_cast<float*>(dst), rows, cols);
+      }
       nan_rows(in0, dst, rows, cols);
     }
   });

@@ -1,4 +1,5 @@
-"""Products whose row count varies (issue 27): the matmul modes of native/src/matmul.h.
+"""Shapes that vary (issue 27): the matmul modes of native/src/matmul.h, and softmax on a
+shape's first use.
 
 - ``gemm``: unbatched float32 products on oneDNN's GEMM without a primitive: no primitive for
   any row count, bit for bit what the primitive computes where that primitive is the same
@@ -6,6 +7,8 @@
 - ``reused``: a shape's first use on that GEMM, its primitive from the second use.
 - ``primitive``: a primitive per shape from its first use (the behaviour before).
 - ``auto``: ``gemm`` where the primitive is the jit GEMM anyway, else ``reused``.
+- softmax: a small shape's (2**16 entries at most) first use runs plain loops, its primitive
+  is made from the second use (in mode ``primitive``: from the first).
 
 Calls fluxlike_native._ext directly; wall-clock time is measured in bench/shapes.py.
 """
@@ -209,3 +212,48 @@ def test_fluxlike_native_matmul_mode_sets_and_reads():
     with pytest.raises(ValueError, match=r"matmul_mode: mode must be one of .*got 'fast'"):
         native.matmul_mode("fast")
     assert native.matmul_mode("auto") in ("gemm", "reused")
+
+
+# ---------------------------------------------------------------- softmax: a shape's first use
+
+def softmax_and_grad(x: mx.array, g: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    y, (dx,) = mx.vjp(lambda x: _ext.softmax(x), [x], [g])
+    return np.array(y[0]), np.array(dx)
+
+
+def test_a_small_softmax_shape_runs_without_a_primitive_on_its_first_use_then_makes_one():
+    # generation's scores grow by a column per token: a primitive per length (0.2 ms on AVX2)
+    # would cost more than each call's softmax
+    x, g = mx.random.normal((3, 4, 5, 17)) * 4, mx.random.normal((3, 4, 5, 17))
+    first = softmax_and_grad(x, g)
+    info = _ext.cache_info()["ops"]["softmax"]
+    assert (info["creations"], info["size"]) == (0, 0)  # forward and backward: the loops
+    second, third = softmax_and_grad(x, g), softmax_and_grad(x, g)
+    info = _ext.cache_info()["ops"]["softmax"]
+    assert (info["creations"], info["hits"], info["size"]) == (2, 2, 2)
+    want_y = np.array(mx.softmax(x, axis=-1, precise=True))
+    want_dx = want_y * (np.array(g) - (np.array(g) * want_y).sum(-1, keepdims=True))
+    for y, dx in (first, second):  # the loops and the primitive: float32's rounding apart
+        np.testing.assert_allclose(y, want_y, rtol=2e-6, atol=1e-7)
+        np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(second[0], third[0])
+
+
+def test_the_first_use_loops_give_nan_rows_as_the_primitive_does():
+    inf, nan = float("inf"), float("nan")
+    x = mx.array([[0.0, 1.0, 2.0], [nan, 0.0, 1.0], [inf, 0.0, 1.0], [-inf, -inf, -inf],
+                  [-inf, 0.0, 0.0]])
+    first = np.array(_ext.softmax(x))
+    assert _ext.cache_info()["ops"]["softmax"]["creations"] == 0
+    second = np.array(_ext.softmax(x))
+    np.testing.assert_array_equal(np.isnan(first), np.isnan(second))
+    assert np.isnan(first[1:4]).all() and not np.isnan(first[[0, 4]]).any()
+    np.testing.assert_allclose(first[[0, 4]], second[[0, 4]], rtol=2e-6)
+
+
+def test_a_large_softmax_shape_or_mode_primitive_makes_its_primitive_on_first_use():
+    mx.eval(_ext.softmax(mx.random.normal((300, 300))))  # above 2**16 entries
+    assert _ext.cache_info()["ops"]["softmax"]["creations"] == 1
+    _ext.set_matmul_mode("primitive")
+    mx.eval(_ext.softmax(mx.random.normal((2, 9))))
+    assert _ext.cache_info()["ops"]["softmax"]["creations"] == 2
