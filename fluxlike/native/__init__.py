@@ -142,7 +142,8 @@ def matmul_mode(mode: str | None = None) -> str | None:
 
     - ``"gemm"``: on oneDNN's GEMM without a primitive: nothing to create for a new row count;
     - ``"reused"``: a shape's first use on that GEMM, a cached primitive from its second use;
-    - ``"primitive"``: a cached primitive per shape from its first use (before 2026-12-04);
+    - ``"primitive"``: a cached primitive per shape from its first use (before 2026-12-04;
+      the softmax too, whose small shapes otherwise run plain loops on their first use);
     - ``"auto"`` (the default): ``"gemm"`` where oneDNN's float32 matmul primitive is that GEMM
       anyway (below AVX-512: the same results bit for bit), else ``"reused"``.
 
