@@ -17,6 +17,7 @@
 #include "cache.h"
 #include "common.h"
 #include "cpu.h"
+#include "matmul.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "order.h"
@@ -77,7 +78,8 @@ std::shared_ptr<const ConvPrepared> lookup(
     const mx::Shape& ws,
     const mx::Shape& ys,
     mx::Dtype dt,
-    std::optional<mx::Dtype> bias_dt) {
+    std::optional<mx::Dtype> bias_dt,
+    bool defer_first = false) {
   // (A fused ReLU runs after the kernel: one primitive serves both.)
   std::vector<int64_t> key{static_cast<int64_t>(kind), static_cast<int64_t>(dt.val()),
                            bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1, p.groups};
@@ -99,9 +101,13 @@ std::shared_ptr<const ConvPrepared> lookup(
     for (size_t i = 1; i + 1 < ws.size(); ++i) macs *= ws[i];
     OneThread one(macs < single_thread_macs());
     auto attr = user_scratchpad();
-    auto fwd_hint = dnnl::convolution_forward::primitive_desc(
-        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x_md,
-        w_any, y_md, strides, dil, pl, pr);
+    // The backward kinds need the forward's description as a hint (the forward kind itself
+    // does not: a description is a good part of a creation's time).
+    auto fwd_hint = [&] {
+      return dnnl::convolution_forward::primitive_desc(
+          eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x_md,
+          w_any, y_md, strides, dil, pl, pr);
+    };
     auto e = std::make_shared<ConvPrepared>();
     dnnl::memory::desc w_prim_md;
     if (kind == ConvKind::Forward) {
@@ -123,14 +129,14 @@ std::shared_ptr<const ConvPrepared> lookup(
     } else if (kind == ConvKind::BackwardData) {
       auto pd = dnnl::convolution_backward_data::primitive_desc(
           eng, dnnl::algorithm::convolution_direct, x_md, w_any, y_md, strides, dil, pl, pr,
-          fwd_hint, attr);
+          fwd_hint(), attr);
       w_prim_md = pd.weights_desc();
       static_cast<Prepared&>(*e) =
           prepare(pd, {DNNL_ARG_DIFF_DST, DNNL_ARG_WEIGHTS, DNNL_ARG_DIFF_SRC});
     } else {
       auto pd = dnnl::convolution_backward_weights::primitive_desc(
           eng, dnnl::algorithm::convolution_direct, x_md, w_any, y_md, strides, dil, pl, pr,
-          fwd_hint, attr);
+          fwd_hint(), attr);
       w_prim_md = pd.diff_weights_desc();
       static_cast<Prepared&>(*e) =
           prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_WEIGHTS});
@@ -144,7 +150,7 @@ std::shared_ptr<const ConvPrepared> lookup(
       e->work_bytes += e->weights_bytes;
     }
     return std::shared_ptr<const ConvPrepared>(std::move(e));
-  });
+  }, defer_first);
 }
 
 // in0/in1/out as the primitive's inputs and output; see Conv's comment.
@@ -416,9 +422,65 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
   return backward_data(dy, w, x_tail, p, stream);
 }
 
+// A float32 convolution's first use at a shape runs MLX's own convolution: its primitive is
+// made from the second use (a creation, 0.2-0.5 ms on AVX2, costs more than a small
+// convolution itself: an image size seen once would pay it whole). MLX's kernel is reached
+// through the primitive of the graph node mx::conv_general builds on the same inputs (never
+// evaluated as a node: its eval_cpu runs here, on this stream), so that call is what the
+// kernels-off path computes, bit for bit, bias and ReLU after it as MLX adds them.
+bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& x = inputs[0];
+  auto& w = inputs[1];
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32 ||
+      (has_bias_ && inputs[2].dtype() != mx::float32)) {
+    return false;
+  }
+  std::vector<int> ones(p_.stride.size(), 1);
+  auto ref = mx::conv_general(x, w, p_.stride, p_.pad_lo, p_.pad_hi, p_.dilation, ones,
+                              p_.groups, false, stream());
+  if (!ref.has_primitive() || std::string(ref.primitive().name()) != "Convolution" ||
+      ref.inputs().size() != 2 || ref.inputs()[0].id() != x.id() ||
+      ref.inputs()[1].id() != w.id() || ref.shape() != out.shape() ||
+      ref.dtype() != out.dtype()) {
+    return false;  // (MLX built something else around it: create the primitive instead)
+  }
+  std::vector<mx::array> outs{out};  // (the same array: a handle on out's data)
+  ref.primitive().eval_cpu(ref.inputs(), outs);  // allocates out, dispatches MLX's kernel
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  if (has_bias_) {
+    encoder.set_input_array(inputs[2]);
+  }
+  // After MLX's task on this stream: the bias, the ReLU, and the end of `ref` (its primitive
+  // may be used by that task).
+  encoder.dispatch([ref, y = out.data<float>(), channels = out.shape().back(), n = out.size(),
+                    bias = has_bias_ ? inputs[2].data<float>() : nullptr, relu = relu_]() {
+    if (bias != nullptr) {
+      for (size_t i = 0; i < n; i += static_cast<size_t>(channels)) {
+        for (int c = 0; c < channels; ++c) {
+          y[i + c] += bias[c];
+        }
+      }
+    }
+    if (relu) {
+      relu_keeping_nan(y, n, false);
+    }
+  });
+  return true;
+}
+
 void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& in0 = inputs[0];
   auto& in1 = inputs[1];
+  std::optional<mx::Dtype> bias_dt;
+  if (has_bias_) bias_dt = inputs[2].dtype();
+  std::shared_ptr<const ConvPrepared> entry;
+  if (kind_ == ConvKind::Forward && out.size() != 0 && first_use_deferred()) {
+    entry = lookup(kind_, p_, in0.shape(), in1.shape(), out.shape(), in0.dtype(), bias_dt,
+                   /*defer_first=*/true);
+    if (!entry && first_use_on_mlx(inputs, out)) {
+      return;
+    }
+  }
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) return;
   for (auto& in : inputs) {
@@ -436,9 +498,9 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   } else {
     xs = &in0.shape(), ws = &out.shape(), ys = &in1.shape();
   }
-  std::optional<mx::Dtype> bias_dt;
-  if (has_bias_) bias_dt = inputs[2].dtype();
-  auto entry = lookup(kind_, p_, *xs, *ws, *ys, in0.dtype(), bias_dt);
+  if (!entry) {
+    entry = lookup(kind_, p_, *xs, *ws, *ys, in0.dtype(), bias_dt);
+  }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);

@@ -63,6 +63,8 @@ class Conv : public mx::UnaryPrimitive {
   }
 
  private:
+  bool first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out);
+
   ConvKind kind_;
   ConvParams p_;
   bool has_bias_;

@@ -257,6 +257,10 @@ MatmulMode matmul_mode() {
   return static_cast<MatmulMode>(g_mode.load());
 }
 
+bool first_use_deferred() {
+  return matmul_mode() != MatmulMode::Primitive;
+}
+
 MatmulMode effective_mode() {
   auto mode = matmul_mode();
   if (mode != MatmulMode::Auto) {

@@ -34,6 +34,9 @@ MatmulMode set_matmul_mode(MatmulMode mode);  // returns the old mode
 MatmulMode matmul_mode();
 // The mode Auto stands for here (or the mode set).
 MatmulMode effective_mode();
+// Whether a shape's first use may run without creating its primitive (matmul_mode() is not
+// Primitive): the products (Reused), a small softmax, a float32 convolution's forward pass.
+bool first_use_deferred();
 // Whether unbatched float32 products run on the GEMM without a primitive now (Gemm).
 bool direct_gemm_in_use();
 // Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU (probed once).

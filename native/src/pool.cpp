@@ -12,12 +12,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 
 #include "cache.h"
 #include "common.h"
 #include "cpu.h"
+#include "matmul.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -41,7 +43,8 @@ dims to_dims(const std::vector<int>& v) {
 }
 
 std::shared_ptr<const Prepared> lookup(bool backward, const PoolParams& p, const mx::Shape& xs,
-                                       const mx::Shape& ys, mx::Dtype dt) {
+                                       const mx::Shape& ys, mx::Dtype dt,
+                                       bool defer_first = false) {
   CacheKey key{backward, static_cast<int64_t>(dt.val()), static_cast<int64_t>(xs.size())};
   key.insert(key.end(), xs.begin(), xs.end());
   key.insert(key.end(), ys.begin(), ys.end());
@@ -81,8 +84,9 @@ std::shared_ptr<const Prepared> lookup(bool backward, const PoolParams& p, const
         eng, dnnl::algorithm::pooling_max, x_md, y_md, strides, kernel, dil, pl, pr, fwd, attr);
     return std::make_shared<const Prepared>(
         prepare(pd, {DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_SRC, DNNL_ARG_WORKSPACE}));
-  });
+  }, defer_first);
 }
+
 
 // NaN in a window makes its maximum NaN, as MLX's max and PyTorch's max pooling give it;
 // oneDNN's pooling compares with vmaxps, which drops NaN (a diverged activation would vanish).
@@ -209,6 +213,62 @@ void lowest_windows(const U* x, U* y, Workspace ws, const mx::Shape& xs, const m
       if (a < 0 || held) break;
     }
     if (!held) y[i] = neg_inf;
+  }
+}
+
+// A float32 forward pass's first use at a shape, without a primitive (creating one, about
+// 0.2 ms on AVX2, costs more than a small pooling): oneDNN's algorithm in plain loops, so that
+// the output and the workspace are what the primitive writes, bit for bit (a maximum is
+// exact): each maximum starts at the lowest finite value with the window's first offset
+// (which may be padding), and only a strictly greater real entry replaces it (NaN never
+// does). keep_nan then corrects both as it corrects the primitive's.
+void max_pool_loops(const float* x, float* y, Workspace ws, const mx::Shape& xs,
+                    const mx::Shape& ys, const PoolParams& p) {
+  int k = static_cast<int>(xs.size()) - 2;
+  int64_t channels = xs.back();
+  int64_t outputs = 1, entries = 1;
+  for (int a = 0; a < k; ++a) {
+    outputs *= ys[a + 1];
+    entries *= p.kernel[a];
+  }
+  std::vector<int64_t> o(k), pos(k);
+  std::vector<int32_t> best_at(static_cast<size_t>(channels));
+  for (int64_t n = 0; n < xs[0]; ++n) {
+    for (int64_t out = 0; out < outputs; ++out) {
+      int64_t rest = out;
+      for (int a = k - 1; a >= 0; --a) {
+        o[a] = rest % ys[a + 1];
+        rest /= ys[a + 1];
+      }
+      float* best = y + ((n * outputs + out) * channels);
+      std::fill(best, best + channels, std::numeric_limits<float>::lowest());
+      std::fill(best_at.begin(), best_at.end(), 0);
+      for (int64_t e = 0; e < entries; ++e) {  // the window's offsets, row-major
+        int64_t r = e, off = n;
+        bool pad = false;
+        for (int a = k - 1; a >= 0; --a) {
+          pos[a] = r % p.kernel[a];
+          r /= p.kernel[a];
+        }
+        for (int a = 0; a < k; ++a) {
+          int64_t c = o[a] * p.stride[a] - p.pad_lo[a] + pos[a];
+          pad = pad || c < 0 || c >= xs[a + 1];
+          off = off * xs[a + 1] + c;
+        }
+        if (pad) continue;
+        const float* row = x + off * channels;
+        for (int64_t c = 0; c < channels; ++c) {
+          if (row[c] > best[c]) {
+            best[c] = row[c];
+            best_at[static_cast<size_t>(c)] = static_cast<int32_t>(e);
+          }
+        }
+      }
+      size_t first = static_cast<size_t>((n * outputs + out) * channels);
+      for (int64_t c = 0; c < channels; ++c) {
+        ws.set(first + static_cast<size_t>(c), best_at[static_cast<size_t>(c)]);
+      }
+    }
   }
 }
 
@@ -454,7 +514,10 @@ void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   if (!x.flags().row_contiguous) {
     throw std::runtime_error(std::string(FN) + ": internal error: input not contiguous");
   }
-  auto entry = lookup(false, p_, x.shape(), y.shape(), x.dtype());
+  // float32: a shape's first use on the loops above (first_use_deferred: not in mode
+  // "primitive"), its primitive from the second.
+  bool loops_first = x.dtype() == mx::float32 && first_use_deferred();
+  auto entry = lookup(false, p_, x.shape(), y.shape(), x.dtype(), loops_first);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(x);
   encoder.set_output_array(y);
@@ -462,8 +525,13 @@ void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   encoder.dispatch([entry, px = const_cast<void*>(x.data<void>()), py = y.data<void>(),
                     pw = ws.data<void>(), xs = x.shape(), ys = y.shape(), p = p_,
                     bf16 = x.dtype() == mx::bfloat16, n = x.size()]() {
-    execute(*entry, {{DNNL_ARG_SRC, px}, {DNNL_ARG_DST, py}, {DNNL_ARG_WORKSPACE, pw}}, FN);
-    keep_nan(px, py, Workspace{pw, workspace_dtype(p) != mx::uint8}, xs, ys, p, bf16, n);
+    Workspace w{pw, workspace_dtype(p) != mx::uint8};
+    if (entry) {
+      execute(*entry, {{DNNL_ARG_SRC, px}, {DNNL_ARG_DST, py}, {DNNL_ARG_WORKSPACE, pw}}, FN);
+    } else {
+      max_pool_loops(static_cast<const float*>(px), static_cast<float*>(py), w, xs, ys, p);
+    }
+    keep_nan(px, py, w, xs, ys, p, bf16, n);
   });
 }
 

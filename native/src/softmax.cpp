@@ -31,8 +31,7 @@ const char* FN = "fluxlike_native.softmax";
 constexpr int64_t FIRST_USE_LOOP_MAX_ELEMENTS = int64_t{1} << 16;
 
 std::shared_ptr<const Prepared> lookup(bool backward, int64_t rows, int64_t cols) {
-  bool defer_first = rows * cols <= FIRST_USE_LOOP_MAX_ELEMENTS &&
-      matmul_mode() != MatmulMode::Primitive;
+  bool defer_first = rows * cols <= FIRST_USE_LOOP_MAX_ELEMENTS && first_use_deferred();
   return cached<Prepared>(Op::Softmax, {backward, rows, cols}, FN, "softmax", [&] {
     auto& eng = engine();
     dnnl::memory::desc md({rows, cols}, dnnl::memory::data_type::f32, {cols, 1});

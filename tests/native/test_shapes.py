@@ -257,3 +257,112 @@ def test_a_large_softmax_shape_or_mode_primitive_makes_its_primitive_on_first_us
     _ext.set_matmul_mode("primitive")
     mx.eval(_ext.softmax(mx.random.normal((2, 9))))
     assert _ext.cache_info()["ops"]["softmax"]["creations"] == 2
+
+
+# ---------------------------------------------------------------- convolution: a first use
+
+def conv(x: mx.array, w: mx.array, b: mx.array | None = None, relu: bool = False,
+         padding: int = 1, groups: int = 1) -> mx.array:
+    pad = [padding] * (x.ndim - 2)
+    ones = [1] * (x.ndim - 2)
+    return _ext.conv(x, w, b, ones, pad, pad, ones, groups, False, relu=relu)
+
+
+def conv_counts() -> tuple[int, int, int]:
+    info = _ext.cache_info()["ops"]["conv"]
+    return info["misses"], info["creations"], info["hits"]
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_float32_convolution_runs_mlxs_kernel_on_a_shapes_first_use(relu, groups):
+    # an image size seen once would pay a primitive's creation (0.2-0.5 ms on AVX2), more
+    # than a small convolution costs
+    x = mx.random.normal((2, 9, 11, 4))
+    w, b = mx.random.normal((6, 3, 3, 4 // groups)), mx.random.normal((6,))
+    first = np.array(conv(x, w, b, relu, groups=groups))
+    assert conv_counts() == (1, 0, 0)
+    second, third = np.array(conv(x, w, b, relu, groups=groups)), np.array(
+        conv(x, w, b, relu, groups=groups))
+    assert conv_counts() == (2, 1, 1)
+    want = mx.conv_general(x, w, padding=1, groups=groups) + b  # what the kernels-off path does
+    want = np.array(mx.maximum(want, 0) if relu else want)
+    np.testing.assert_array_equal(first, want)  # MLX's own kernel: bit for bit
+    np.testing.assert_allclose(second, want, rtol=1e-5, atol=1e-5)  # oneDNN's
+    np.testing.assert_array_equal(second, third)
+
+
+def test_the_gradient_through_a_first_use_is_the_convolutions_gradient():
+    x, w = mx.random.normal((2, 7, 7, 3)), mx.random.normal((5, 3, 3, 3))
+    g = mx.random.normal((2, 7, 7, 5))
+
+    def grads(fn):
+        return [np.array(a) for a in mx.vjp(fn, [x, w], [g])[1]]
+
+    got = grads(lambda x, w: conv(x, w))  # the forward's first use: MLX's kernel
+    want = grads(lambda x, w: mx.conv_general(x, w, padding=1))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_first_use_inside_mx_compile_and_mode_primitive():
+    x, w = mx.random.normal((1, 6, 6, 2)), mx.random.normal((3, 3, 3, 2))
+    f = mx.compile(lambda x: conv(x, w))
+    ys = [np.array(f(x)) for _ in range(3)]  # traced once, evaluated three times
+    assert conv_counts() == (2, 1, 1)  # decided at each evaluation, not baked into the trace
+    np.testing.assert_allclose(ys[0], ys[2], rtol=1e-5, atol=1e-5)
+    _ext.set_matmul_mode("primitive")
+    mx.eval(conv(mx.random.normal((1, 5, 5, 2)), w))
+    assert conv_counts()[1] == 2  # a new shape's primitive from its first use
+
+
+# ---------------------------------------------------------------- max pooling: a first use
+
+def pool_counts() -> tuple[int, int]:
+    info = _ext.cache_info()["ops"]["max_pool"]
+    return info["misses"], info["creations"]
+
+
+POOLS = [  # (x shape, kernel, stride, pad_lo, pad_hi)
+    ((2, 9, 11, 3), [2, 2], [2, 2], [0, 0], [0, 0]),
+    ((2, 9, 11, 3), [3, 3], [1, 2], [1, 1], [1, 0]),  # overlapping, padded
+    ((1, 13, 5), [4], [3], [2], [1]),
+    ((1, 4, 5, 6, 2), [2, 3, 2], [1, 2, 2], [1, 0, 1], [0, 1, 1]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(POOLS)))
+@pytest.mark.parametrize("values", ["normal", "ties", "special"])
+def test_a_max_pools_first_use_writes_what_its_primitive_writes(case, values):
+    # the loops that spare a shape's first use its primitive: the output and the workspace
+    # (where each maximum is: the gradient goes there) are the primitive's, bit for bit
+    shape, kernel, stride, lo, hi = POOLS[case]
+    x = mx.random.normal(shape)
+    if values == "ties":  # the first maximum of a window is the one the gradient reaches
+        x = mx.round(x)
+    elif values == "special":  # NaN, -inf windows, the lowest finite value
+        flat = np.array(x).reshape(-1)
+        flat[::5] = -np.inf
+        flat[3::17] = np.nan
+        flat[7::11] = np.finfo(np.float32).min
+        x = mx.array(flat.reshape(shape))
+    g = mx.random.normal(tuple(np.array(_ext.max_pool(x, kernel, stride, lo, hi, False)).shape))
+    _ext.clear_cache()
+
+    def run() -> list[np.ndarray]:
+        y, (dx,) = mx.vjp(lambda x: _ext.max_pool(x, kernel, stride, lo, hi, False), [x], [g])
+        return [np.array(y[0]), np.array(dx)]
+
+    first = run()
+    assert pool_counts() == (2, 1)  # the forward missed and ran the loops; the backward made
+    second = run()
+    assert pool_counts() == (3, 2)  # the forward's primitive, from its second use
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_or_mode_primitive_pooling_makes_its_primitive_on_first_use():
+    _ext.set_matmul_mode("primitive")
+    mx.eval(_ext.max_pool(mx.random.normal((1, 4, 4, 2)), [2, 2], [2, 2], [0, 0], [0, 0],
+                          False))
+    assert pool_counts() == (1, 1)
