@@ -7,8 +7,9 @@ shape's first use.
 - ``reused``: a shape's first use on that GEMM, its primitive from the second use.
 - ``primitive``: a primitive per shape from its first use (the behaviour before).
 - ``auto``: ``gemm`` where the primitive is the jit GEMM anyway, else ``reused``.
-- softmax: a small shape's (2**16 entries at most) first use runs plain loops, its primitive
-  is made from the second use (in mode ``primitive``: from the first).
+- softmax: up to 2**14 entries always plain loops, up to 2**16 a shape's first use, its
+  primitive from the second use (in mode ``primitive``: from the first); convolution's
+  forward pass and max pooling: a shape's first use without a primitive too.
 
 Calls fluxlike_native._ext directly; wall-clock time is measured in bench/shapes.py.
 """
@@ -221,34 +222,58 @@ def softmax_and_grad(x: mx.array, g: mx.array) -> tuple[np.ndarray, np.ndarray]:
     return np.array(y[0]), np.array(dx)
 
 
-def test_a_small_softmax_shape_runs_without_a_primitive_on_its_first_use_then_makes_one():
-    # generation's scores grow by a column per token: a primitive per length (0.2 ms on AVX2)
-    # would cost more than each call's softmax
-    x, g = mx.random.normal((3, 4, 5, 17)) * 4, mx.random.normal((3, 4, 5, 17))
+def softmax_counts() -> tuple[int, int, int]:
+    info = _ext.cache_info()["ops"]["softmax"]
+    return info["creations"], info["hits"], info["size"]
+
+
+def softmax_reference(x: mx.array, g: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    y = np.array(mx.softmax(x, axis=-1, precise=True))
+    return y, y * (np.array(g) - (np.array(g) * y).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 9, 9), (3, 4, 5, 17), (2, 64, 128), (1, 1, 3)])
+def test_a_small_softmax_runs_loops_and_never_makes_a_primitive(shape):
+    # up to 2**14 entries: generation's scores, a column longer per token, would make a
+    # primitive (0.2 ms on AVX2) every step; the loops are as fast as the primitive there
+    x, g = mx.random.normal(shape) * 4, mx.random.normal(shape)
+    x = mx.where(mx.random.uniform(shape=shape) < 0.2, -mx.inf, x)  # masked entries: exactly 0
+    x[..., 0] = 1.0  # (no row all -inf: that one is NaN, as MLX's)
+    results = [softmax_and_grad(x, g) for _ in range(3)]
+    assert softmax_counts() == (0, 0, 0)
+    want_y, want_dx = softmax_reference(x, g)
+    for y, dx in results:
+        np.testing.assert_allclose(y, want_y, rtol=2e-6, atol=1e-7)
+        np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(y == 0, want_y == 0)
+    np.testing.assert_array_equal(results[0][0], results[2][0])
+
+
+def test_a_mid_sized_softmax_shape_runs_loops_on_its_first_use_then_makes_a_primitive():
+    x, g = mx.random.normal((4, 8, 40, 40)) * 4, mx.random.normal((4, 8, 40, 40))  # 51,200
     first = softmax_and_grad(x, g)
-    info = _ext.cache_info()["ops"]["softmax"]
-    assert (info["creations"], info["size"]) == (0, 0)  # forward and backward: the loops
+    assert softmax_counts() == (0, 0, 0)  # forward and backward: the loops
     second, third = softmax_and_grad(x, g), softmax_and_grad(x, g)
-    info = _ext.cache_info()["ops"]["softmax"]
-    assert (info["creations"], info["hits"], info["size"]) == (2, 2, 2)
-    want_y = np.array(mx.softmax(x, axis=-1, precise=True))
-    want_dx = want_y * (np.array(g) - (np.array(g) * want_y).sum(-1, keepdims=True))
+    assert softmax_counts() == (2, 2, 2)
+    want_y, want_dx = softmax_reference(x, g)
     for y, dx in (first, second):  # the loops and the primitive: float32's rounding apart
         np.testing.assert_allclose(y, want_y, rtol=2e-6, atol=1e-7)
         np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(second[0], third[0])
 
 
-def test_the_first_use_loops_give_nan_rows_as_the_primitive_does():
+def test_the_softmax_loops_give_nan_rows_as_the_primitive_does():
     inf, nan = float("inf"), float("nan")
     x = mx.array([[0.0, 1.0, 2.0], [nan, 0.0, 1.0], [inf, 0.0, 1.0], [-inf, -inf, -inf],
                   [-inf, 0.0, 0.0]])
-    first = np.array(_ext.softmax(x))
-    assert _ext.cache_info()["ops"]["softmax"]["creations"] == 0
-    second = np.array(_ext.softmax(x))
-    np.testing.assert_array_equal(np.isnan(first), np.isnan(second))
-    assert np.isnan(first[1:4]).all() and not np.isnan(first[[0, 4]]).any()
-    np.testing.assert_allclose(first[[0, 4]], second[[0, 4]], rtol=2e-6)
+    loops = np.array(_ext.softmax(x))
+    assert softmax_counts()[0] == 0
+    _ext.set_matmul_mode("primitive")
+    primitive = np.array(_ext.softmax(x))
+    assert softmax_counts()[0] == 1
+    np.testing.assert_array_equal(np.isnan(loops), np.isnan(primitive))
+    assert np.isnan(loops[1:4]).all() and not np.isnan(loops[[0, 4]]).any()
+    np.testing.assert_allclose(loops[[0, 4]], primitive[[0, 4]], rtol=2e-6)
 
 
 def test_a_large_softmax_shape_or_mode_primitive_makes_its_primitive_on_first_use():
