@@ -114,11 +114,11 @@ def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtyp
 def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
                   dtype: mx.Dtype | None, where: str, with_grads: bool = False) -> tuple | None:
     """The step through the compiled function for its key (traced first if new):
-    ``(loss, finite, grads (``None`` unless ``with_grads``), the new parameters (the model's
-    state: a tree to evaluate), new running statistics, the model's parameters before, the
-    optimiser state before)``, arrays not yet evaluated (a non-finite step is taken: the
-    caller undoes it); ``None`` when this optimiser cannot be captured (then nothing has
-    changed: take the step eagerly)."""
+    ``(loss, finite, grads, new parameters, new running statistics, the model's parameters
+    before, the optimiser state before)``, arrays not yet evaluated (a non-finite step is
+    taken: the caller undoes it); ``grads`` is ``None`` unless ``with_grads``, and the new
+    parameters are the model's state (a tree to evaluate). ``None`` when this optimiser
+    cannot be captured (then nothing has changed: take the step eagerly)."""
     optimizer, scale = opt_state.optimizer, opt_state.loss_scale
     live = optimizer.state
     compiled = COMPILED.get(opt_state) or COMPILED.setdefault(opt_state, Compiled())
