@@ -391,3 +391,43 @@ def test_a_bfloat16_or_mode_primitive_pooling_makes_its_primitive_on_first_use()
     mx.eval(_ext.max_pool(mx.random.normal((1, 4, 4, 2)), [2, 2], [2, 2], [0, 0], [0, 0],
                           False))
     assert pool_counts() == (1, 1)
+
+
+def test_threads_meeting_first_uses_of_convolutions_pools_and_softmaxes_at_once():
+    """Six threads, each evaluating convolutions, poolings and softmaxes of image sizes some
+    shared, some their own, under a tiny cache: first uses (MLX's convolution, the loops)
+    and primitives interleave; every result is MLX's."""
+    _ext.set_cache_capacity(4)
+    w = mx.random.normal((6, 3, 3, 4))
+    images = {n: mx.random.normal((2, n, n, 4)) for n in range(5, 17)}
+    mx.eval(w, *images.values())
+    want = {n: np.array(mx.conv_general(x, w, padding=1)) for n, x in images.items()}
+    start = threading.Barrier(6)
+    failures: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(3):
+                start.wait()
+                for n in (5, 6 + k, 12 + k // 2):
+                    y = conv(images[n], w)
+                    pooled = _ext.max_pool(y, [2, 2], [2, 2], [0, 0], [0, 0], False)
+                    scores = _ext.softmax(y.reshape(2, n * n, 6))
+                    np.testing.assert_allclose(np.array(y), want[n], rtol=1e-5, atol=1e-4)
+                    ref_pool = mx.max(mx.array(want[n])[:, : n // 2 * 2, : n // 2 * 2]
+                                      .reshape(2, n // 2, 2, n // 2, 2, 6), axis=(2, 4))
+                    np.testing.assert_allclose(np.array(pooled), np.array(ref_pool),
+                                               rtol=1e-5, atol=1e-4)
+                    ref_soft = mx.softmax(mx.array(want[n]).reshape(2, n * n, 6), axis=-1)
+                    np.testing.assert_allclose(np.array(scores), np.array(ref_soft),
+                                               rtol=1e-4, atol=1e-5)
+        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
+            failures.append(error)
+            start.abort()
+
+    pool = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not failures, failures
