@@ -93,8 +93,10 @@ bool PrimitiveCache::missed_before(const CacheKey& key) {
   if (missed_.count(key) != 0) {
     return true;
   }
-  if (missed_.size() >= std::max<size_t>(capacity_, 1)) {
-    missed_.clear();  // bounded: a sweep over many shapes forgets them all
+  // Bounded: a sweep over many shapes forgets them all. Four times the capacity, so that a
+  // cycle of more shapes than a small cache holds still meets each a second time.
+  if (missed_.size() >= std::max<size_t>(4 * capacity_, 64)) {
+    missed_.clear();
   }
   missed_.insert(key);
   return false;

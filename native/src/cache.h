@@ -69,7 +69,8 @@ class PrimitiveCache {
                                          std::shared_ptr<const Prepared> made, uint64_t ns);
 
   // Whether `key` missed before (since the last clear); remembers it if not. At most
-  // `capacity` keys are remembered (all forgotten when more come). A miss is not counted.
+  // 4 x `capacity` keys (at least 64) are remembered (all forgotten when more come). A miss is
+  // not counted.
   bool missed_before(const CacheKey& key);
 
   // Sets the capacity (0: nothing is kept), evicting down to it; returns the old one.

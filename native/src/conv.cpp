@@ -428,13 +428,27 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
 // through the primitive of the graph node mx::conv_general builds on the same inputs (never
 // evaluated as a node: its eval_cpu runs here, on this stream), so that call is what the
 // kernels-off path computes, bit for bit, bias and ReLU after it as MLX adds them.
-bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out) {
+// Up to FIRST_USE_MAX_MACS multiply-adds (above, MLX's convolution costs more than the
+// creation: 68 against 2.4 ms at 2**25 on AVX2, and its im2col temporary is the kernel's
+// volume times the input), float32 only, and what MLX's conv_general takes (groups only in
+// one or two spatial axes).
+constexpr double FIRST_USE_MAX_MACS = 1 << 18;
+
+bool Conv::first_use_fits(const std::vector<mx::array>& inputs, const mx::array& out) const {
   auto& x = inputs[0];
   auto& w = inputs[1];
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32 ||
-      (has_bias_ && inputs[2].dtype() != mx::float32)) {
+      (has_bias_ && inputs[2].dtype() != mx::float32) || (p_.groups != 1 && x.ndim() > 4)) {
     return false;
   }
+  double macs = static_cast<double>(out.size());
+  for (int i = 1; i < w.ndim(); ++i) macs *= static_cast<double>(w.shape(i));
+  return macs <= FIRST_USE_MAX_MACS;
+}
+
+bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& x = inputs[0];
+  auto& w = inputs[1];
   std::vector<int> ones(p_.stride.size(), 1);
   auto ref = mx::conv_general(x, w, p_.stride, p_.pad_lo, p_.pad_hi, p_.dilation, ones,
                               p_.groups, false, stream());
@@ -450,8 +464,8 @@ bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out
   if (has_bias_) {
     encoder.set_input_array(inputs[2]);
   }
-  // After MLX's task on this stream: the bias, the ReLU, and the end of `ref` (its primitive
-  // may be used by that task).
+  // After MLX's task on this stream: the bias and the ReLU (`ref` is kept with them: the
+  // inputs it holds outlive that task whatever MLX's own bookkeeping does).
   encoder.dispatch([ref, y = out.data<float>(), channels = out.shape().back(), n = out.size(),
                     bias = has_bias_ ? inputs[2].data<float>() : nullptr, relu = relu_]() {
     if (bias != nullptr) {
@@ -474,7 +488,8 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   std::optional<mx::Dtype> bias_dt;
   if (has_bias_) bias_dt = inputs[2].dtype();
   std::shared_ptr<const ConvPrepared> entry;
-  if (kind_ == ConvKind::Forward && out.size() != 0 && first_use_deferred()) {
+  if (kind_ == ConvKind::Forward && out.size() != 0 && first_use_deferred() &&
+      first_use_fits(inputs, out)) {
     entry = lookup(kind_, p_, in0.shape(), in1.shape(), out.shape(), in0.dtype(), bias_dt,
                    /*defer_first=*/true);
     if (!entry && first_use_on_mlx(inputs, out)) {

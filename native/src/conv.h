@@ -63,6 +63,7 @@ class Conv : public mx::UnaryPrimitive {
   }
 
  private:
+  bool first_use_fits(const std::vector<mx::array>& inputs, const mx::array& out) const;
   bool first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out);
 
   ConvKind kind_;

@@ -240,7 +240,7 @@ void max_pool_loops(const float* x, float* y, Workspace ws, const mx::Shape& xs,
         o[a] = rest % ys[a + 1];
         rest /= ys[a + 1];
       }
-      float* best = y + ((n * outputs + out) * channels);
+      float* __restrict best = y + ((n * outputs + out) * channels);
       std::fill(best, best + channels, std::numeric_limits<float>::lowest());
       std::fill(best_at.begin(), best_at.end(), 0);
       for (int64_t e = 0; e < entries; ++e) {  // the window's offsets, row-major
@@ -256,12 +256,13 @@ void max_pool_loops(const float* x, float* y, Workspace ws, const mx::Shape& xs,
           off = off * xs[a + 1] + c;
         }
         if (pad) continue;
-        const float* row = x + off * channels;
-        for (int64_t c = 0; c < channels; ++c) {
-          if (row[c] > best[c]) {
-            best[c] = row[c];
-            best_at[static_cast<size_t>(c)] = static_cast<int32_t>(e);
-          }
+        const float* __restrict row = x + off * channels;
+        int32_t* __restrict at = best_at.data();
+        int32_t entry = static_cast<int32_t>(e);
+        for (int64_t c = 0; c < channels; ++c) {  // (branch-free: it vectorises; NaN never wins)
+          bool greater = row[c] > best[c];
+          best[c] = greater ? row[c] : best[c];
+          at[c] = greater ? entry : at[c];
         }
       }
       size_t first = static_cast<size_t>((n * outputs + out) * channels);
@@ -516,7 +517,10 @@ void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   }
   // float32: a shape's first use on the loops above (first_use_deferred: not in mode
   // "primitive"), its primitive from the second.
-  bool loops_first = x.dtype() == mx::float32 && first_use_deferred();
+  // (Up to 2**17 window entries visited: above, the primitive's creation is the smaller cost.)
+  double visits = static_cast<double>(y.size());
+  for (int k : p_.kernel) visits *= k;
+  bool loops_first = x.dtype() == mx::float32 && visits <= (1 << 17) && first_use_deferred();
   auto entry = lookup(false, p_, x.shape(), y.shape(), x.dtype(), loops_first);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(x);

@@ -431,3 +431,28 @@ def test_threads_meeting_first_uses_of_convolutions_pools_and_softmaxes_at_once(
     for t in pool:
         t.join()
     assert not failures, failures
+
+
+def test_first_uses_mlx_cannot_take_or_too_large_create_the_primitive():
+    # a grouped 3-D convolution (MLX's conv_general takes groups in 1-2 axes only); a large
+    # convolution or pooling (there MLX's kernel or the loops cost more than a creation)
+    x3, w3 = mx.ones((1, 4, 4, 4, 4)), mx.ones((4, 3, 3, 3, 2))
+    y = np.array(conv(x3, w3, groups=2))
+    assert conv_counts()[1] == 1
+    assert y.shape == (1, 4, 4, 4, 4) and y.max() == 54.0  # 27 taps x 2 channels, inside
+    big, wb = mx.random.normal((2, 32, 32, 32)), mx.random.normal((32, 3, 3, 32))
+    mx.eval(conv(big, wb))  # 2 x 32 x 32 x 32 outputs x 288: 2**23 multiply-adds
+    assert conv_counts()[1] == 2
+    mx.eval(_ext.max_pool(mx.random.normal((4, 64, 64, 32)), [2, 2], [2, 2], [0, 0], [0, 0],
+                          False))
+    assert pool_counts() == (1, 1)
+
+
+def test_shapes_cycling_through_a_cache_smaller_than_them_still_get_primitives():
+    _ext.set_cache_capacity(4)
+    w = mx.random.normal((3, 3, 3, 2))
+    images = [mx.random.normal((1, n, n, 2)) for n in range(5, 11)]  # 6 shapes, capacity 4
+    for _ in range(4):
+        for x in images:
+            mx.eval(conv(x, w))
+    assert conv_counts()[1] >= 6  # each made from its second use (then evicted and remade)

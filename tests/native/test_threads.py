@@ -24,9 +24,6 @@ COUNT = """
             ext.set_single_thread_macs(threshold)
         x, w = mx.random.normal((m, k)), mx.random.normal((n, k))
         mx.eval(x, w)
-        if what == "conv":  # a shape's first use runs MLX's convolution: the primitive's second
-            xc, wc = mx.random.normal((m, k, k, n)), mx.random.normal((n, 3, 3, n))
-            mx.eval(ext.conv(xc, wc, None, [1, 1], [1, 1], [1, 1], [1, 1], 1, False))
         before = threads()
         if what == "matmul":
             y = ext.matmul(x, w, None, False, True, False, None, False, False)
