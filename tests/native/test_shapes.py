@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +47,29 @@ def _fresh() -> Iterator[None]:
     _ext.set_matmul_mode(mode)
     _ext.set_cache_capacity(capacity)
     _ext.clear_cache()
+
+
+def together(rounds: int, work: Callable[[int], None], threads: int = 6) -> None:
+    """``work(k)`` on ``threads`` threads (k = 0, 1, ...), ``rounds`` times, each round started
+    together (they race to create shared primitives); a failure on any thread fails the test."""
+    start = threading.Barrier(threads)
+    failures: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            for _ in range(rounds):
+                start.wait()
+                work(k)
+        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
+            failures.append(error)
+            start.abort()
+
+    pool = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not failures, failures
 
 
 def linear(x: mx.array, w: mx.array, b: mx.array | None = None, relu: bool = False) -> mx.array:
@@ -182,26 +205,13 @@ def test_threads_building_and_evaluating_at_once(mode):
     x = mx.random.normal((64, 40))
     mx.eval(w, x)
     ref = np.array(x) @ np.array(w).T
-    start = threading.Barrier(6)
-    failures: list[BaseException] = []
 
     def work(k: int) -> None:
-        try:
-            for _ in range(4):
-                start.wait()
-                for m in (64, 10 + k, 30 + k):
-                    y = np.array(linear(x[:m], w))
-                    np.testing.assert_allclose(y, ref[:m], rtol=1e-5, atol=1e-5)
-        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
-            failures.append(error)
-            start.abort()
+        for m in (64, 10 + k, 30 + k):
+            y = np.array(linear(x[:m], w))
+            np.testing.assert_allclose(y, ref[:m], rtol=1e-5, atol=1e-5)
 
-    pool = [threading.Thread(target=work, args=(k,)) for k in range(6)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    assert not failures, failures
+    together(4, work)
 
 
 def test_fluxlike_native_matmul_mode_sets_and_reads():
@@ -402,35 +412,22 @@ def test_threads_meeting_first_uses_of_convolutions_pools_and_softmaxes_at_once(
     images = {n: mx.random.normal((2, n, n, 4)) for n in range(5, 17)}
     mx.eval(w, *images.values())
     want = {n: np.array(mx.conv_general(x, w, padding=1)) for n, x in images.items()}
-    start = threading.Barrier(6)
-    failures: list[BaseException] = []
 
     def work(k: int) -> None:
-        try:
-            for _ in range(3):
-                start.wait()
-                for n in (5, 6 + k, 12 + k // 2):
-                    y = conv(images[n], w)
-                    pooled = _ext.max_pool(y, [2, 2], [2, 2], [0, 0], [0, 0], False)
-                    scores = _ext.softmax(y.reshape(2, n * n, 6))
-                    np.testing.assert_allclose(np.array(y), want[n], rtol=1e-5, atol=1e-4)
-                    ref_pool = mx.max(mx.array(want[n])[:, : n // 2 * 2, : n // 2 * 2]
-                                      .reshape(2, n // 2, 2, n // 2, 2, 6), axis=(2, 4))
-                    np.testing.assert_allclose(np.array(pooled), np.array(ref_pool),
-                                               rtol=1e-5, atol=1e-4)
-                    ref_soft = mx.softmax(mx.array(want[n]).reshape(2, n * n, 6), axis=-1)
-                    np.testing.assert_allclose(np.array(scores), np.array(ref_soft),
-                                               rtol=1e-4, atol=1e-5)
-        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
-            failures.append(error)
-            start.abort()
+        for n in (5, 6 + k, 12 + k // 2):
+            y = conv(images[n], w)
+            pooled = _ext.max_pool(y, [2, 2], [2, 2], [0, 0], [0, 0], False)
+            scores = _ext.softmax(y.reshape(2, n * n, 6))
+            np.testing.assert_allclose(np.array(y), want[n], rtol=1e-5, atol=1e-4)
+            ref_pool = mx.max(mx.array(want[n])[:, : n // 2 * 2, : n // 2 * 2]
+                              .reshape(2, n // 2, 2, n // 2, 2, 6), axis=(2, 4))
+            np.testing.assert_allclose(np.array(pooled), np.array(ref_pool), rtol=1e-5,
+                                       atol=1e-4)
+            ref_soft = mx.softmax(mx.array(want[n]).reshape(2, n * n, 6), axis=-1)
+            np.testing.assert_allclose(np.array(scores), np.array(ref_soft), rtol=1e-4,
+                                       atol=1e-5)
 
-    pool = [threading.Thread(target=work, args=(k,)) for k in range(6)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    assert not failures, failures
+    together(3, work)
 
 
 def test_first_uses_mlx_cannot_take_or_too_large_create_the_primitive():
