@@ -1,5 +1,5 @@
 """Optional native kernels for the CPU: oneDNN's matmul, convolution, max pooling and softmax,
-and the Adam and RMSprop updates, as primitives inside MLX's graph.
+the Adam and RMSprop updates and a finiteness check, as primitives inside MLX's graph.
 
 The companion package ``fluxlike-native`` (built from ``native/`` by ``./dev setup`` on Linux
 x86-64) holds MLX primitives whose CPU evaluation runs a cached oneDNN primitive on MLX's CPU
@@ -12,8 +12,8 @@ stream, with ``vjp``/``jvp``/``vmap`` and ``output_shapes`` (so ``mx.grad``, ``m
 - :func:`disabled` switches fluxlike's routing off the kernels for a block.
 - The kernels themselves (:func:`linear`, :func:`matmul`, :func:`conv`,
   :func:`conv_transpose`, :func:`max_pool`, :func:`softmax`, :func:`adam_kernel`,
-  :func:`rmsprop_kernel`) are in :mod:`fluxlike.native.ops`; which layer call takes them is
-  decided in one place, :func:`fluxlike.precision.kernels.choose`.
+  :func:`rmsprop_kernel`, :func:`finite_kernel`) are in :mod:`fluxlike.native.ops`; which
+  layer call takes them is decided in one place, :func:`fluxlike.precision.kernels.choose`.
 
 The companion is found, checked against the running MLX and loaded when this package is
 imported (``import fluxlike`` does it): ``FLUXLIKE_NATIVE=0`` (or ``off``) leaves it unused,
@@ -39,6 +39,7 @@ from .ops import (
     adam_kernel,
     conv,
     conv_transpose,
+    finite_kernel,
     linear,
     matmul,
     max_pool,
@@ -47,8 +48,9 @@ from .ops import (
 )
 
 __all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "available", "bfloat16_native",
-           "cache_info", "conv", "conv_transpose", "disabled", "linear", "matmul", "matmul_mode",
-           "max_pool", "native_info", "rmsprop_kernel", "softmax", "switch"]
+           "cache_info", "conv", "conv_transpose", "disabled", "finite_kernel", "linear",
+           "matmul", "matmul_mode", "max_pool", "native_info", "rmsprop_kernel", "softmax",
+           "switch"]
 
 MATMUL_MODES = ("auto", "gemm", "reused", "primitive")
 

@@ -163,6 +163,25 @@ def adam_kernel() -> Callable[..., tuple[mx.array, mx.array, mx.array]] | None:
     return None if switch.ext is None else switch.ext.adam_step
 
 
+def finite_kernel() -> Callable[[list[mx.array]], mx.array] | None:
+    """The companion's check of a training step's gradients, ``kernel(arrays) -> bool``:
+    whether no element of the float32, bfloat16 or float16 ``arrays`` (a non-empty list) is
+    inf or nan, as a 0-d bool array computed by one primitive in one pass (MLX's ops take
+    ``isfinite``, ``all`` and an ``and`` per array: on a small model, scheduling those nodes
+    is a sizeable part of a step). CPU only; its derivatives are zero; ``mx.vmap``-able.
+    :func:`fluxlike.all_finite` and the training step's check use it on the CPU. ``None``
+    where the kernels are not in use (or inside :func:`fluxlike.native.disabled`).
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import native
+    >>> kernel = native.finite_kernel()
+    >>> if kernel is not None:
+    ...     assert kernel([mx.ones(3), mx.zeros(2, dtype=mx.bfloat16)]).item()
+    ...     assert not kernel([mx.ones(3), mx.array([1.0, float("nan")])]).item()
+    """
+    return None if switch.ext is None else switch.ext.all_finite
+
+
 def rmsprop_kernel() -> Callable[..., tuple[mx.array, mx.array]] | None:
     """The companion's RMSprop update of one float32 or bfloat16 parameter,
     ``kernel(p, g, v, lr, alpha, eps) -> (p', v')``: one pass computing what

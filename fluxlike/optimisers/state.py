@@ -369,8 +369,9 @@ def update(opt_state: OptState, model: nn.Module, grads: dict) -> None:
     loss_scale=opt_state.loss_scale)[0]``). Every step takes one path, whatever the scale
     (none is a :class:`~fluxlike.NoOpLossScale`, whose unscaling is the identity): the
     gradients are divided by the scale; if any is then inf or nan the step is skipped
-    (weights and optimiser state stay exactly as they were; a float32 sum of the gradients
-    past float32's range counts as such, see :func:`~fluxlike.precision.lossscale.sum_finite`)
+    (weights and optimiser state stay exactly as they were; without the native kernels a
+    float32 sum of the gradients past float32's range counts as such, see
+    :func:`~fluxlike.precision.lossscale.sum_finite`)
     and the scale is lowered, else the step is taken and the scale adjusted. These decisions
     are ``mx.where`` selections on arrays: ``update`` never waits for the device and can run
     inside ``mx.compile`` (capture ``opt_state.state`` and ``model.state``).

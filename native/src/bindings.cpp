@@ -11,6 +11,7 @@
 #include "common.h"
 #include "conv.h"
 #include "cpu.h"
+#include "finite.h"
 #include "matmul.h"
 #include "mlx/version.h"
 #include "pool.h"
@@ -241,6 +242,15 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       nb::kw_only(), "stream"_a = nb::none(),
       R"((p', m', v'): mlx.optimizers.Adam's bias-corrected update of a float32 or bfloat16
 parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see updates.h).)");
+
+  m.def(
+      "all_finite",
+      [](const std::vector<mx::array>& xs, mx::StreamOrDevice s) {
+        return fluxlike_native::all_finite(xs, s);
+      },
+      "xs"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"(A 0-d bool: whether no element of the float32, bfloat16 or float16 arrays xs is inf or
+nan, as one primitive (see finite.h).)");
 
   m.def(
       "rmsprop_step",
