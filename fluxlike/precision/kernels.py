@@ -6,7 +6,8 @@ them, and calls it:
 
 - ``"native"``: fluxlike's oneDNN primitives (:mod:`fluxlike.native`) on the CPU, where the
   companion is in use: float32, and bfloat16 (in oneDNN's bfloat16 kernels where the CPU has
-  them; elsewhere in its float32 kernels with bfloat16's roundings, outside differentiation);
+  them; elsewhere in its float32 kernels with bfloat16's roundings: linear layers always,
+  convolutions outside differentiation);
 - ``"emulated"``: half precision on the CPU in MLX's float32 kernels with half precision's
   numerics (:mod:`.emulation`), since MLX's own half-precision CPU kernels are scalar loops;
 - ``"mlx"``: MLX's own kernel (on a GPU, for float64, for mixed dtypes, and for float32 where
@@ -73,10 +74,11 @@ def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,
 
 
 def _takes_linear(dtype: mx.Dtype, x: Any = None, w: Any = None, geometry: Any = None) -> bool:
-    """float32, or bfloat16 in oneDNN's bfloat16 kernels. (Without them the emulation keeps
-    less for a backward pass, and a plain ``mx.grad`` is a backward pass fluxlike cannot see;
-    repeated inference on kept casts takes the native kernel anyway: :func:`linear`.)"""
-    return dtype == _F32 or _switch.bf16
+    """float32 and bfloat16: in oneDNN's bfloat16 kernels where the CPU has them, else in
+    its float32 kernels, the primitive upcasting its bfloat16 operands while it runs (so a
+    backward pass keeps them in bfloat16, as the emulation does, with one graph node per
+    product instead of the emulation's casts and custom gradient)."""
+    return True
 
 
 def _bf16_or_inference(dtype: mx.Dtype) -> bool:

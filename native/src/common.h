@@ -1,8 +1,10 @@
 // fluxlike-native: what every op's file uses - argument checks, shapes and dtypes in
-// messages, oneDNN's descriptions of MLX's arrays, a row-contiguous copy of a strided
-// operand, and derivatives and mx.vmap taken through MLX's ops.
+// messages, oneDNN's descriptions of MLX's arrays, bfloat16 conversions, a row-contiguous
+// copy of a strided operand, and derivatives and mx.vmap taken through MLX's ops.
 #pragma once
 
+#include <bit>
+#include <cstdint>
 #include <functional>
 #include <sstream>
 #include <stdexcept>
@@ -115,6 +117,18 @@ inline void gather(const T* src, T* dst, const mx::Shape& shape, const mx::Strid
       index[d] = 0;
     }
   }
+}
+
+// bfloat16 as MLX's CPU ops convert it: widened exactly; narrowed to nearest even, any NaN
+// becoming 0x7FC0 (mlx/types/bf16.h). Branch-free, so that loops of them vectorise.
+inline float widen(uint16_t b) {
+  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
+}
+
+inline uint16_t narrow(float x) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  uint32_t rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
+  return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
 // x's elements in a new row-contiguous array, copied by a task queued on the encoder before

@@ -116,6 +116,75 @@ dnnl::memory::dims row_major(const dnnl::memory::dims& dims) {
   return s;
 }
 
+// How oneDNN sees a row-major operand of `shape` (flattened to 2-D where asked), the last two
+// axes swapped for a transposed one: the float32 copies of bfloat16 operands (eval_upcast).
+View row_major_view(const mx::Shape& shape, bool trans, bool flatten) {
+  View v;
+  if (flatten && shape.size() != 2) {
+    int64_t last = shape.back(), size = 1;
+    for (auto d : shape) {
+      size *= d;
+    }
+    v.dims = {last == 0 ? 0 : size / last, last};
+  } else {
+    v.dims.assign(shape.begin(), shape.end());
+  }
+  v.strides = row_major(v.dims);
+  if (trans) {
+    auto n = v.dims.size();
+    std::swap(v.dims[n - 1], v.dims[n - 2]);
+    std::swap(v.strides[n - 1], v.strides[n - 2]);
+  }
+  return v;
+}
+
+// An input of an upcasting product as its task reads it.
+struct Operand {
+  const void* data;
+  mx::Shape shape;
+  mx::Strides strides;
+  size_t size;
+  bool row_contiguous;
+  bool bf16;  // else float32 (a bias)
+};
+
+Operand operand(const mx::array& x) {
+  return {x.data<void>(), x.shape(), x.strides(), x.size(), x.flags().row_contiguous,
+          x.dtype() == mx::bfloat16};
+}
+
+FLN_VECTOR_CLONES void widen_all(const uint16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = widen(src[i]);
+  }
+}
+
+FLN_VECTOR_CLONES void narrow_all(const float* src, uint16_t* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = narrow(src[i]);
+  }
+}
+
+// x's elements, row-major, as float32 (bfloat16 widened exactly) into dst.
+void to_float32(const Operand& x, float* dst) {
+  if (!x.bf16) {
+    if (x.row_contiguous) {
+      std::copy_n(static_cast<const float*>(x.data), x.size, dst);
+    } else {
+      gather(static_cast<const uint32_t*>(x.data), reinterpret_cast<uint32_t*>(dst), x.shape,
+             x.strides);
+    }
+    return;
+  }
+  auto src = static_cast<const uint16_t*>(x.data);
+  Buffer packed(x.row_contiguous ? 0 : x.size * sizeof(uint16_t), FN, "an operand's copy");
+  if (!x.row_contiguous) {
+    gather(src, static_cast<uint16_t*>(packed.p), x.shape, x.strides);
+    src = static_cast<const uint16_t*>(packed.p);
+  }
+  widen_all(src, dst, x.size);
+}
+
 std::shared_ptr<const Prepared> lookup(
     const View& a,
     const View& b,
@@ -298,19 +367,10 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
   // A bfloat16 product over one entry (K == 1) in oneDNN 3.2's bfloat16 kernels gave NaN for
   // an infinite operand (the K pair is padded; seen in tests/native/test_hostile.py): float32.
   int k_len = a.ndim() == 0 ? 1 : (trans_a && a.ndim() >= 2 ? a.shape(-2) : a.shape(-1));
-  if (dt == mx::bfloat16 && (!native_bf16 || k_len == 1)) {  // bfloat16 on float32 kernels
-    std::optional<mx::array> bias32;
-    if (bias) {
-      bias32 = mx::astype(*bias, mx::float32, stream);
-    }
-    auto y = matmul(
-        mx::astype(a, mx::float32, stream), mx::astype(b, mx::float32, stream), bias32,
-        trans_a, trans_b, relu, mx::float32, batched, false, stream);
-    return odt == mx::float32 ? y : mx::astype(y, odt, stream);
-  }
-  FLN_CHECK(dt != mx::bfloat16 || isa_has_bf16(), FN, ": native bfloat16 kernels were asked "
-            "for, but oneDNN's CPU ISA is ", cpu_isa(), " (no avx512_core_bf16); pass "
-            "native_bf16=False to run bfloat16 in float32 kernels");
+  bool upcast = dt == mx::bfloat16 && (!native_bf16 || k_len == 1);  // in float32 kernels
+  FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
+            "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), " (no avx512_core_bf16); "
+            "pass native_bf16=False to run bfloat16 in float32 kernels");
   if (a.size() == 0 || b.size() == 0) {  // oneDNN takes no empty operands
     auto y = mx::matmul(
         mx::astype(swap_last(a, trans_a, stream), mx::float32, stream),
@@ -333,13 +393,17 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
   return mx::array(
       shape, odt,
       std::make_shared<Matmul>(
-          stream, trans_a, trans_b, bias.has_value(), relu, batched, odt),
+          stream, trans_a, trans_b, bias.has_value(), relu, batched, odt, upcast),
       std::move(inputs));
 }
 
 void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
+    return;
+  }
+  if (upcast_) {
+    eval_upcast(inputs, out);
     return;
   }
   // Row-contiguous operands pass as they are, and column-major ones (a transposed view) where
@@ -416,6 +480,78 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   });
 }
 
+// bfloat16 operands in float32 kernels: the task upcasts them (exactly) into float32
+// buffers of its own, runs the float32 product as eval_cpu would (the GEMM without a
+// primitive, or a cached float32 primitive), applies the ReLU, and rounds the result to
+// bfloat16 where that is the output's dtype - what astype, a float32 product and astype
+// compute, in one node whose float32 copies live only while it runs.
+void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  View va = row_major_view(inputs[0].shape(), trans_a_, !batched_);
+  View vb = row_major_view(inputs[1].shape(), trans_b_, false);
+  dnnl::memory::dims dst_dims;
+  if (batched_) {
+    dst_dims.assign(out.shape().begin(), out.shape().end());
+  } else {
+    dst_dims = {va.dims[0], vb.dims[1]};
+  }
+  std::optional<mx::Dtype> bias_dt;
+  if (has_bias_) {
+    bias_dt = mx::float32;
+  }
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  std::shared_ptr<const Prepared> entry;
+  Lead la, lb;
+  bool direct = false;
+  if (!batched_) {  // (row-major copies: the GEMM reads every one)
+    la = lead(va);
+    lb = lead(vb);
+    auto mode = effective_mode();
+    if (mode == MatmulMode::Reused) {
+      entry = lookup(va, vb, dst_dims, mx::float32, mx::float32, bias_dt, /*defer_first=*/true);
+    }
+    direct = mode == MatmulMode::Gemm || (mode == MatmulMode::Reused && !entry);
+  }
+  if (!direct && !entry) {
+    entry = lookup(va, vb, dst_dims, mx::float32, mx::float32, bias_dt);
+  }
+  std::optional<Operand> bias;
+  if (has_bias_) {
+    bias = operand(inputs[2]);
+  }
+  encoder.dispatch([a = operand(inputs[0]), b = operand(inputs[1]), bias = std::move(bias),
+                    entry, la, lb, direct, relu = relu_, pdst = out.data<void>(),
+                    bf16 = out.dtype() == mx::bfloat16, n_out = out.size(),
+                    m = dst_dims[0], n = dst_dims.back(), k = va.dims.back()]() {
+    constexpr const char* what = "a float32 copy of a bfloat16 operand";
+    Buffer a32(a.size * sizeof(float), FN, what), b32(b.size * sizeof(float), FN, what);
+    Buffer bias32(bias ? bias->size * sizeof(float) : 0, FN, what);
+    Buffer y32(bf16 ? n_out * sizeof(float) : 0, FN, "the float32 result");
+    to_float32(a, static_cast<float*>(a32.p));
+    to_float32(b, static_cast<float*>(b32.p));
+    if (bias) {
+      to_float32(*bias, static_cast<float*>(bias32.p));
+    }
+    auto dst = static_cast<float*>(bf16 ? y32.p : pdst);
+    if (direct) {
+      direct_gemm(static_cast<const float*>(a32.p), la, static_cast<const float*>(b32.p), lb,
+                  static_cast<const float*>(bias32.p), dst, m, n, k);
+    } else {
+      execute(*entry, {{DNNL_ARG_SRC, a32.p}, {DNNL_ARG_WEIGHTS, b32.p},
+                       {DNNL_ARG_BIAS, bias32.p}, {DNNL_ARG_DST, dst}}, FN);
+    }
+    if (relu) {
+      relu_keeping_nan(dst, n_out, false);
+    }
+    if (bf16) {
+      narrow_all(dst, static_cast<uint16_t*>(pdst), n_out);
+    }
+  });
+}
+
 // mx.vmap: the vmapped axis of each operand moves to the front. Only the first operand
 // mapped (per-sample inputs through shared weights): the same kernel, the axis one more
 // leading row axis. Otherwise MLX's ops in float32 (the same numerics: exact upcasts, float32
@@ -433,7 +569,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> Matmul::vmap(
     if (has_bias_) {
       bias = inputs[2];
     }
-    bool native = inputs[0].dtype() == mx::bfloat16;
+    bool native = inputs[0].dtype() == mx::bfloat16 && !upcast_;
     return {{matmul(front(0), inputs[1], bias, false, trans_b_, relu_, out_dtype_, false,
                     native, s)},
             {0}};
@@ -485,7 +621,8 @@ std::vector<mx::Shape> Matmul::output_shapes(const std::vector<mx::array>& input
 bool Matmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Matmul&>(other);
   return trans_a_ == o.trans_a_ && trans_b_ == o.trans_b_ && has_bias_ == o.has_bias_ &&
-      relu_ == o.relu_ && batched_ == o.batched_ && out_dtype_ == o.out_dtype_;
+      relu_ == o.relu_ && batched_ == o.batched_ && out_dtype_ == o.out_dtype_ &&
+      upcast_ == o.upcast_;
 }
 
 std::vector<mx::array> Matmul::vjp(
@@ -497,7 +634,7 @@ std::vector<mx::array> Matmul::vjp(
   auto& a = primals[0];
   auto& b = primals[1];
   auto cdt = a.dtype();
-  bool native = cdt == mx::bfloat16;  // a bfloat16 primitive exists only when native
+  bool native = cdt == mx::bfloat16 && !upcast_;  // its products run as this one does
   auto g = cotangents[0];
   if (relu_) {  // relu'(y) is y > 0 (the output is kept in the compute dtype)
     // One pass, no temporaries (MLX's where, or a product with the mask, take 3-4 passes
@@ -548,7 +685,7 @@ std::vector<mx::array> Matmul::jvp(
   auto& a = primals[0];
   auto& b = primals[1];
   auto cdt = a.dtype();
-  bool native = cdt == mx::bfloat16;
+  bool native = cdt == mx::bfloat16 && !upcast_;
   auto shape = out_shape(a.shape(), b.shape(), trans_a_, trans_b_, batched_);
   // Tangents are summed in float32 and given the output's dtype.
   std::optional<mx::array> t;

@@ -17,7 +17,10 @@ namespace fluxlike_native {
 //   (broadcast).
 // Operands float32 or bfloat16 (both the same); bias (N,) of their dtype or float32;
 // out_dtype float32 or the operands' dtype (default). native_bf16 == false runs bfloat16
-// operands in float32 kernels (upcast, float32 result, rounded to bfloat16 if asked).
+// operands in float32 kernels: one primitive that upcasts them (exactly) into float32
+// buffers of its own while it runs and rounds the float32 result to bfloat16 if asked, so
+// that the graph holds the bfloat16 operands only (a backward pass keeps those, not float32
+// copies) and one node per product.
 mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
                  bool batched, bool native_bf16, mx::StreamOrDevice s = {});
@@ -51,14 +54,16 @@ class Matmul : public mx::UnaryPrimitive {
       bool has_bias,
       bool relu,
       bool batched,
-      mx::Dtype out_dtype)
+      mx::Dtype out_dtype,
+      bool upcast = false)
       : mx::UnaryPrimitive(stream),
         trans_a_(trans_a),
         trans_b_(trans_b),
         has_bias_(has_bias),
         relu_(relu),
         batched_(batched),
-        out_dtype_(out_dtype) {}
+        out_dtype_(out_dtype),
+        upcast_(upcast) {}
 
   FLN_DEFINE_EVAL_CPU_ONLY("fluxlike_native.matmul has no GPU kernel: build it on a CPU stream")
   FLN_DEFINE_GRADS()
@@ -74,6 +79,9 @@ class Matmul : public mx::UnaryPrimitive {
   bool relu_;
   bool batched_;
   mx::Dtype out_dtype_;
+  bool upcast_;  // bfloat16 operands in float32 kernels (see matmul above)
+
+  void eval_upcast(const std::vector<mx::array>& inputs, mx::array& out);
 };
 
 } // namespace fluxlike_native

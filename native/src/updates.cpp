@@ -47,19 +47,8 @@ FLN_VECTOR_CLONES void adam_range(const float* p, const float* g, const float* m
   }
 }
 
-// bfloat16 as MLX's CPU ops compute it: each operation in float32, its result rounded to
-// bfloat16 (to nearest even; any NaN becomes 0x7FC0), as mlx/types/bf16.h converts.
-inline float widen(uint16_t b) {
-  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
-}
-
-inline uint16_t narrow(float x) {
-  uint32_t u = std::bit_cast<uint32_t>(x);
-  uint32_t rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
-  return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
-}
-
-inline float r(float x) {  // x rounded to bfloat16, as a float
+// x rounded to bfloat16 as MLX's CPU ops round each result (common.h: narrow), as a float.
+inline float r(float x) {
   return widen(narrow(x));
 }
 

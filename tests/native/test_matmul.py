@@ -16,6 +16,9 @@ as if it were absent: ``FLUXLIKE_NATIVE=0 python -m pytest -q tests/native``.
 
 from __future__ import annotations
 
+import re
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -554,3 +557,90 @@ def test_matmul_and_relu_grad_under_vmap(dtype):
                          in_axes=(None, 0))(w32, xs)
     expected = mx.vmap(mx.grad(lambda w, x: ref(x, w, b32).sum()), in_axes=(None, 0))(w32, xs)
     np.testing.assert_allclose(np64(per_sample), np64(expected), rtol=1e-5, atol=1e-5)
+
+
+# ---- bfloat16 in float32 kernels: one primitive upcasting its operands while it runs -----------
+
+def _upcast_reference(a, b, bias, ta, tb, act, out_dtype, batched):
+    """What the upcasting primitive computes, spelled as the graph it replaces: exact float32
+    upcasts, the float32 primitive, one rounding."""
+    from fluxlike_native import _ext
+    up = [None if t is None else t.astype(mx.float32) for t in (a, b, bias)]
+    y = _ext.matmul(up[0], up[1], up[2], ta, tb, act, mx.float32, batched, False)
+    return y if out_dtype == mx.float32 else y.astype(mx.bfloat16)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.integers(1, 30), inner=st.integers(1, 50), out=st.integers(1, 30),
+       lead=st.sampled_from([(), (3,)]), xl=st.sampled_from(LAYOUTS),
+       wl=st.sampled_from(LAYOUTS), bias=st.sampled_from([None, mx.bfloat16, mx.float32]),
+       relu_=st.booleans(), out_dtype=st.sampled_from([mx.bfloat16, mx.float32]),
+       seed=st.integers(0, 2**16))
+def test_bfloat16_upcast_is_the_float32_product_rounded_once_bit_for_bit(
+        rows, inner, out, lead, xl, wl, bias, relu_, out_dtype, seed):
+    """native_bf16=False: the result (and each gradient) is exactly that of astype, the
+    float32 primitive and astype, for any layout of the operands, a bias of either dtype, a
+    fused ReLU and either output dtype."""
+    from fluxlike_native import _ext
+    mx.random.seed(seed)
+    x = laid_out(rand((rows, inner), mx.bfloat16), xl)
+    if lead:
+        x = mx.stack([x] * lead[0])
+    w = laid_out(rand((out, inner), mx.bfloat16), wl)
+    b = None if bias is None else rand((out,), bias)
+    y = _ext.matmul(x, w, b, False, True, relu_, out_dtype, False, False)
+    ref = _upcast_reference(x, w, b, False, True, relu_, out_dtype, False)
+    assert y.dtype == ref.dtype == out_dtype
+    np.testing.assert_array_equal(np64(y), np64(ref))
+
+    def grads(fn):
+        args = [x, w] + ([] if b is None else [b])
+        return mx.grad(lambda *t: (fn(*t) * c).astype(mx.float32).sum(),
+                       argnums=list(range(len(args))))(*args)
+
+    # (a float32 cotangent is rounded to bfloat16 before the products, as in oneDNN's
+    # bfloat16 kernels: one that bfloat16 holds exactly makes that rounding exact)
+    c = rand(y.shape, mx.bfloat16).astype(out_dtype)
+    mine = grads(lambda x, w, b=None: _ext.matmul(x, w, b, False, True, relu_, out_dtype, False,
+                                                 False))
+    theirs = grads(lambda x, w, b=None: _upcast_reference(x, w, b, False, True, relu_,
+                                                          out_dtype, False))
+    for g, r in zip(mine, theirs, strict=True):
+        assert g.dtype == r.dtype
+        np.testing.assert_array_equal(np64(g), np64(r))
+
+
+@needs_native
+@pytest.mark.parametrize(("ashape", "bshape", "ta", "tb"), [
+    ((2, 4, 5, 7), (2, 4, 6, 7), False, True),   # attention scores: q @ k.T
+    ((2, 1, 5, 6), (1, 3, 6, 7), False, False),  # broadcast batch axes
+    ((3, 7, 5), (3, 7, 4), True, False),
+    ((7, 5), (3, 7), True, True),
+])
+def test_bfloat16_upcast_batched_and_transposed_bit_for_bit(ashape, bshape, ta, tb):
+    from fluxlike_native import _ext
+    a, b = rand(ashape, mx.bfloat16), rand(bshape, mx.bfloat16)
+    batched = len(ashape) > 2
+    for out_dtype in (mx.bfloat16, mx.float32):
+        y = _ext.matmul(a, b, None, ta, tb, False, out_dtype, batched, False)
+        ref = _upcast_reference(a, b, None, ta, tb, False, out_dtype, batched)
+        np.testing.assert_array_equal(np64(y), np64(ref))
+
+
+@needs_native
+def test_bfloat16_upcast_is_one_node_and_keeps_no_float32_copies():
+    """The graph holds the bfloat16 operands and one product node (no casts), in and out of
+    mx.compile, and a NaN still passes a fused ReLU."""
+    from fluxlike_native import _ext
+    x, w = rand((6, 9), mx.bfloat16), rand((4, 9), mx.bfloat16)
+    x[0, 0] = float("nan")
+    mx.eval(x, w)
+    y = _ext.matmul(x, w, None, False, True, True, None, False, False)
+    path = Path(tempfile.mkdtemp()) / "graph.dot"
+    mx.export_to_dot(str(path), y)
+    nodes = re.findall(r'label ="?([A-Za-z]+)', path.read_text())
+    assert nodes == ["FluxlikeNativeMatmul"], nodes
+    assert np.isnan(np64(y)[0]).all() and not np.isnan(np64(y)[1:]).any()
+    f = mx.compile(lambda x: _ext.matmul(x, w, None, False, True, True, None, False, False))
+    np.testing.assert_array_equal(np64(f(x)), np64(y))
