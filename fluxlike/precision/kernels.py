@@ -6,8 +6,8 @@ them, and calls it:
 
 - ``"native"``: fluxlike's oneDNN primitives (:mod:`fluxlike.native`) on the CPU, where the
   companion is in use: float32, and bfloat16 (in oneDNN's bfloat16 kernels where the CPU has
-  them; elsewhere in its float32 kernels with bfloat16's roundings: linear layers always,
-  convolutions outside differentiation);
+  them; elsewhere in its float32 kernels with bfloat16's roundings, the primitive upcasting
+  its operands while it runs);
 - ``"emulated"``: half precision on the CPU in MLX's float32 kernels with half precision's
   numerics (:mod:`.emulation`), since MLX's own half-precision CPU kernels are scalar loops;
 - ``"mlx"``: MLX's own kernel (on a GPU, for float64, for mixed dtypes, and for float32 where
@@ -81,12 +81,6 @@ def _takes_linear(dtype: mx.Dtype, x: Any = None, w: Any = None, geometry: Any =
     return True
 
 
-def _bf16_or_inference(dtype: mx.Dtype) -> bool:
-    """float32, or bfloat16 in oneDNN's bfloat16 kernels, or bfloat16 outside fluxlike's
-    differentiation (in float32 kernels with bfloat16's roundings)."""
-    return dtype == _F32 or _switch.bf16 or not _state().differentiating
-
-
 def _takes_matmul(dtype: mx.Dtype, a: mx.array, b: mx.array, geometry: Any) -> bool:
     """bfloat16 products of two or more axes (attention's scores and weighted sums: MLX's CPU
     float32 matmul costs more on such small batched products than oneDNN's bfloat16 one)."""
@@ -97,8 +91,9 @@ def _takes_matmul(dtype: mx.Dtype, a: mx.array, b: mx.array, geometry: Any) -> b
 def _takes_conv(dtype: mx.Dtype, x: mx.array, w: mx.array, geometry: tuple) -> bool:
     """1-3 spatial axes; in training always (faster than MLX's at every size measured, and
     MLX's convolution gradient has no ``mx.vmap``), else from :data:`NATIVE_CONV_MIN_MACS`
-    (bfloat16: always)."""
-    if x.ndim < 3 or x.ndim > 5 or not _bf16_or_inference(dtype):
+    (bfloat16: always; without oneDNN's bfloat16 kernels the primitive upcasts its operands
+    while it runs, so a backward pass keeps them in bfloat16, as the emulation does)."""
+    if x.ndim < 3 or x.ndim > 5:
         return False
     if dtype == _BF16 or _state().differentiating:
         return True

@@ -131,6 +131,10 @@ inline uint16_t narrow(float x) {
   return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
+// n values each way, as above (convert.cpp).
+void widen_all(const uint16_t* src, float* dst, size_t n);
+void narrow_all(const float* src, uint16_t* dst, size_t n);
+
 // x's elements in a new row-contiguous array, copied by a task queued on the encoder before
 // the kernel that reads it (and kept alive until then as a temporary); float32 or bfloat16.
 inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder& encoder) {

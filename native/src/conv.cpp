@@ -330,13 +330,14 @@ mx::array make(
     mx::Shape shape,
     mx::Shape fixed,
     mx::Stream s,
-    bool relu = false) {
+    bool relu = false,
+    bool upcast = false) {
   std::vector<mx::array> inputs{mx::contiguous(in0, false, s), mx::contiguous(in1, false, s)};
   if (bias) inputs.push_back(mx::contiguous(*bias, false, s));
   auto dt = in0.dtype();
   return mx::array(
       std::move(shape), dt,
-      std::make_shared<Conv>(s, kind, p, bias.has_value(), std::move(fixed), relu),
+      std::make_shared<Conv>(s, kind, p, bias.has_value(), std::move(fixed), relu, upcast),
       std::move(inputs));
 }
 
@@ -346,21 +347,22 @@ mx::Shape tail(const mx::Shape& s) {
 
 // dx of shape (dy.N, *x_tail) from dy and w.
 mx::array backward_data(const mx::array& dy, const mx::array& w, const mx::Shape& x_tail,
-                        const ConvParams& p, mx::Stream s) {
+                        const ConvParams& p, mx::Stream s, bool upcast = false) {
   mx::Shape shape{dy.shape(0)};
   shape.insert(shape.end(), x_tail.begin(), x_tail.end());
-  return make(ConvKind::BackwardData, p, dy, w, std::nullopt, shape, x_tail, s);
+  return make(ConvKind::BackwardData, p, dy, w, std::nullopt, shape, x_tail, s, false, upcast);
 }
 
 mx::array backward_weights(const mx::array& x, const mx::array& dy, const mx::Shape& wshape,
-                           const ConvParams& p, mx::Stream s) {
-  return make(ConvKind::BackwardWeights, p, x, dy, std::nullopt, wshape, wshape, s);
+                           const ConvParams& p, mx::Stream s, bool upcast = false) {
+  return make(ConvKind::BackwardWeights, p, x, dy, std::nullopt, wshape, wshape, s, false,
+              upcast);
 }
 
 mx::array forward(const mx::array& x, const mx::array& w, const std::optional<mx::array>& b,
-                  const ConvParams& p, mx::Stream s, bool relu = false) {
+                  const ConvParams& p, mx::Stream s, bool relu = false, bool upcast = false) {
   return make(ConvKind::Forward, p, x, w, b, conv_out_shape(x.shape(), w.shape(), p), {}, s,
-              relu);
+              relu, upcast);
 }
 
 } // namespace
@@ -385,18 +387,12 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
   // weight: an infinite or NaN neighbour made NaN where MLX gives a finite result. Float32
   // kernels (an RGB input's first layer among them).
   bool paired = w.shape().back() % 2 == 1;
-  if (dt == mx::bfloat16 && (!native_bf16 || paired)) {
-    std::optional<mx::array> b32;
-    if (bias) b32 = mx::astype(*bias, mx::float32, stream);
-    auto y = conv(mx::astype(x, mx::float32, stream), mx::astype(w, mx::float32, stream), b32,
-                  p, false, relu, stream);
-    return mx::astype(y, dt, stream);
-  }
-  FLN_CHECK(dt != mx::bfloat16 || isa_has_bf16(), FN, ": native bfloat16 kernels were asked "
-            "for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
+  bool upcast = dt == mx::bfloat16 && (!native_bf16 || paired);  // in float32 kernels
+  FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
+            "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
   FLN_CHECK(x.size() != 0 && w.size() != 0, FN, ": empty operands (x ", shape_str(x.shape()),
             ", w ", shape_str(w.shape()), "); use mx.conv_general");
-  return forward(x, w, bias, p, stream, relu);
+  return forward(x, w, bias, p, stream, relu, upcast);
 }
 
 mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::Shape& x_tail,
@@ -412,14 +408,10 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
   FLN_CHECK(expect == dy.shape(), FN, ": a convolution of an input ", shape_str(xs), " with w ",
             shape_str(w.shape()), " gives ", shape_str(expect), ", not dy's ",
             shape_str(dy.shape()));
-  if (dt == mx::bfloat16 && !native_bf16) {
-    auto y = conv_backward_data(mx::astype(dy, mx::float32, stream),
-                                mx::astype(w, mx::float32, stream), x_tail, p, false, stream);
-    return mx::astype(y, dt, stream);
-  }
-  FLN_CHECK(dt != mx::bfloat16 || isa_has_bf16(), FN, ": native bfloat16 kernels were asked "
-            "for, but oneDNN's CPU ISA is ", cpu_isa());
-  return backward_data(dy, w, x_tail, p, stream);
+  bool upcast = dt == mx::bfloat16 && !native_bf16;  // in float32 kernels
+  FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
+            "were asked for, but oneDNN's CPU ISA is ", cpu_isa());
+  return backward_data(dy, w, x_tail, p, stream, upcast);
 }
 
 // A float32 convolution's first use at a shape runs MLX's own convolution: its primitive is
@@ -486,7 +478,8 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& in0 = inputs[0];
   auto& in1 = inputs[1];
   std::optional<mx::Dtype> bias_dt;
-  if (has_bias_) bias_dt = inputs[2].dtype();
+  if (has_bias_) bias_dt = upcast_ ? mx::float32 : inputs[2].dtype();
+  auto dt = upcast_ ? mx::float32 : in0.dtype();  // the kernel's
   std::shared_ptr<const ConvPrepared> entry;
   if (kind_ == ConvKind::Forward && out.size() != 0 && first_use_deferred() &&
       first_use_fits(inputs, out)) {
@@ -514,12 +507,53 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     xs = &in0.shape(), ws = &out.shape(), ys = &in1.shape();
   }
   if (!entry) {
-    entry = lookup(kind_, p_, *xs, *ws, *ys, in0.dtype(), bias_dt);
+    entry = lookup(kind_, p_, *xs, *ws, *ys, dt, bias_dt);
   }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
+  if (upcast_) {
+    // bfloat16 in float32 kernels: the operands upcast (exactly) into float32 buffers that
+    // live while the task runs, the float32 kernel, and the result rounded once - what
+    // astype, a float32 convolution and astype compute, in one node.
+    auto sized = [](const mx::array& x) {
+      return std::pair<const void*, size_t>{x.data<void>(), x.size()};
+    };
+    encoder.dispatch([entry, kind = kind_, in0 = sized(in0), in1 = sized(in1),
+                      bias = has_bias_ ? sized(inputs[2])
+                                       : std::pair<const void*, size_t>{nullptr, 0},
+                      bias_bf16 = has_bias_ && inputs[2].dtype() == mx::bfloat16,
+                      po = out.data<void>(), relu = relu_, n = out.size(),
+                      padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
+                      ys = *ys, p = p_]() {
+      constexpr const char* what = "a float32 copy of a bfloat16 operand";
+      Buffer a32(in0.second * sizeof(float), FN, what), b32(in1.second * sizeof(float), FN, what);
+      Buffer bias32(bias.second * sizeof(float), FN, what);
+      Buffer y32(n * sizeof(float), FN, "the float32 result");
+      auto widened = [](const void* src, size_t size, void* dst) {
+        widen_all(static_cast<const uint16_t*>(src), static_cast<float*>(dst), size);
+      };
+      widened(in0.first, in0.second, a32.p);
+      widened(in1.first, in1.second, b32.p);
+      if (bias_bf16) {
+        widened(bias.first, bias.second, bias32.p);
+      } else if (bias.first != nullptr) {
+        std::copy_n(static_cast<const float*>(bias.first), bias.second,
+                    static_cast<float*>(bias32.p));
+      }
+      run(*entry, kind, a32.p, b32.p, bias32.p, y32.p);
+      if (padded) {
+        padding_as_mlx({a32.p, b32.p, bias32.p, y32.p, false, false}, xs, ws, ys, p);
+      }
+      auto y = static_cast<float*>(y32.p);
+      if (relu) {
+        relu_keeping_nan(y, n, false);
+      }
+      narrow_all(y, static_cast<uint16_t*>(po), n);
+    });
+    return;
+  }
   encoder.dispatch([entry, kind = kind_, p0 = const_cast<void*>(in0.data<void>()),
                     p1 = const_cast<void*>(in1.data<void>()), pbias, po = out.data<void>(),
                     relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size(),
@@ -550,7 +584,7 @@ std::vector<mx::Shape> Conv::output_shapes(const std::vector<mx::array>& inputs)
 bool Conv::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Conv&>(other);
   return kind_ == o.kind_ && p_ == o.p_ && has_bias_ == o.has_bias_ && relu_ == o.relu_ &&
-      fixed_ == o.fixed_;
+      upcast_ == o.upcast_ && fixed_ == o.fixed_;
 }
 
 std::pair<std::vector<mx::array>, std::vector<int>> Conv::vmap(
@@ -563,7 +597,8 @@ std::pair<std::vector<mx::array>, std::vector<int>> Conv::vmap(
       bias = in[2];
     }
     return std::vector<mx::array>{
-        make(kind_, p_, in[0], in[1], bias, output_shapes(in)[0], fixed_, s, relu_)};
+        make(kind_, p_, in[0], in[1], bias, output_shapes(in)[0], fixed_, s, relu_,
+             upcast_)};
   };
   // The batch: x's first axis (Forward), dy's (BackwardData); a weight gradient reduces it.
   std::vector<bool> batched(inputs.size(), false);
@@ -587,18 +622,18 @@ std::vector<mx::array> Conv::vjp(
   for (int arg : argnums) {
     if (kind_ == ConvKind::Forward) {  // y = conv(x, w) + bias
       if (arg == 0) {
-        grads.push_back(backward_data(c, b, tail(a.shape()), p_, s));
+        grads.push_back(backward_data(c, b, tail(a.shape()), p_, s, upcast_));
       } else if (arg == 1) {
-        grads.push_back(backward_weights(a, c, b.shape(), p_, s));
+        grads.push_back(backward_weights(a, c, b.shape(), p_, s, upcast_));
       } else {
         grads.push_back(bias_grad(g, primals[2].dtype(), s));
       }
     } else if (kind_ == ConvKind::BackwardData) {  // dx = conv^T(dy, w)
-      grads.push_back(arg == 0 ? forward(c, b, std::nullopt, p_, s)
-                               : backward_weights(c, a, b.shape(), p_, s));
+      grads.push_back(arg == 0 ? forward(c, b, std::nullopt, p_, s, false, upcast_)
+                               : backward_weights(c, a, b.shape(), p_, s, upcast_));
     } else {  // dw = bw(x, dy)
-      grads.push_back(arg == 0 ? backward_data(b, c, tail(a.shape()), p_, s)
-                               : forward(a, c, std::nullopt, p_, s));
+      grads.push_back(arg == 0 ? backward_data(b, c, tail(a.shape()), p_, s, upcast_)
+                               : forward(a, c, std::nullopt, p_, s, false, upcast_));
     }
   }
   if (kind_ == ConvKind::Forward) {
@@ -621,20 +656,20 @@ std::vector<mx::array> Conv::jvp(
     int arg = argnums[i];
     mx::array ti = tan;
     if (kind_ == ConvKind::Forward) {
-      ti = arg == 0 ? forward(tan, b, std::nullopt, p_, s)
-          : arg == 1 ? forward(a, tan, std::nullopt, p_, s)
+      ti = arg == 0 ? forward(tan, b, std::nullopt, p_, s, false, upcast_)
+          : arg == 1 ? forward(a, tan, std::nullopt, p_, s, false, upcast_)
                      : mx::astype(tan, dt, s);
     } else if (kind_ == ConvKind::BackwardData) {
-      ti = backward_data(arg == 0 ? tan : a, arg == 0 ? b : tan, fixed_, p_, s);
+      ti = backward_data(arg == 0 ? tan : a, arg == 0 ? b : tan, fixed_, p_, s, upcast_);
     } else {
-      ti = backward_weights(arg == 0 ? tan : a, arg == 0 ? b : tan, fixed_, p_, s);
+      ti = backward_weights(arg == 0 ? tan : a, arg == 0 ? b : tan, fixed_, p_, s, upcast_);
     }
     t = t ? mx::add(*t, ti, s) : ti;
   }
   auto out = mx::astype(*t, dt, s);
   if (relu_) {  // the tangent of max(y, 0): masked by the output, recomputed here
     out = relu_grad(out, forward(a, b, has_bias_ ? std::optional<mx::array>(primals[2])
-                                                  : std::nullopt, p_, s, true), s);
+                                                  : std::nullopt, p_, s, true, upcast_), s);
   }
   return {out};
 }

@@ -20,7 +20,9 @@ struct ConvParams {
 
 // The convolution mx.conv_general computes (no input dilation, no flip): x (N, *spatial,
 // C_in), w (C_out, *kernel, C_in / groups), bias (C_out,) -> (N, *out_spatial, C_out).
-// float32 or bfloat16 (native_bf16 == false: bfloat16 in float32 kernels).
+// float32 or bfloat16 (native_bf16 == false: bfloat16 in float32 kernels, the primitive
+// upcasting its operands into float32 buffers of its own while it runs and rounding the
+// result, so that the graph holds the bfloat16 operands only).
 // relu == true: max(y, 0), fused into the primitive (a pass after oneDNN's kernel that keeps
 // NaN, relu_keeping_nan; the backward pass masks
 // the cotangent by the kept output, ReluGrad).
@@ -40,12 +42,13 @@ enum class ConvKind { Forward, BackwardData, BackwardWeights };
 class Conv : public mx::UnaryPrimitive {
  public:
   Conv(mx::Stream stream, ConvKind kind, ConvParams p, bool has_bias, mx::Shape fixed,
-       bool relu = false)
+       bool relu = false, bool upcast = false)
       : mx::UnaryPrimitive(stream),
         kind_(kind),
         p_(std::move(p)),
         has_bias_(has_bias),
         relu_(relu),
+        upcast_(upcast),
         fixed_(std::move(fixed)) {}
 
   FLN_DEFINE_EVAL_CPU_ONLY("fluxlike_native.conv has no GPU kernel: build it on a CPU stream")
@@ -70,6 +73,7 @@ class Conv : public mx::UnaryPrimitive {
   ConvParams p_;
   bool has_bias_;
   bool relu_;  // Forward only: a fused ReLU
+  bool upcast_;  // bfloat16 operands in float32 kernels (see conv above)
   mx::Shape fixed_;  // BackwardData: dx's shape without the batch; BackwardWeights: dw's
 };
 

@@ -153,18 +153,6 @@ Operand operand(const mx::array& x) {
           x.dtype() == mx::bfloat16};
 }
 
-FLN_VECTOR_CLONES void widen_all(const uint16_t* src, float* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    dst[i] = widen(src[i]);
-  }
-}
-
-FLN_VECTOR_CLONES void narrow_all(const float* src, uint16_t* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    dst[i] = narrow(src[i]);
-  }
-}
-
 // x's elements, row-major, as float32 (bfloat16 widened exactly) into dst.
 void to_float32(const Operand& x, float* dst) {
   if (!x.bf16) {

@@ -7,6 +7,10 @@ as if it were absent: ``FLUXLIKE_NATIVE=0 python -m pytest -q tests/native``.
 
 from __future__ import annotations
 
+import re
+import tempfile
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -354,3 +358,64 @@ def test_the_convolutions_fused_relu_keeps_nan(dtype):
     reached[0:3, 0:3] = True  # the outputs whose 3x3 window holds x[1, 1]
     assert np.isnan(y[0]).any(axis=-1).tolist() == reached.tolist()
     assert (y[0][~reached] > 0).all()
+
+
+# ---- bfloat16 in float32 kernels: one primitive upcasting its operands while it runs -----------
+
+def _upcast_conv(x, w, b, stride, pad, dil, groups, relu_=False, upcast=True):
+    """The convolution with native_bf16=False (upcast: one node), or spelled as the graph it
+    replaces (exact float32 upcasts, the float32 primitive, one rounding)."""
+    from fluxlike_native import _ext
+    args = (list(stride), list(pad[0]), list(pad[1]), list(dil), groups, False)
+    if upcast:
+        return _ext.conv(x, w, b, *args, relu=relu_)
+    up = [None if t is None else t.astype(mx.float32) for t in (x, w, b)]
+    return _ext.conv(*up, *args, relu=relu_).astype(mx.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
+@pytest.mark.parametrize("bias", [None, mx.bfloat16, mx.float32], ids=str)
+@pytest.mark.parametrize("relu_", [False, True])
+def test_bfloat16_upcast_is_the_float32_convolution_rounded_once_bit_for_bit(case, bias, relu_):
+    """native_bf16=False: the result and each gradient (the input's, through the transposed
+    convolution; the weight's; the bias's) are exactly those of astype, the float32 primitive
+    and astype."""
+    xs, ws, stride, pad, dil, groups = case
+    x, w = rand(xs, mx.bfloat16), rand(ws, mx.bfloat16)
+    b = None if bias is None else rand((ws[0],), bias)
+    y = _upcast_conv(x, w, b, stride, pad, dil, groups, relu_)
+    ref = _upcast_conv(x, w, b, stride, pad, dil, groups, relu_, upcast=False)
+    assert y.dtype == ref.dtype == mx.bfloat16
+    np.testing.assert_array_equal(np64(y), np64(ref))
+    c = rand(y.shape, mx.bfloat16)
+    args = [x, w] + ([] if b is None else [b])
+
+    def grads(upcast):
+        return mx.grad(lambda *t: (_upcast_conv(*t, *([None] if b is None else []), stride, pad,
+                                                dil, groups, relu_, upcast) * c)
+                       .astype(mx.float32).sum(), argnums=list(range(len(args))))(*args)
+
+    for g, r in zip(grads(True), grads(False), strict=True):
+        assert g.dtype == r.dtype
+        np.testing.assert_array_equal(np64(g), np64(r))
+
+
+@needs_native
+def test_bfloat16_upcast_convolution_has_no_cast_nodes_and_runs_in_compile():
+    from fluxlike_native import _ext
+    x, w = rand((2, 6, 6, 4), mx.bfloat16), rand((3, 3, 3, 4), mx.bfloat16)
+    mx.eval(x, w)
+    args = ([1, 1], [1, 1], [1, 1], [1, 1], 1, False)
+    y = _ext.conv(x, w, None, *args)
+    path = Path(tempfile.mkdtemp()) / "graph.dot"
+    mx.export_to_dot(str(path), y)
+    nodes = re.findall(r'label ="?([A-Za-z]+)', path.read_text())
+    assert nodes.count("FluxlikeNativeConv") == 1 and "AsType" not in nodes, nodes
+    f = mx.compile(lambda x: _ext.conv(x, w, None, *args))
+    np.testing.assert_array_equal(np64(f(x)), np64(y))
+    dx = _ext.conv_backward_data(y, w, list(x.shape[1:]), [1, 1], [1, 1], [1, 1], [1, 1], 1,
+                                 False)
+    ref = _ext.conv_backward_data(y.astype(mx.float32), w.astype(mx.float32),
+                                  list(x.shape[1:]), [1, 1], [1, 1], [1, 1], [1, 1], 1, False)
+    np.testing.assert_array_equal(np64(dx), np64(ref.astype(mx.bfloat16)))

@@ -563,9 +563,10 @@ def test_matmul_and_relu_grad_under_vmap(dtype):
 
 def _upcast_reference(a, b, bias, ta, tb, act, out_dtype, batched):
     """What the upcasting primitive computes, spelled as the graph it replaces: exact float32
-    upcasts, the float32 primitive, one rounding."""
+    upcasts (row-major, as the primitive lays its copies out: oneDNN's GEMM may sum in
+    another order for a column-major operand), the float32 primitive, one rounding."""
     from fluxlike_native import _ext
-    up = [None if t is None else t.astype(mx.float32) for t in (a, b, bias)]
+    up = [None if t is None else mx.contiguous(t.astype(mx.float32)) for t in (a, b, bias)]
     y = _ext.matmul(up[0], up[1], up[2], ta, tb, act, mx.float32, batched, False)
     return y if out_dtype == mx.float32 else y.astype(mx.bfloat16)
 
