@@ -5,11 +5,13 @@ operands in the dtype :mod:`.operands` decides, asks :func:`choose` which backen
 them, and calls it:
 
 - ``"native"``: fluxlike's oneDNN primitives (:mod:`fluxlike.native`) on the CPU, where the
-  companion is in use: float32, and bfloat16 (in oneDNN's bfloat16 kernels where the CPU has
+  companion is in use: float32; bfloat16 (in oneDNN's bfloat16 kernels where the CPU has
   them; elsewhere in its float32 kernels with bfloat16's roundings, the primitive upcasting
-  its operands while it runs);
-- ``"emulated"``: half precision on the CPU in MLX's float32 kernels with half precision's
-  numerics (:mod:`.emulation`), since MLX's own half-precision CPU kernels are scalar loops;
+  its operands while it runs); float16 linear layers and convolutions (upcast so, always);
+- ``"emulated"``: the rest of half precision on the CPU (attention's products without
+  oneDNN's bfloat16 kernels, transposed convolutions) in MLX's float32 kernels with half
+  precision's numerics (:mod:`.emulation`), since MLX's own half-precision CPU kernels are
+  scalar loops;
 - ``"mlx"``: MLX's own kernel (on a GPU, for float64, for mixed dtypes, and for float32 where
   the native companion is not in use).
 
@@ -39,8 +41,11 @@ NATIVE, EMULATED, MLX = "native", "emulated", "mlx"
 # bfloat16, the native kernel is faster at every size measured.
 NATIVE_CONV_MIN_MACS = 2**17
 
-_F32, _BF16 = mx.float32, mx.bfloat16
+_F32, _BF16, _F16 = mx.float32, mx.bfloat16, mx.float16
 _HALF = frozenset(HALF)
+# The ops whose native kernels take float16 (upcast to float32 kernels inside the primitive:
+# oneDNN has no float16 kernel that pays on these CPUs).
+_UPCAST_F16 = frozenset(("linear", "conv"))
 _EMULABLE = frozenset(("linear", "conv", "conv_transpose", "matmul", "quantized_linear"))
 _switch = _loader.switch  # .ext read per call: the companion's module, or None
 _state = context.get  # bound once: read on every call of every layer
@@ -58,7 +63,7 @@ def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,
     ``(stride, padding, dilation)``.
 
     >>> import mlx.core as mx
-    >>> choose("linear", mx.float16) in ("emulated", "mlx")
+    >>> choose("matmul", mx.float16, mx.ones((2, 3, 4), mx.float16)) in ("emulated", "mlx")
     True
     >>> choose("linear", None), choose("linear", mx.float64)
     ('mlx', 'mlx')
@@ -68,16 +73,18 @@ def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,
     half = dtype in _HALF
     if not half and dtype != _F32:
         return MLX
-    if _switch.ext is not None and dtype != mx.float16 and _TAKES[op](dtype, x, w, geometry):
+    if _switch.ext is not None and (dtype != _F16 or op in _UPCAST_F16) and _TAKES[op](
+            dtype, x, w, geometry):
         return NATIVE
     return EMULATED if half and op in _EMULABLE else MLX
 
 
 def _takes_linear(dtype: mx.Dtype, x: Any = None, w: Any = None, geometry: Any = None) -> bool:
-    """float32 and bfloat16: in oneDNN's bfloat16 kernels where the CPU has them, else in
-    its float32 kernels, the primitive upcasting its bfloat16 operands while it runs (so a
-    backward pass keeps them in bfloat16, as the emulation does, with one graph node per
-    product instead of the emulation's casts and custom gradient)."""
+    """float32 and half precision: bfloat16 in oneDNN's bfloat16 kernels where the CPU has
+    them; else, and float16 always, in its float32 kernels, the primitive upcasting its half
+    operands while it runs (so a backward pass keeps them in half precision, as the emulation
+    does, with one graph node per product instead of the emulation's casts and custom
+    gradient)."""
     return True
 
 
@@ -91,11 +98,11 @@ def _takes_matmul(dtype: mx.Dtype, a: mx.array, b: mx.array, geometry: Any) -> b
 def _takes_conv(dtype: mx.Dtype, x: mx.array, w: mx.array, geometry: tuple) -> bool:
     """1-3 spatial axes; in training always (faster than MLX's at every size measured, and
     MLX's convolution gradient has no ``mx.vmap``), else from :data:`NATIVE_CONV_MIN_MACS`
-    (bfloat16: always; without oneDNN's bfloat16 kernels the primitive upcasts its operands
-    while it runs, so a backward pass keeps them in bfloat16, as the emulation does)."""
+    (half precision: always; in float32 kernels the primitive upcasts its operands while it
+    runs, so a backward pass keeps them in half precision, as the emulation does)."""
     if x.ndim < 3 or x.ndim > 5:
         return False
-    if dtype == _BF16 or _state().differentiating:
+    if dtype != _F32 or _state().differentiating:
         return True
     stride, padding, dilation = geometry
     lo, hi = padding if isinstance(padding[0], tuple) else (padding, padding)
@@ -217,8 +224,8 @@ def _on_kept_casts(state: Context, x: mx.array, weight: mx.array, bias: mx.array
         return None
     params = (weight,) if bias is None else (weight, bias)
     # choose("linear", dtype) on the CPU outside differentiation, inline (every layer call):
-    # bfloat16 is native wherever the companion is in use, float16 emulated.
-    if dtype == _BF16 and _switch.ext is not None:
+    # half precision is native wherever the companion is in use.
+    if _switch.ext is not None:
         fused, after = (False, None) if act is None else _split(act)
         kept = castcache.casts_if_seen(params, dtype)
         if kept is None:

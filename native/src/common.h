@@ -134,6 +134,10 @@ inline uint16_t narrow(float x) {
 // n values each way, as above (convert.cpp).
 void widen_all(const uint16_t* src, float* dst, size_t n);
 void narrow_all(const float* src, uint16_t* dst, size_t n);
+// n values of dtype `dt` (float32, bfloat16 or float16, as MLX converts each) to float32, and
+// back.
+void widen_all(const void* src, mx::Dtype dt, float* dst, size_t n);
+void narrow_all(const float* src, mx::Dtype dt, void* dst, size_t n);
 
 // x's elements in a new row-contiguous array, copied by a task queued on the encoder before
 // the kernel that reads it (and kept alive until then as a temporary); float32 or bfloat16.

@@ -373,8 +373,9 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU, the stream "
             "is on the GPU; use mx.conv_general there");
   auto dt = x.dtype();
-  FLN_CHECK(w.dtype() == dt && (dt == mx::float32 || dt == mx::bfloat16), FN, ": x and w must "
-            "both be float32 or both bfloat16, got ", x.dtype(), " and ", w.dtype());
+  FLN_CHECK(w.dtype() == dt && (dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16),
+            FN, ": x and w must both be float32, both bfloat16 or both float16, got ",
+            x.dtype(), " and ", w.dtype());
   conv_out_shape(x.shape(), w.shape(), p);  // its checks
   if (bias) {
     FLN_CHECK(bias->ndim() == 1 && bias->shape(0) == w.shape(0), FN, ": bias must have shape (",
@@ -387,7 +388,8 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
   // weight: an infinite or NaN neighbour made NaN where MLX gives a finite result. Float32
   // kernels (an RGB input's first layer among them).
   bool paired = w.shape().back() % 2 == 1;
-  bool upcast = dt == mx::bfloat16 && (!native_bf16 || paired);  // in float32 kernels
+  // In float32 kernels: float16 always, bfloat16 without oneDNN's bfloat16 kernels.
+  bool upcast = dt == mx::float16 || (dt == mx::bfloat16 && (!native_bf16 || paired));
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
   FLN_CHECK(x.size() != 0 && w.size() != 0, FN, ": empty operands (x ", shape_str(x.shape()),
@@ -400,15 +402,16 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
   auto stream = mx::to_stream(s);
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU");
   auto dt = dy.dtype();
-  FLN_CHECK(w.dtype() == dt && (dt == mx::float32 || dt == mx::bfloat16), FN, ": dy and w must "
-            "both be float32 or both bfloat16, got ", dy.dtype(), " and ", w.dtype());
+  FLN_CHECK(w.dtype() == dt && (dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16),
+            FN, ": dy and w must both be float32, both bfloat16 or both float16, got ",
+            dy.dtype(), " and ", w.dtype());
   mx::Shape xs{dy.ndim() > 0 ? dy.shape(0) : 0};
   xs.insert(xs.end(), x_tail.begin(), x_tail.end());
   auto expect = conv_out_shape(xs, w.shape(), p);
   FLN_CHECK(expect == dy.shape(), FN, ": a convolution of an input ", shape_str(xs), " with w ",
             shape_str(w.shape()), " gives ", shape_str(expect), ", not dy's ",
             shape_str(dy.shape()));
-  bool upcast = dt == mx::bfloat16 && !native_bf16;  // in float32 kernels
+  bool upcast = dt == mx::float16 || (dt == mx::bfloat16 && !native_bf16);  // float32 kernels
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa());
   return backward_data(dy, w, x_tail, p, stream, upcast);
@@ -514,33 +517,28 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.set_output_array(out);
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
   if (upcast_) {
-    // bfloat16 in float32 kernels: the operands upcast (exactly) into float32 buffers that
-    // live while the task runs, the float32 kernel, and the result rounded once - what
+    // Half precision in float32 kernels: the operands upcast (exactly) into float32 buffers
+    // that live while the task runs, the float32 kernel, and the result rounded once - what
     // astype, a float32 convolution and astype compute, in one node.
-    auto sized = [](const mx::array& x) {
-      return std::pair<const void*, size_t>{x.data<void>(), x.size()};
+    struct Input {
+      const void* data = nullptr;
+      size_t size = 0;
+      mx::Dtype dtype = mx::float32;
     };
-    encoder.dispatch([entry, kind = kind_, in0 = sized(in0), in1 = sized(in1),
-                      bias = has_bias_ ? sized(inputs[2])
-                                       : std::pair<const void*, size_t>{nullptr, 0},
-                      bias_bf16 = has_bias_ && inputs[2].dtype() == mx::bfloat16,
-                      po = out.data<void>(), relu = relu_, n = out.size(),
+    auto input = [](const mx::array& x) { return Input{x.data<void>(), x.size(), x.dtype()}; };
+    encoder.dispatch([entry, kind = kind_, in0 = input(in0), in1 = input(in1),
+                      bias = has_bias_ ? input(inputs[2]) : Input{}, po = out.data<void>(),
+                      odt = out.dtype(), relu = relu_, n = out.size(),
                       padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
                       ys = *ys, p = p_]() {
-      constexpr const char* what = "a float32 copy of a bfloat16 operand";
-      Buffer a32(in0.second * sizeof(float), FN, what), b32(in1.second * sizeof(float), FN, what);
-      Buffer bias32(bias.second * sizeof(float), FN, what);
+      constexpr const char* what = "a float32 copy of a half-precision operand";
+      Buffer a32(in0.size * sizeof(float), FN, what), b32(in1.size * sizeof(float), FN, what);
+      Buffer bias32(bias.size * sizeof(float), FN, what);
       Buffer y32(n * sizeof(float), FN, "the float32 result");
-      auto widened = [](const void* src, size_t size, void* dst) {
-        widen_all(static_cast<const uint16_t*>(src), static_cast<float*>(dst), size);
-      };
-      widened(in0.first, in0.second, a32.p);
-      widened(in1.first, in1.second, b32.p);
-      if (bias_bf16) {
-        widened(bias.first, bias.second, bias32.p);
-      } else if (bias.first != nullptr) {
-        std::copy_n(static_cast<const float*>(bias.first), bias.second,
-                    static_cast<float*>(bias32.p));
+      for (auto [from, to] : {std::pair{&in0, a32.p}, {&in1, b32.p}, {&bias, bias32.p}}) {
+        if (from->data != nullptr) {
+          widen_all(from->data, from->dtype, static_cast<float*>(to), from->size);
+        }
       }
       run(*entry, kind, a32.p, b32.p, bias32.p, y32.p);
       if (padded) {
@@ -550,7 +548,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       if (relu) {
         relu_keeping_nan(y, n, false);
       }
-      narrow_all(y, static_cast<uint16_t*>(po), n);
+      narrow_all(y, odt, po, n);
     });
     return;
   }

@@ -20,9 +20,9 @@ struct ConvParams {
 
 // The convolution mx.conv_general computes (no input dilation, no flip): x (N, *spatial,
 // C_in), w (C_out, *kernel, C_in / groups), bias (C_out,) -> (N, *out_spatial, C_out).
-// float32 or bfloat16 (native_bf16 == false: bfloat16 in float32 kernels, the primitive
-// upcasting its operands into float32 buffers of its own while it runs and rounding the
-// result, so that the graph holds the bfloat16 operands only).
+// float32, bfloat16 or float16 (float16, and bfloat16 with native_bf16 == false, in float32
+// kernels: the primitive upcasts its operands into float32 buffers of its own while it runs
+// and rounds the result, so that the graph holds the half-precision operands only).
 // relu == true: max(y, 0), fused into the primitive (a pass after oneDNN's kernel that keeps
 // NaN, relu_keeping_nan; the backward pass masks
 // the cotangent by the kept output, ReluGrad).
@@ -73,7 +73,7 @@ class Conv : public mx::UnaryPrimitive {
   ConvParams p_;
   bool has_bias_;
   bool relu_;  // Forward only: a fused ReLU
-  bool upcast_;  // bfloat16 operands in float32 kernels (see conv above)
+  bool upcast_;  // half-precision operands in float32 kernels (see conv above)
   mx::Shape fixed_;  // BackwardData: dx's shape without the batch; BackwardWeights: dw's
 };
 

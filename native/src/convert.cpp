@@ -1,9 +1,12 @@
-// fluxlike-native: bfloat16 <-> float32 over whole buffers (common.h), for the primitives that
-// run bfloat16 operands in float32 kernels. Built for AVX-512 and AVX2 as well, picked at
-// load time.
+// fluxlike-native: bfloat16 and float16 <-> float32 over whole buffers (common.h), for the
+// primitives that run half-precision operands in float32 kernels. Built for AVX-512 and AVX2
+// as well, picked at load time.
 
 #include "common.h"
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -18,6 +21,81 @@ FLN_VECTOR_CLONES void widen_all(const uint16_t* src, float* dst, size_t n) {
 FLN_VECTOR_CLONES void narrow_all(const float* src, uint16_t* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     dst[i] = narrow(src[i]);
+  }
+}
+
+// float16 as MLX converts it: widened exactly, narrowed to nearest even. F16C's conversions,
+// eight at a time, where the CPU has them (every AVX2 CPU does; chosen by feature, as
+// target_clones' "arch=" clones are chosen by CPU model); elsewhere _Float16's.
+namespace {
+
+__attribute__((target("avx2,f16c"))) void widen_f16_f16c(const uint16_t* src, float* dst,
+                                                          size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    auto half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(half));
+  }
+  for (; i < n; ++i) {
+    dst[i] = _cvtsh_ss(src[i]);
+  }
+}
+
+__attribute__((target("avx2,f16c"))) void narrow_f16_f16c(const float* src, uint16_t* dst,
+                                                           size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    auto half = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), half);
+  }
+  for (; i < n; ++i) {
+    dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+  }
+}
+
+const bool HAS_F16C = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+
+} // namespace
+
+void widen_f16_all(const uint16_t* src, float* dst, size_t n) {
+  if (HAS_F16C) {
+    widen_f16_f16c(src, dst, n);
+    return;
+  }
+  auto half = reinterpret_cast<const _Float16*>(src);
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<float>(half[i]);
+  }
+}
+
+void narrow_f16_all(const float* src, uint16_t* dst, size_t n) {
+  if (HAS_F16C) {
+    narrow_f16_f16c(src, dst, n);
+    return;
+  }
+  auto half = reinterpret_cast<_Float16*>(dst);
+  for (size_t i = 0; i < n; ++i) {
+    half[i] = static_cast<_Float16>(src[i]);
+  }
+}
+
+void widen_all(const void* src, mx::Dtype dt, float* dst, size_t n) {
+  if (dt == mx::float32) {
+    std::copy_n(static_cast<const float*>(src), n, dst);
+  } else if (dt == mx::float16) {
+    widen_f16_all(static_cast<const uint16_t*>(src), dst, n);
+  } else {
+    widen_all(static_cast<const uint16_t*>(src), dst, n);
+  }
+}
+
+void narrow_all(const float* src, mx::Dtype dt, void* dst, size_t n) {
+  if (dt == mx::float32) {
+    std::copy_n(src, n, static_cast<float*>(dst));
+  } else if (dt == mx::float16) {
+    narrow_f16_all(src, static_cast<uint16_t*>(dst), n);
+  } else {
+    narrow_all(src, static_cast<uint16_t*>(dst), n);
   }
 }
 

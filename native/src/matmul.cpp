@@ -145,17 +145,17 @@ struct Operand {
   mx::Strides strides;
   size_t size;
   bool row_contiguous;
-  bool bf16;  // else float32 (a bias)
+  mx::Dtype dtype;  // bfloat16, float16, or float32 (a bias)
 };
 
 Operand operand(const mx::array& x) {
   return {x.data<void>(), x.shape(), x.strides(), x.size(), x.flags().row_contiguous,
-          x.dtype() == mx::bfloat16};
+          x.dtype()};
 }
 
-// x's elements, row-major, as float32 (bfloat16 widened exactly) into dst.
+// x's elements, row-major, as float32 (half precision widened exactly) into dst.
 void to_float32(const Operand& x, float* dst) {
-  if (!x.bf16) {
+  if (x.dtype == mx::float32) {
     if (x.row_contiguous) {
       std::copy_n(static_cast<const float*>(x.data), x.size, dst);
     } else {
@@ -164,13 +164,14 @@ void to_float32(const Operand& x, float* dst) {
     }
     return;
   }
-  auto src = static_cast<const uint16_t*>(x.data);
+  const void* src = x.data;
   Buffer packed(x.row_contiguous ? 0 : x.size * sizeof(uint16_t), FN, "an operand's copy");
   if (!x.row_contiguous) {
-    gather(src, static_cast<uint16_t*>(packed.p), x.shape, x.strides);
-    src = static_cast<const uint16_t*>(packed.p);
+    gather(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(packed.p), x.shape,
+           x.strides);
+    src = packed.p;
   }
-  widen_all(src, dst, x.size);
+  widen_all(src, x.dtype, dst, x.size);
 }
 
 std::shared_ptr<const Prepared> lookup(
@@ -339,9 +340,9 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
   auto dt = a.dtype();
   FLN_CHECK(b.dtype() == dt, FN, ": a and b must have one dtype, got ", dtype_str(dt),
             " and ", dtype_str(b.dtype()), "; cast one with astype");
-  FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16, FN, ": operands must be float32 or "
-            "bfloat16, got ", dtype_str(dt), " (no fast oneDNN kernel for it on this CPU; use "
-            "mx.matmul)");
+  FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16, FN, ": operands "
+            "must be float32, bfloat16 or float16, got ", dtype_str(dt), " (no fast oneDNN "
+            "kernel for it on this CPU; use mx.matmul)");
   auto odt = out_dtype.value_or(dt);
   FLN_CHECK(odt == dt || odt == mx::float32, FN, ": out_dtype must be float32 or the "
             "operands' ", dtype_str(dt), ", got ", dtype_str(odt));
@@ -355,7 +356,9 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
   // A bfloat16 product over one entry (K == 1) in oneDNN 3.2's bfloat16 kernels gave NaN for
   // an infinite operand (the K pair is padded; seen in tests/native/test_hostile.py): float32.
   int k_len = a.ndim() == 0 ? 1 : (trans_a && a.ndim() >= 2 ? a.shape(-2) : a.shape(-1));
-  bool upcast = dt == mx::bfloat16 && (!native_bf16 || k_len == 1);  // in float32 kernels
+  // In float32 kernels: float16 always (no oneDNN float16 kernel pays on these CPUs), bfloat16
+  // without oneDNN's bfloat16 kernels (or with K == 1).
+  bool upcast = dt == mx::float16 || (dt == mx::bfloat16 && (!native_bf16 || k_len == 1));
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), " (no avx512_core_bf16); "
             "pass native_bf16=False to run bfloat16 in float32 kernels");
@@ -468,10 +471,10 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   });
 }
 
-// bfloat16 operands in float32 kernels: the task upcasts them (exactly) into float32
+// Half-precision operands in float32 kernels: the task upcasts them (exactly) into float32
 // buffers of its own, runs the float32 product as eval_cpu would (the GEMM without a
 // primitive, or a cached float32 primitive), applies the ReLU, and rounds the result to
-// bfloat16 where that is the output's dtype - what astype, a float32 product and astype
+// the output's dtype where that is a half one - what astype, a float32 product and astype
 // compute, in one node whose float32 copies live only while it runs.
 void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -512,18 +515,19 @@ void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   encoder.dispatch([a = operand(inputs[0]), b = operand(inputs[1]), bias = std::move(bias),
                     entry, la, lb, direct, relu = relu_, pdst = out.data<void>(),
-                    bf16 = out.dtype() == mx::bfloat16, n_out = out.size(),
+                    odt = out.dtype(), n_out = out.size(),
                     m = dst_dims[0], n = dst_dims.back(), k = va.dims.back()]() {
-    constexpr const char* what = "a float32 copy of a bfloat16 operand";
+    constexpr const char* what = "a float32 copy of a half-precision operand";
+    bool half = odt != mx::float32;
     Buffer a32(a.size * sizeof(float), FN, what), b32(b.size * sizeof(float), FN, what);
     Buffer bias32(bias ? bias->size * sizeof(float) : 0, FN, what);
-    Buffer y32(bf16 ? n_out * sizeof(float) : 0, FN, "the float32 result");
+    Buffer y32(half ? n_out * sizeof(float) : 0, FN, "the float32 result");
     to_float32(a, static_cast<float*>(a32.p));
     to_float32(b, static_cast<float*>(b32.p));
     if (bias) {
       to_float32(*bias, static_cast<float*>(bias32.p));
     }
-    auto dst = static_cast<float*>(bf16 ? y32.p : pdst);
+    auto dst = static_cast<float*>(half ? y32.p : pdst);
     if (direct) {
       direct_gemm(static_cast<const float*>(a32.p), la, static_cast<const float*>(b32.p), lb,
                   static_cast<const float*>(bias32.p), dst, m, n, k);
@@ -534,8 +538,8 @@ void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
     if (relu) {
       relu_keeping_nan(dst, n_out, false);
     }
-    if (bf16) {
-      narrow_all(dst, static_cast<uint16_t*>(pdst), n_out);
+    if (half) {
+      narrow_all(dst, odt, pdst, n_out);
     }
   });
 }

@@ -15,12 +15,12 @@ namespace fluxlike_native {
 //   `a` must be 2-D), `b` is 2-D; the result has a's leading axes and N columns.
 // batched == true: `a` and `b` have the same number (>= 3) of axes, batch axes equal or 1
 //   (broadcast).
-// Operands float32 or bfloat16 (both the same); bias (N,) of their dtype or float32;
-// out_dtype float32 or the operands' dtype (default). native_bf16 == false runs bfloat16
-// operands in float32 kernels: one primitive that upcasts them (exactly) into float32
-// buffers of its own while it runs and rounds the float32 result to bfloat16 if asked, so
-// that the graph holds the bfloat16 operands only (a backward pass keeps those, not float32
-// copies) and one node per product.
+// Operands float32, bfloat16 or float16 (both the same); bias (N,) of their dtype or float32;
+// out_dtype float32 or the operands' dtype (default). float16 operands, and bfloat16 ones
+// with native_bf16 == false, run in float32 kernels: one primitive that upcasts them
+// (exactly) into float32 buffers of its own while it runs and rounds the float32 result to
+// the half dtype if asked, so that the graph holds the half-precision operands only (a
+// backward pass keeps those, not float32 copies) and one node per product.
 mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
                  bool batched, bool native_bf16, mx::StreamOrDevice s = {});
@@ -79,7 +79,7 @@ class Matmul : public mx::UnaryPrimitive {
   bool relu_;
   bool batched_;
   mx::Dtype out_dtype_;
-  bool upcast_;  // bfloat16 operands in float32 kernels (see matmul above)
+  bool upcast_;  // half-precision operands in float32 kernels (see matmul above)
 
   void eval_upcast(const std::vector<mx::array>& inputs, mx::array& out);
 };

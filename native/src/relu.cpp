@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <type_traits>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -14,21 +15,20 @@ namespace fluxlike_native {
 
 namespace {
 
-// Whether the float32 / bfloat16 bit pattern is > 0 (positive and finite or +inf; not NaN).
-inline bool positive(uint32_t bits) {
-  return bits - 1u < 0x7F800000u;
-}
-inline bool positive(uint16_t bits) {
-  return static_cast<uint16_t>(bits - 1u) < 0x7F80u;
+// Branch-free (a mask of the bits: random signs would mispredict a branch half the time),
+// so that the compiler vectorises it. y[i] > 0 (positive and finite or +inf; not NaN) is
+// y's bit pattern minus one below `inf`'s, the pattern of +inf in y's dtype.
+template <typename G, typename Y>
+void relu_grad_loop(const G* g, const Y* y, G* out, size_t n, Y inf) {
+  for (size_t i = 0; i < n; ++i) {
+    auto positive = static_cast<Y>(y[i] - Y(1)) < inf;
+    out[i] = g[i] & static_cast<G>(G(0) - static_cast<G>(positive));
+  }
 }
 
-// Branch-free (a mask of the bits: random signs would mispredict a branch half the time),
-// so that the compiler vectorises it.
-template <typename G, typename Y>
-void relu_grad_loop(const G* g, const Y* y, G* out, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    out[i] = g[i] & static_cast<G>(G(0) - static_cast<G>(positive(y[i])));
-  }
+// +inf's bit pattern in a float32, bfloat16 or float16.
+uint32_t inf_bits(mx::Dtype d) {
+  return d == mx::float32 ? 0x7F800000u : d == mx::bfloat16 ? 0x7F80u : 0x7C00u;
 }
 
 } // namespace
@@ -64,7 +64,9 @@ void relu_keeping_nan(void* y, size_t n, bool bf16) {
 
 mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  auto ok = [](mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; };
+  auto ok = [](mx::Dtype d) {
+    return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
+  };
   if (g.shape() != y.shape() || !ok(g.dtype()) || !ok(y.dtype())) {
     // Anything else (never built by Matmul::vjp): MLX's ops.
     auto mask = mx::greater(y, mx::array(0.0f, y.dtype()), stream);
@@ -102,20 +104,20 @@ void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const void* pg = g.data<void>();
   const void* py = y.data<void>();
   void* po = out.data<void>();
-  bool g16 = g.dtype() == mx::bfloat16, y16 = y.dtype() == mx::bfloat16;
-  encoder.dispatch([pg, py, po, n, g16, y16]() {
-    if (g16 && y16) {
-      relu_grad_loop(static_cast<const uint16_t*>(pg), static_cast<const uint16_t*>(py),
-                     static_cast<uint16_t*>(po), n);
-    } else if (g16) {
-      relu_grad_loop(static_cast<const uint16_t*>(pg), static_cast<const uint32_t*>(py),
-                     static_cast<uint16_t*>(po), n);
-    } else if (y16) {
-      relu_grad_loop(static_cast<const uint32_t*>(pg), static_cast<const uint16_t*>(py),
-                     static_cast<uint32_t*>(po), n);
+  bool g16 = g.itemsize() == 2, y16 = y.itemsize() == 2;
+  encoder.dispatch([pg, py, po, n, g16, y16, inf = inf_bits(y.dtype())]() {
+    auto loop = [&](auto* gt, auto* yt) {
+      using G = std::remove_pointer_t<decltype(gt)>;
+      using Y = std::remove_pointer_t<decltype(yt)>;
+      relu_grad_loop(static_cast<const G*>(pg), static_cast<const Y*>(py), static_cast<G*>(po),
+                     n, static_cast<Y>(inf));
+    };
+    uint16_t* half = nullptr;  // (types only)
+    uint32_t* full = nullptr;
+    if (g16) {
+      y16 ? loop(half, half) : loop(half, full);
     } else {
-      relu_grad_loop(static_cast<const uint32_t*>(pg), static_cast<const uint32_t*>(py),
-                     static_cast<uint32_t*>(po), n);
+      y16 ? loop(full, half) : loop(full, full);
     }
   });
 }

@@ -13,8 +13,8 @@ namespace fluxlike_native {
 // oneDNN's ReLU post-op, a vmaxps that returns 0 for NaN (a diverged layer would look finite).
 void relu_keeping_nan(void* y, size_t n, bool bf16);
 
-// relu'(y) * g: `g` where `y > 0`, else 0, in one pass (g and y of one shape, float32 or
-// bfloat16 each; the result has g's dtype). The backward pass of a fused ReLU.
+// relu'(y) * g: `g` where `y > 0`, else 0, in one pass (g and y of one shape, float32,
+// bfloat16 or float16 each; the result has g's dtype). The backward pass of a fused ReLU.
 mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s = {});
 
 class ReluGrad : public mx::UnaryPrimitive {

@@ -220,7 +220,7 @@ def test_conv_errors_and_empty():
         native.conv(x, mx.ones((6, 7, 7, 4)))
     with pytest.raises(ValueError, match=r"stride must be an int or 2 ints"):
         native.conv(x, w, stride=(1, 2, 3))
-    with pytest.raises(ValueError, match=r"must both be float32 or both bfloat16"):
+    with pytest.raises(ValueError, match=r"must both be float32, both bfloat16 or both float16"):
         native.conv(x, w.astype(mx.bfloat16))
     empty = native.conv(mx.zeros((0, 5, 5, 4)), w, mx.ones((6,)))
     assert empty.shape == (0, 3, 3, 6)
@@ -370,25 +370,27 @@ def _upcast_conv(x, w, b, stride, pad, dil, groups, relu_=False, upcast=True):
     if upcast:
         return _ext.conv(x, w, b, *args, relu=relu_)
     up = [None if t is None else t.astype(mx.float32) for t in (x, w, b)]
-    return _ext.conv(*up, *args, relu=relu_).astype(mx.bfloat16)
+    return _ext.conv(*up, *args, relu=relu_).astype(x.dtype)
 
 
 @needs_native
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
-@pytest.mark.parametrize("bias", [None, mx.bfloat16, mx.float32], ids=str)
+@pytest.mark.parametrize("bias", [None, "half", mx.float32], ids=str)
 @pytest.mark.parametrize("relu_", [False, True])
-def test_bfloat16_upcast_is_the_float32_convolution_rounded_once_bit_for_bit(case, bias, relu_):
-    """native_bf16=False: the result and each gradient (the input's, through the transposed
-    convolution; the weight's; the bias's) are exactly those of astype, the float32 primitive
-    and astype."""
+@pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=str)
+def test_half_upcast_is_the_float32_convolution_rounded_once_bit_for_bit(case, bias, relu_,
+                                                                          half):
+    """float16, and bfloat16 with native_bf16=False: the result and each gradient (the
+    input's, through the transposed convolution; the weight's; the bias's) are exactly those
+    of astype, the float32 primitive and astype."""
     xs, ws, stride, pad, dil, groups = case
-    x, w = rand(xs, mx.bfloat16), rand(ws, mx.bfloat16)
-    b = None if bias is None else rand((ws[0],), bias)
+    x, w = rand(xs, half), rand(ws, half)
+    b = None if bias is None else rand((ws[0],), half if bias == "half" else bias)
     y = _upcast_conv(x, w, b, stride, pad, dil, groups, relu_)
     ref = _upcast_conv(x, w, b, stride, pad, dil, groups, relu_, upcast=False)
-    assert y.dtype == ref.dtype == mx.bfloat16
+    assert y.dtype == ref.dtype == half
     np.testing.assert_array_equal(np64(y), np64(ref))
-    c = rand(y.shape, mx.bfloat16)
+    c = rand(y.shape, half)
     args = [x, w] + ([] if b is None else [b])
 
     def grads(upcast):

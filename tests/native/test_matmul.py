@@ -156,8 +156,8 @@ def test_errors_name_the_function_and_the_fix():
     x, w = mx.ones((2, 3)), mx.ones((4, 3))
     with pytest.raises(ValueError, match=r"fluxlike\.native\.linear.*one dtype.*astype"):
         native.linear(x, w.astype(mx.bfloat16))
-    with pytest.raises(ValueError, match=r"float32 or bfloat16, got float16"):
-        native.linear(x.astype(mx.float16), w.astype(mx.float16))
+    with pytest.raises(ValueError, match=r"float32, bfloat16 or float16, got int32"):
+        native.linear(x.astype(mx.int32), w.astype(mx.int32))
     with pytest.raises(ValueError, match=r"inner dimensions differ.*3.*5"):
         native.linear(x, mx.ones((4, 5)))
     with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
@@ -286,8 +286,8 @@ def test_bfloat16_gradients():
 
 
 @needs_native
-@pytest.mark.parametrize("gdtype", DTYPES, ids=str)
-@pytest.mark.parametrize("ydtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gdtype", [*DTYPES, mx.float16], ids=str)
+@pytest.mark.parametrize("ydtype", [*DTYPES, mx.float16], ids=str)
 def test_relu_grad_is_where_positive(gdtype, ydtype):
     """The fused ReLU's backward pass (one pass over bit patterns) is ``where(y > 0, g, 0)``
     exactly, signed zeros, infinities and NaNs of ``y`` included; its own gradients too."""
@@ -568,7 +568,7 @@ def _upcast_reference(a, b, bias, ta, tb, act, out_dtype, batched):
     from fluxlike_native import _ext
     up = [None if t is None else mx.contiguous(t.astype(mx.float32)) for t in (a, b, bias)]
     y = _ext.matmul(up[0], up[1], up[2], ta, tb, act, mx.float32, batched, False)
-    return y if out_dtype == mx.float32 else y.astype(mx.bfloat16)
+    return y.astype(out_dtype)
 
 
 @needs_native
@@ -576,20 +576,21 @@ def _upcast_reference(a, b, bias, ta, tb, act, out_dtype, batched):
 @given(rows=st.integers(1, 30), inner=st.integers(1, 50), out=st.integers(1, 30),
        lead=st.sampled_from([(), (3,)]), xl=st.sampled_from(LAYOUTS),
        wl=st.sampled_from(LAYOUTS), bias=st.sampled_from([None, mx.bfloat16, mx.float32]),
-       relu_=st.booleans(), out_dtype=st.sampled_from([mx.bfloat16, mx.float32]),
-       seed=st.integers(0, 2**16))
-def test_bfloat16_upcast_is_the_float32_product_rounded_once_bit_for_bit(
-        rows, inner, out, lead, xl, wl, bias, relu_, out_dtype, seed):
-    """native_bf16=False: the result (and each gradient) is exactly that of astype, the
-    float32 primitive and astype, for any layout of the operands, a bias of either dtype, a
-    fused ReLU and either output dtype."""
+       relu_=st.booleans(), half=st.sampled_from([mx.bfloat16, mx.float16]),
+       out_f32=st.booleans(), seed=st.integers(0, 2**16))
+def test_half_upcast_is_the_float32_product_rounded_once_bit_for_bit(
+        rows, inner, out, lead, xl, wl, bias, relu_, half, out_f32, seed):
+    """float16, and bfloat16 with native_bf16=False: the result (and each gradient) is
+    exactly that of astype, the float32 primitive and astype, for any layout of the operands,
+    a bias of either dtype, a fused ReLU and either output dtype."""
     from fluxlike_native import _ext
     mx.random.seed(seed)
-    x = laid_out(rand((rows, inner), mx.bfloat16), xl)
+    out_dtype = mx.float32 if out_f32 else half
+    x = laid_out(rand((rows, inner), half), xl)
     if lead:
         x = mx.stack([x] * lead[0])
-    w = laid_out(rand((out, inner), mx.bfloat16), wl)
-    b = None if bias is None else rand((out,), bias)
+    w = laid_out(rand((out, inner), half), wl)
+    b = None if bias is None else rand((out,), half if bias == mx.bfloat16 else bias)
     y = _ext.matmul(x, w, b, False, True, relu_, out_dtype, False, False)
     ref = _upcast_reference(x, w, b, False, True, relu_, out_dtype, False)
     assert y.dtype == ref.dtype == out_dtype
@@ -600,9 +601,9 @@ def test_bfloat16_upcast_is_the_float32_product_rounded_once_bit_for_bit(
         return mx.grad(lambda *t: (fn(*t) * c).astype(mx.float32).sum(),
                        argnums=list(range(len(args))))(*args)
 
-    # (a float32 cotangent is rounded to bfloat16 before the products, as in oneDNN's
-    # bfloat16 kernels: one that bfloat16 holds exactly makes that rounding exact)
-    c = rand(y.shape, mx.bfloat16).astype(out_dtype)
+    # (a float32 cotangent is rounded to the half dtype before the products, as in oneDNN's
+    # bfloat16 kernels: one that the half dtype holds exactly makes that rounding exact)
+    c = rand(y.shape, half).astype(out_dtype)
     mine = grads(lambda x, w, b=None: _ext.matmul(x, w, b, False, True, relu_, out_dtype, False,
                                                  False))
     theirs = grads(lambda x, w, b=None: _upcast_reference(x, w, b, False, True, relu_,
@@ -619,11 +620,12 @@ def test_bfloat16_upcast_is_the_float32_product_rounded_once_bit_for_bit(
     ((3, 7, 5), (3, 7, 4), True, False),
     ((7, 5), (3, 7), True, True),
 ])
-def test_bfloat16_upcast_batched_and_transposed_bit_for_bit(ashape, bshape, ta, tb):
+@pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=str)
+def test_half_upcast_batched_and_transposed_bit_for_bit(ashape, bshape, ta, tb, half):
     from fluxlike_native import _ext
-    a, b = rand(ashape, mx.bfloat16), rand(bshape, mx.bfloat16)
+    a, b = rand(ashape, half), rand(bshape, half)
     batched = len(ashape) > 2
-    for out_dtype in (mx.bfloat16, mx.float32):
+    for out_dtype in (half, mx.float32):
         y = _ext.matmul(a, b, None, ta, tb, False, out_dtype, batched, False)
         ref = _upcast_reference(a, b, None, ta, tb, False, out_dtype, batched)
         np.testing.assert_array_equal(np64(y), np64(ref))
@@ -645,3 +647,18 @@ def test_bfloat16_upcast_is_one_node_and_keeps_no_float32_copies():
     assert np.isnan(np64(y)[0]).all() and not np.isnan(np64(y)[1:]).any()
     f = mx.compile(lambda x: _ext.matmul(x, w, None, False, True, True, None, False, False))
     np.testing.assert_array_equal(np64(f(x)), np64(y))
+
+
+@needs_native
+def test_float16_results_round_to_nearest_even_overflow_and_underflow_as_astype():
+    """The float32 result rounded to float16 as MLX's astype rounds it: ties to even, past
+    65504 to inf, below the denormals to zero; NaN stays NaN."""
+    from fluxlike_native import _ext
+    values = [65504.0, 65519.0, 65520.0, 1e6, -1e6, 2.0**-24, 2.0**-25, 2.0**-25 * 1.5,
+              1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, float("nan"), float("inf"), 1e-30]
+    # each value as a product: x (float16) times one; the float32 value set through the bias
+    x = mx.zeros((len(values), 1), mx.float16)
+    bias = mx.array(values)
+    y = _ext.matmul(x, mx.ones((len(values), 1), mx.float16), bias, False, True, False, None,
+                    False, False)
+    np.testing.assert_array_equal(np.diag(np64(y)), np64(bias.astype(mx.float16)))

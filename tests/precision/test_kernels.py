@@ -51,8 +51,15 @@ class TestAnyOp:
     def test_float32_without_the_companion_takes_mlx(self, op, not_in_use):
         assert choose(op, F32, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == MLX
 
-    @pytest.mark.parametrize("op", ["linear", "matmul", "conv", "conv_transpose"])
-    def test_float16_is_never_native(self, op, in_use):
+    @pytest.mark.parametrize("op", ["linear", "conv"])
+    def test_float16_linear_and_conv_are_native_upcast(self, op, in_use):
+        """In oneDNN's float32 kernels, the primitive upcasting its float16 operands."""
+        with differentiating():
+            assert choose(op, F16, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == NATIVE
+        assert choose(op, F16, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == NATIVE
+
+    @pytest.mark.parametrize("op", ["matmul", "conv_transpose"])
+    def test_float16_other_products_are_emulated(self, op, in_use):
         assert choose(op, F16, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == EMULATED
 
     def test_the_gpu_takes_mlx(self, in_use, monkeypatch):

@@ -96,25 +96,26 @@ def test_a_bias_the_kernel_does_not_take_falls_back_to_mlx(calls):
         layer(mx.ones((4, 5)))
 
 
-def test_bfloat16_inference_runs_native_first_and_on_kept_weights(calls):
-    if not native.bfloat16_native():
-        pytest.skip("bfloat16 runs in oneDNN's float32 kernels here: the emulation takes it")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
+def test_half_inference_runs_native_first_and_on_kept_weights(calls, dtype):
     layer, x = Dense(64, 32, relu), mx.random.normal((8, 64))
-    with autocast(mx.bfloat16, device="cpu"):
+    with autocast(dtype, device="cpu"):
         first = layer(x)  # first sight: through the per-call casts
-        again = layer(x)  # then on the kept bfloat16 casts
-    assert calls == [mx.bfloat16, mx.bfloat16] and again.dtype == mx.bfloat16
+        again = layer(x)  # then on the kept half casts
+    assert calls == [dtype, dtype] and again.dtype == dtype
     assert mx.array_equal(first, again).item()  # one rounding of the float32 accumulation
 
 
-def test_bfloat16_training_runs_native_and_float16_stays_on_the_emulation(calls):
+def test_half_precision_training_runs_native(calls):
     layer, x = Dense(512, 512), mx.random.normal((16, 512))
     with autocast(mx.float16, device="cpu"):
         layer(x)
-        layer(x)  # kept weights, but no oneDNN float16 kernel pays on this CPU
-    assert calls == []
+        layer(x)  # kept weights: float16 in float32 kernels, upcast inside the primitive
+    assert calls == [mx.float16, mx.float16]
+    calls.clear()
     (g,) = gradient(lambda m: m(x).astype(mx.float32).sum(), layer, autocast=mx.float16)
-    assert g["weight"].dtype == mx.float32 and calls == []
+    assert g["weight"].dtype == mx.float32 and calls == [mx.float16]
+    calls.clear()
     (g,) = gradient(lambda m: m(x).astype(mx.float32).sum(), layer, autocast=mx.bfloat16)
     assert g["weight"].dtype == g["bias"].dtype == mx.float32
     # The native kernel (oneDNN's bfloat16 one, or its float32 one upcasting inside the
