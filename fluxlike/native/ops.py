@@ -410,7 +410,7 @@ def max_pool(
     """The maximum over each window of ``x`` (channels last), as oneDNN's max pooling, with
     its gradient (oneDNN's backward pass on the workspace the forward pass wrote).
 
-    ``x``: ``(N, *spatial, C)`` with 1-3 spatial axes, float32 or bfloat16, not empty;
+    ``x``: ``(N, *spatial, C)`` with 1-3 spatial axes, float32, bfloat16 or float16, not empty;
     ``window`` and ``stride`` (default: the window) an int or one per axis; ``padding`` as
     :func:`conv` takes it, each side smaller than the window; padded entries never win. The
     result is ``(N, *out, C)``, ``out = (spatial + low + high - window) // stride + 1``, in

@@ -43,9 +43,10 @@ NATIVE_CONV_MIN_MACS = 2**17
 
 _F32, _BF16, _F16 = mx.float32, mx.bfloat16, mx.float16
 _HALF = frozenset(HALF)
-# The ops whose native kernels take float16 (upcast to float32 kernels inside the primitive:
-# oneDNN has no float16 kernel that pays on these CPUs).
-_UPCAST_F16 = frozenset(("linear", "conv"))
+# The ops whose native kernels take float16, in float32 kernels (oneDNN has no float16 kernel
+# that pays on these CPUs): products upcast inside the primitive, max pooling through casts
+# (MLX's own float16 pooling is ten times slower).
+_UPCAST_F16 = frozenset(("linear", "conv", "max_pool"))
 _EMULABLE = frozenset(("linear", "conv", "conv_transpose", "matmul", "quantized_linear"))
 _switch = _loader.switch  # .ext read per call: the companion's module, or None
 _state = context.get  # bound once: read on every call of every layer

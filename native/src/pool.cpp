@@ -487,15 +487,17 @@ mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU, the "
             "stream is on the GPU");
   auto dt = x.dtype();
-  FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16, FN, ": x must be float32 or bfloat16, "
-            "got ", dt);
+  FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16, FN, ": x must be "
+            "float32, bfloat16 or float16, got ", dt);
   auto shape = pool_out_shape(x.shape(), p);
   FLN_CHECK(x.size() != 0, FN, ": empty input ", shape_str(x.shape()));
   // oneDNN 3.2's bfloat16 pooling loses the window offset when it needs an int32 workspace
   // (windows of 256 entries or more: every gradient went to the window's first entry).
   bool wide = workspace_dtype(p) != mx::uint8;
-  if (dt == mx::bfloat16 && (!native_bf16 || !isa_has_bf16() || wide)) {
+  if (dt == mx::float16 || (dt == mx::bfloat16 && (!native_bf16 || !isa_has_bf16() || wide))) {
     // The maximum is exact in any dtype: through float32 kernels, rounded back exactly.
+    // (float16: MLX's own float16 pooling, a strided view and a max reduction, is ten times
+    // slower than these casts and float32 kernels.)
     return mx::astype(max_pool(mx::astype(x, mx::float32, stream), p, false, stream), dt,
                       stream);
   }

@@ -18,8 +18,8 @@ struct PoolParams {
 
 // The maximum over each window of x (N, *spatial, C) -> (N, *out, C), out = (spatial +
 // pad_lo + pad_hi - kernel) / stride + 1; padded entries are ignored (never the maximum).
-// float32 or bfloat16 (native_bf16 == false: bfloat16 through float32 kernels; the maximum
-// is exact either way). Its gradient sends each output's cotangent to the first maximum of
+// float32, bfloat16 or float16 (float16, and bfloat16 with native_bf16 == false, through
+// float32 kernels; the maximum is exact either way). Its gradient sends each output's cotangent to the first maximum of
 // its window (oneDNN's workspace records which), as PyTorch does.
 mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
                    mx::StreamOrDevice s = {});

@@ -142,11 +142,11 @@ class TestSoftmaxAndPooling:
         assert choose("softmax", F32, a(0, 5)) == MLX
         assert choose("softmax", BF16, a(2, 5, dtype=BF16)) == MLX  # float32 scores only
 
-    def test_max_pool_of_float32_and_bfloat16(self, in_use):
+    def test_max_pool_of_every_float_dtype(self, in_use):
         assert choose("max_pool", F32, a(1, 4, 4, 2)) == NATIVE
         assert choose("max_pool", BF16, a(1, 4, 4, 2, dtype=BF16)) == NATIVE
+        assert choose("max_pool", F16, a(1, 4, 4, 2, dtype=F16)) == NATIVE  # float32 kernels
         assert choose("max_pool", F32, a(0, 4, 4, 2)) == MLX
-        assert choose("max_pool", F16, a(1, 4, 4, 2, dtype=F16)) == MLX
 
     def test_quantized_products_are_emulated_in_half_precision(self, in_use):
         assert choose("quantized_linear", BF16) == EMULATED
