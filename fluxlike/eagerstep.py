@@ -7,8 +7,9 @@ Python a step, as much as a small model's whole arithmetic. Once a model's step 
 taken the long way (validated, its optimiser state checked and its update traced), the same
 model and optimiser state need none of that again: this module remembers the tree by a
 *fingerprint* (each trainable array's module, name, shape and dtype, collected in the one
-walk that gathers the parameters) and takes later steps with one walk, one
-``mx.value_and_grad`` and one call of the compiled update.
+walk that gathers the parameters) and takes later steps with one walk, one call of a
+gradient function made once (for the last loss, model and scale) and one call of the
+compiled update.
 
 It declines (``None``: the caller takes the long way) for anything but the plain case: a
 model with frozen or non-trainable entries (running statistics to carry and restore), a
@@ -26,6 +27,7 @@ import mlx.nn as nn
 from .gradients import _split_output, _trainable_parameters
 from .optimisers.compiled import COMPILED, Compiled
 from .optimisers.state import OptState, _check_grads
+from .precision.lossscale import LossScale
 from .precision.scope import autocast as autocast_scope
 from .precision.state import context, enter_differentiating
 
@@ -49,6 +51,26 @@ def remember(opt_state: OptState, model: nn.Module, grads: dict, where: str) -> 
     known[tuple(leaves)] = signature
 
 
+def _gradient(compiled: Compiled, loss: Callable, model: nn.Module, scale: LossScale,
+              where: str) -> Callable:
+    """``mx.value_and_grad`` of ``loss(model, *args)`` in the model's parameters (the scaled
+    loss differentiated, the loss itself returned beside it), made once and kept for the
+    steps that follow with the same loss, model and scale (the last one only)."""
+    last = compiled.gradient
+    if last is not None and last[0] is loss and last[1] is model and last[2] is scale and (
+            last[3] == where):
+        return last[4]
+
+    def inner(p: dict, *args: mx.array) -> tuple[mx.array, tuple]:
+        model.update(p)
+        value, rest = _split_output(loss(model, *args), where)
+        return scale.scale(value), (value, rest)  # (aux outputs are not returned)
+
+    fn = mx.value_and_grad(inner)
+    compiled.gradient = (loss, model, scale, where, fn)
+    return fn
+
+
 def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
          dtype: mx.Dtype | None, where: str) -> tuple | None:
     """One eager step on the remembered path: ``(loss, finite, grads, new parameters, []
@@ -67,16 +89,10 @@ def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
     if signature is None or signature not in compiled.initialised:
         return None
     scale = opt_state.loss_scale
-
-    def inner(p: dict) -> tuple[mx.array, tuple]:
-        model.update(p)
-        value, rest = _split_output(loss(model, *args), where)
-        return scale.scale(value), (value, rest)  # (aux outputs are not returned)
-
     token = enter_differentiating()
     try:
         with nullcontext() if dtype is None else autocast_scope(dtype):
-            (_, (value, _)), grads = mx.value_and_grad(inner)(params)
+            (_, (value, _)), grads = _gradient(compiled, loss, model, scale, where)(params, *args)
     except BaseException:
         model.update(params)
         raise

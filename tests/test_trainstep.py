@@ -350,6 +350,36 @@ def test_after_its_first_step_a_model_is_stepped_without_validating_it_again(mon
     assert _same(_state(model, opt_state)[:2] + (0,), _state(twin, twin_state)[:2] + (0,))
 
 
+def test_the_remembered_path_follows_the_loss_the_model_and_the_scale_of_each_call():
+    """The eager path keeps the gradient function it made for the last (loss, model, scale):
+    another loss, another model wrapping the same layers, or another scale is taken with its
+    own, call by call."""
+    x, y = _data()
+    model = _model()
+    opt_state = setup(Descent(1e-30), model)  # (steps too small to move a float32 weight)
+    doubled = lambda m, x, y: 2 * mse_of(m, x, y)  # noqa: E731
+    base = trainstep(mse_of, model, (x, y), opt_state)
+    for _ in range(2):
+        assert trainstep(doubled, model, (x, y), opt_state) == pytest.approx(2 * base)
+        assert trainstep(mse_of, model, (x, y), opt_state) == pytest.approx(base)
+
+    class Negated(Chain):  # the same layers (the same fingerprint), another forward
+        def __call__(self, x):
+            return -super().__call__(x)
+
+    other = Negated(*model.layers)
+    negated = mse_of(other, x, y).item()
+    assert trainstep(mse_of, other, (x, y), opt_state) == pytest.approx(negated)
+    assert trainstep(mse_of, model, (x, y), opt_state) == pytest.approx(base)
+    # a static scale of 1024 (a power of two: exact) unscales to the same gradients
+    _, scaled = trainstep_withgradient(mse_of, model, (x, y), opt_state, loss_scale=1024.0)
+    _, plain = trainstep_withgradient(mse_of, model, (x, y), opt_state, loss_scale=None)
+    scaled, plain = leaves(scaled), leaves(plain)
+    assert scaled.keys() == plain.keys()
+    for k in scaled:
+        np.testing.assert_array_equal(np.array(scaled[k]), np.array(plain[k]))
+
+
 def withgradient_step(model, opt_state, x, y):
     """A step the long way round: gradient, then update."""
     from fluxlike import withgradient

@@ -252,25 +252,41 @@ def _settings(obj: Any, depth: int = 0) -> Any:
     """A hashable snapshot of the Python values a trace of ``obj``'s step bakes in as constants
     (betas, eps, weight decay, schedules, clipping transforms, loss-scale factor...): the
     attributes of an optimiser or loss scale other than its array state, recursively;
-    anything else (functions, arrays, transforms) by identity. (Plain values are taken
-    inline, without a call: this runs on every step.)"""
+    anything else (functions, arrays, transforms) by identity. (This runs on every step:
+    plain values are taken inline, without a call, and each type is classified once.)"""
     kind = type(obj)
     if kind in _PLAIN:
         return obj
-    if depth > 6:
+    how = _KINDS.get(kind)
+    if how is None:
+        how = _KINDS[kind] = _classify(kind)
+    if depth > 6 or how is _OTHER:
         return _Same(obj)
-    if isinstance(obj, (list, tuple)):
-        return (kind, *[v if type(v) in _PLAIN else _settings(v, depth + 1) for v in obj])
-    if isinstance(obj, dict):
-        return (dict, *[(k, v if type(v) in _PLAIN else _settings(v, depth + 1))
-                        for k, v in obj.items()])
-    if isinstance(obj, (optim.Optimizer, LossScale)):
-        return (kind, *[(k, v if type(v) in _PLAIN else _settings(v, depth + 1))
-                        for k, v in vars(obj).items()
-                        if k != "_state" and k != "_initialized"])
-    if isinstance(obj, (bool, int, float, str)):  # a subclass (numpy's float64...)
+    if how is _NUMBER:  # a subclass of a plain number (numpy's float64...)
         return obj
-    return _Same(obj)
+    depth += 1
+    if how is _SEQUENCE:
+        return (kind, *[v if type(v) in _PLAIN else _settings(v, depth) for v in obj])
+    items = obj.items() if how is _DICT else vars(obj).items()
+    return (kind, *[(k, v if type(v) in _PLAIN else _settings(v, depth)) for k, v in items
+                    if how is _DICT or (k != "_state" and k != "_initialized")])
+
+
+_SEQUENCE, _DICT, _SETTINGS, _NUMBER, _OTHER = "sequence", "dict", "settings", "number", "other"
+_KINDS: dict[type, str] = {}
+
+
+def _classify(kind: type) -> str:
+    """How :func:`_settings` snapshots a value of type ``kind``."""
+    if issubclass(kind, (list, tuple)):
+        return _SEQUENCE
+    if issubclass(kind, dict):
+        return _DICT
+    if issubclass(kind, (optim.Optimizer, LossScale)):
+        return _SETTINGS
+    if issubclass(kind, (bool, int, float, str)):
+        return _NUMBER
+    return _OTHER
 
 
 _PLAIN = frozenset((type(None), bool, int, float, str, mx.Dtype))
@@ -315,14 +331,16 @@ class Compiled:
         self.eager: str | None = None
         self.initialised: set[tuple] = set()  # gradient signatures the state was checked for
         self.whole: dict[tuple, Callable] = {}  # whole training steps (fluxlike.compiledstep)
-        # model trees validated for this state, by fingerprint: their gradient signature
-        # (fluxlike.eagerstep)
+        # model trees validated for this state, by fingerprint: their gradient signature,
+        # and the last gradient function made, with what it was made for (fluxlike.eagerstep)
         self.fingerprints: dict[tuple, tuple] = {}
+        self.gradient: tuple | None = None
 
     def fall_back(self, reason: str) -> None:
         self.steps.clear()
         self.whole.clear()
         self.fingerprints.clear()
+        self.gradient = None
         self.eager = reason
 
     def step(self, opt_state: Any, model: nn.Module, grads: dict, params: dict,
