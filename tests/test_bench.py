@@ -200,6 +200,19 @@ def test_step_bench_prints_every_row():
     assert "# per-step overhead:" in done.stdout
 
 
+def test_halves_bench_prints_a_row_per_model():
+    """bench/halves.py (bfloat16 and float16 steps against float32), one model, one round:
+    its row has the float32 time and both ratios, and the processor is named."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "halves.py"), "--models", "seed", "--rounds", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^\| seed \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$", done.stdout, re.M), (
+        done.stdout)
+    assert " cores: " in done.stdout
+
+
 def test_upstream_models_benchmark_quick_run():
     """bench/upstream.py (real upstream models, float32 against autocast) at its smoke size:
     one row per model, every column filled."""
