@@ -388,6 +388,47 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
       std::move(inputs));
 }
 
+namespace {
+
+// How a product runs: its result's dims, and either oneDNN's GEMM without a primitive
+// (`direct`, with how it reads each operand) or a cached primitive (`entry`).
+struct Plan {
+  dnnl::memory::dims dst_dims;
+  std::shared_ptr<const Prepared> entry;
+  Lead la, lb;
+  bool direct = false;
+};
+
+// The plan for operands seen as `va` and `vb`: an unbatched float32 product (`gemm_ok`) on
+// the GEMM always (Gemm), or for a shape's first use (Reused: its primitive from its second
+// use), where the GEMM can read both operands; else the primitive for the description.
+Plan plan(const View& va, const View& vb, const mx::array& out, bool batched, bool gemm_ok,
+          mx::Dtype in_dt, mx::Dtype out_dt, std::optional<mx::Dtype> bias_dt) {
+  Plan p;
+  if (batched) {
+    p.dst_dims.assign(out.shape().begin(), out.shape().end());
+  } else {
+    p.dst_dims = {va.dims[0], vb.dims[1]};
+  }
+  if (gemm_ok) {
+    p.la = lead(va);
+    p.lb = lead(vb);
+    if (p.la.trans != 0 && p.lb.trans != 0) {
+      auto mode = effective_mode();
+      if (mode == MatmulMode::Reused) {
+        p.entry = lookup(va, vb, p.dst_dims, in_dt, out_dt, bias_dt, /*defer_first=*/true);
+      }
+      p.direct = mode == MatmulMode::Gemm || (mode == MatmulMode::Reused && !p.entry);
+    }
+  }
+  if (!p.direct && !p.entry) {
+    p.entry = lookup(va, vb, p.dst_dims, in_dt, out_dt, bias_dt);
+  }
+  return p;
+}
+
+} // namespace
+
 void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
@@ -411,51 +452,30 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const mx::array bias = has_bias_ ? laid_out(inputs[2], false) : inputs[0];
   View va = view(a, trans_a_, !batched_);
   View vb = view(b, trans_b_, false);
-  dnnl::memory::dims dst_dims;
-  if (batched_) {
-    dst_dims.assign(out.shape().begin(), out.shape().end());
-  } else {
-    dst_dims = {va.dims[0], vb.dims[1]};
-  }
   std::optional<mx::Dtype> bias_dt;
   if (has_bias_) {
     bias_dt = inputs[2].dtype();
   }
+  bool gemm_ok = !batched_ && a.dtype() == mx::float32 && out.dtype() == mx::float32 &&
+      (!has_bias_ || bias.dtype() == mx::float32);
+  auto pl = plan(va, vb, out, batched_, gemm_ok, a.dtype(), out.dtype(), bias_dt);
   for (auto& in : inputs) {
     encoder.set_input_array(in);
   }
   encoder.set_output_array(out);
   void* pbias = has_bias_ ? const_cast<void*>(bias.data<void>()) : nullptr;
-
-  // Unbatched float32: oneDNN's GEMM without a primitive (see direct_gemm), always, or for a
-  // shape's first use (Reused: its primitive is made from its second use).
-  std::shared_ptr<const Prepared> entry;
-  Lead la, lb;
-  if (!batched_ && a.dtype() == mx::float32 && out.dtype() == mx::float32 &&
-      (!has_bias_ || bias.dtype() == mx::float32)) {
-    la = lead(va);
-    lb = lead(vb);
-    auto mode = effective_mode();
-    if (mode == MatmulMode::Reused && la.trans != 0 && lb.trans != 0) {
-      entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt, /*defer_first=*/true);
-    }
-    if ((mode == MatmulMode::Gemm || (mode == MatmulMode::Reused && !entry)) &&
-        la.trans != 0 && lb.trans != 0) {
-      encoder.dispatch([pa = a.data<float>(), la, pb = b.data<float>(), lb,
-                        pbias = static_cast<const float*>(pbias), pdst = out.data<float>(),
-                        m = dst_dims[0], n = dst_dims[1], k = va.dims[1], relu = relu_]() {
-        direct_gemm(pa, la, pb, lb, pbias, pdst, m, n, k);
-        if (relu) {
-          relu_keeping_nan(pdst, static_cast<size_t>(m * n), false);
-        }
-      });
-      return;
-    }
+  if (pl.direct) {
+    encoder.dispatch([pa = a.data<float>(), la = pl.la, pb = b.data<float>(), lb = pl.lb,
+                      pbias = static_cast<const float*>(pbias), pdst = out.data<float>(),
+                      m = pl.dst_dims[0], n = pl.dst_dims[1], k = va.dims[1], relu = relu_]() {
+      direct_gemm(pa, la, pb, lb, pbias, pdst, m, n, k);
+      if (relu) {
+        relu_keeping_nan(pdst, static_cast<size_t>(m * n), false);
+      }
+    });
+    return;
   }
-  if (!entry) {
-    entry = lookup(va, vb, dst_dims, a.dtype(), out.dtype(), bias_dt);
-  }
-  encoder.dispatch([entry,
+  encoder.dispatch([entry = pl.entry,
                     pa = const_cast<void*>(a.data<void>()),
                     pb = const_cast<void*>(b.data<void>()),
                     pbias,
@@ -480,43 +500,23 @@ void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   View va = row_major_view(inputs[0].shape(), trans_a_, !batched_);
   View vb = row_major_view(inputs[1].shape(), trans_b_, false);
-  dnnl::memory::dims dst_dims;
-  if (batched_) {
-    dst_dims.assign(out.shape().begin(), out.shape().end());
-  } else {
-    dst_dims = {va.dims[0], vb.dims[1]};
-  }
   std::optional<mx::Dtype> bias_dt;
   if (has_bias_) {
     bias_dt = mx::float32;
   }
+  auto pl = plan(va, vb, out, batched_, !batched_, mx::float32, mx::float32, bias_dt);
   for (auto& in : inputs) {
     encoder.set_input_array(in);
   }
   encoder.set_output_array(out);
-  std::shared_ptr<const Prepared> entry;
-  Lead la, lb;
-  bool direct = false;
-  if (!batched_) {  // (row-major copies: the GEMM reads every one)
-    la = lead(va);
-    lb = lead(vb);
-    auto mode = effective_mode();
-    if (mode == MatmulMode::Reused) {
-      entry = lookup(va, vb, dst_dims, mx::float32, mx::float32, bias_dt, /*defer_first=*/true);
-    }
-    direct = mode == MatmulMode::Gemm || (mode == MatmulMode::Reused && !entry);
-  }
-  if (!direct && !entry) {
-    entry = lookup(va, vb, dst_dims, mx::float32, mx::float32, bias_dt);
-  }
   std::optional<Operand> bias;
   if (has_bias_) {
     bias = operand(inputs[2]);
   }
   encoder.dispatch([a = operand(inputs[0]), b = operand(inputs[1]), bias = std::move(bias),
-                    entry, la, lb, direct, relu = relu_, pdst = out.data<void>(),
-                    odt = out.dtype(), n_out = out.size(),
-                    m = dst_dims[0], n = dst_dims.back(), k = va.dims.back()]() {
+                    entry = pl.entry, la = pl.la, lb = pl.lb, direct = pl.direct, relu = relu_,
+                    pdst = out.data<void>(), odt = out.dtype(), n_out = out.size(),
+                    m = pl.dst_dims[0], n = pl.dst_dims.back(), k = va.dims.back()]() {
     constexpr const char* what = "a float32 copy of a half-precision operand";
     bool half = odt != mx::float32;
     Buffer a32(a.size * sizeof(float), FN, what), b32(b.size * sizeof(float), FN, what);
