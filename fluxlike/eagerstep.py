@@ -18,8 +18,10 @@ batch holding a model, an optimiser updated eagerly, a fingerprint not seen befo
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
+from types import MethodType
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,23 +54,35 @@ def remember(opt_state: OptState, model: nn.Module, grads: dict, where: str) -> 
 
 
 def _gradient(compiled: Compiled, loss: Callable, model: nn.Module, scale: LossScale,
-              where: str) -> Callable:
-    """``mx.value_and_grad`` of ``loss(model, *args)`` in the model's parameters (the scaled
-    loss differentiated, the loss itself returned beside it), made once and kept for the
-    steps that follow with the same loss, model and scale (the last one only)."""
+              where: str) -> tuple[Callable, list]:
+    """``(fn, current)``: ``fn = mx.value_and_grad`` of ``loss(model, *args)`` in the model's
+    parameters (the scaled loss differentiated, the loss itself returned beside it), which
+    reads the loss and model from ``current`` (set them for the call, clear them after).
+    Made once and kept for the steps that follow with the same loss, model and scale (the
+    last ones only), by weak reference: the record lives as long as its optimiser state, and
+    a loss that refers back to that state (a trainer's bound method) must not keep it alive."""
     last = compiled.gradient
-    if last is not None and last[0] is loss and last[1] is model and last[2] is scale and (
-            last[3] == where):
-        return last[4]
+    if last is not None:
+        loss_ref, model_ref, last_scale, last_where, last_fn, last_current = last
+        kept = loss_ref()
+        if (model_ref() is model and last_scale is scale and last_where == where
+                and (kept is loss or (isinstance(loss, MethodType) and kept == loss))):
+            return last_fn, last_current
+    current: list = [None, None]
 
     def inner(p: dict, *args: mx.array) -> tuple[mx.array, tuple]:
-        model.update(p)
-        value, rest = _split_output(loss(model, *args), where)
+        loss_fn, module = current
+        module.update(p)
+        value, rest = _split_output(loss_fn(module, *args), where)
         return scale.scale(value), (value, rest)  # (aux outputs are not returned)
 
     fn = mx.value_and_grad(inner)
-    compiled.gradient = (loss, model, scale, where, fn)
-    return fn
+    try:
+        loss_ref = weakref.WeakMethod(loss) if isinstance(loss, MethodType) else weakref.ref(loss)
+        compiled.gradient = (loss_ref, weakref.ref(model), scale, where, fn, current)
+    except TypeError:  # a loss that takes no weak reference: made anew each step
+        compiled.gradient = None
+    return fn, current
 
 
 def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
@@ -92,7 +106,12 @@ def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
     token = enter_differentiating()
     try:
         with nullcontext() if dtype is None else autocast_scope(dtype):
-            (_, (value, _)), grads = _gradient(compiled, loss, model, scale, where)(params, *args)
+            fn, current = _gradient(compiled, loss, model, scale, where)
+            current[:] = loss, model
+            try:
+                (_, (value, _)), grads = fn(params, *args)
+            finally:
+                current[:] = None, None
     except BaseException:
         model.update(params)
         raise

@@ -294,6 +294,32 @@ def test_the_compiled_step_goes_with_its_model_and_optimiser_state(compile):
     assert refs[0]() is None and refs[1]() is None
 
 
+def test_an_eager_step_keeps_no_strong_reference_to_a_loss_that_refers_to_its_state():
+    """The eager path's kept gradient function holds its loss and model weakly: a trainer
+    whose bound-method loss refers to the optimiser state (which keys the record that keeps
+    the function) is collected with it, and meanwhile its steps reuse the function."""
+
+    class Trainer:
+        def __init__(self):
+            self.model = _model()
+            self.opt_state = setup(Adam(0.01), self.model)
+
+        def loss(self, m, x, y):  # a new bound method at each access
+            return mse_of(m, x, y)
+
+    x, y = _data()
+    trainer = Trainer()
+    for _ in range(3):
+        trainstep(trainer.loss, trainer.model, (x, y), trainer.opt_state)
+    kept = COMPILED[trainer.opt_state].gradient
+    trainstep(trainer.loss, trainer.model, (x, y), trainer.opt_state)
+    assert COMPILED[trainer.opt_state].gradient is kept  # (reused: equal bound methods)
+    refs = weakref.ref(trainer), weakref.ref(trainer.opt_state), weakref.ref(trainer.model)
+    del trainer, kept
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
 # ---------------------------------------------------------------- what a step costs
 
 
