@@ -115,7 +115,9 @@ def linear(
     """``act(x @ w.T + bias)`` in one oneDNN primitive, ``w`` of shape ``(out, in)``.
 
     ``x``: ``(..., in)``, any leading axes; ``w``, ``x`` (and ``bias``, shape ``(out,)``,
-    also allowed float32 for bfloat16 operands) float32 or bfloat16, one dtype. ``act``:
+    also allowed float32 for half operands) float32, bfloat16 or float16, one dtype (float16,
+    and bfloat16 without oneDNN's bfloat16 kernels, in its float32 kernels: the primitive
+    upcasts the operands while it runs and rounds the result once). ``act``:
     ``None``, ``"relu"`` or fluxlike's/``mlx.nn``'s ``relu`` are fused into the kernel
     (applied in the kernel's task, NaN kept); any other function is applied to the result.
     The result is ``(..., out)`` in the operands' dtype (or ``out_dtype=mx.float32``); its
@@ -305,8 +307,8 @@ def conv(
 
     ``x``: ``(N, *spatial, C_in)`` with 1-3 spatial axes; ``w``: ``(C_out, *kernel, C_in //
     groups)``; ``bias``: ``(C_out,)``. ``padding``: an int, one int per axis, or ``(low,
-    high)`` tuples of them as ``mx.conv_general`` takes. float32 or bfloat16 (one dtype;
-    bfloat16 accumulates in float32 and is rounded once). Empty operands run
+    high)`` tuples of them as ``mx.conv_general`` takes. float32, bfloat16 or float16 (one
+    dtype; half precision accumulates in float32 and is rounded once). Empty operands run
     ``mx.conv_general``.
 
     >>> import mlx.core as mx

@@ -350,7 +350,7 @@ def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | N
 def max_pool(x: mx.array, window: tuple[int, ...], stride: tuple[int, ...],
              padding: tuple[tuple[int, int], ...]) -> mx.array | None:
     """``MaxPool``'s native kernel (oneDNN's pooling) where :func:`choose` takes it: the CPU
-    with the native kernels in use, a float32 or bfloat16 input that is not empty; ``None``
+    with the native kernels in use, a floating input (float64 aside) that is not empty; ``None``
     elsewhere (the layer then runs MLX's ops). ``padding`` is ``(low, high)`` per spatial
     axis."""
     if choose("max_pool", x.dtype, x) != NATIVE:

@@ -648,19 +648,23 @@ std::vector<mx::array> Conv::jvp(
   auto& a = primals[0];
   auto& b = primals[1];
   auto dt = a.dtype();
+  // Upcast, the tangents' convolutions are float32 ones of the exact upcasts, summed in
+  // float32 and rounded once (as the casts this primitive replaces give them).
+  auto f32 = [&](const mx::array& x) { return upcast_ ? mx::astype(x, mx::float32, s) : x; };
   std::optional<mx::array> t;
   for (size_t i = 0; i < argnums.size(); ++i) {
-    auto tan = tangents[i].dtype() == dt ? tangents[i] : mx::astype(tangents[i], dt, s);
+    auto tan = f32(tangents[i].dtype() == dt ? tangents[i] : mx::astype(tangents[i], dt, s));
     int arg = argnums[i];
+    auto a_ = f32(a), b_ = f32(b);
     mx::array ti = tan;
     if (kind_ == ConvKind::Forward) {
-      ti = arg == 0 ? forward(tan, b, std::nullopt, p_, s, false, upcast_)
-          : arg == 1 ? forward(a, tan, std::nullopt, p_, s, false, upcast_)
-                     : mx::astype(tan, dt, s);
+      ti = arg == 0 ? forward(tan, b_, std::nullopt, p_, s)
+          : arg == 1 ? forward(a_, tan, std::nullopt, p_, s)
+                     : tan;
     } else if (kind_ == ConvKind::BackwardData) {
-      ti = backward_data(arg == 0 ? tan : a, arg == 0 ? b : tan, fixed_, p_, s, upcast_);
+      ti = backward_data(arg == 0 ? tan : a_, arg == 0 ? b_ : tan, fixed_, p_, s);
     } else {
-      ti = backward_weights(arg == 0 ? tan : a, arg == 0 ? b : tan, fixed_, p_, s, upcast_);
+      ti = backward_weights(arg == 0 ? tan : a_, arg == 0 ? b_ : tan, fixed_, p_, s);
     }
     t = t ? mx::add(*t, ti, s) : ti;
   }

@@ -635,19 +635,26 @@ std::vector<mx::array> Matmul::vjp(
   }
   auto gc = g.dtype() == cdt ? g : mx::astype(g, cdt, s);
   std::vector<mx::array> grads;
+  // A batched operand broadcast over batch axes gets its gradient summed over them: upcast,
+  // the products stay float32 until that sum is rounded once (as the casts it replaces do).
+  auto rdt = batched_ && upcast_ ? mx::float32 : cdt;
+  auto reduced = [&](const mx::array& x, const mx::Shape& shape) {
+    auto r = reduce_to(x, shape, s);
+    return r.dtype() == cdt ? r : mx::astype(r, cdt, s);
+  };
   for (int arg : argnums) {
     if (arg == 0) {
       mx::array da = trans_a_
-          ? matmul(b, gc, std::nullopt, trans_b_, true, false, cdt, batched_, native, s)
-          : matmul(gc, b, std::nullopt, false, !trans_b_, false, cdt, batched_, native, s);
-      grads.push_back(batched_ ? reduce_to(da, a.shape(), s) : da);
+          ? matmul(b, gc, std::nullopt, trans_b_, true, false, rdt, batched_, native, s)
+          : matmul(gc, b, std::nullopt, false, !trans_b_, false, rdt, batched_, native, s);
+      grads.push_back(batched_ ? reduced(da, a.shape()) : da);
     } else if (arg == 1) {
       mx::array db = a;  // placeholder, assigned below
       if (batched_) {
         db = trans_b_
-            ? matmul(gc, a, std::nullopt, true, trans_a_, false, cdt, true, native, s)
-            : matmul(a, gc, std::nullopt, !trans_a_, false, false, cdt, true, native, s);
-        db = reduce_to(db, b.shape(), s);
+            ? matmul(gc, a, std::nullopt, true, trans_a_, false, rdt, true, native, s)
+            : matmul(a, gc, std::nullopt, !trans_a_, false, false, rdt, true, native, s);
+        db = reduced(db, b.shape());
       } else {
         // Rows of a and of the cotangent, as 2-D matrices (Flatten keeps shapeless traces).
         auto a2 = a.ndim() == 1 ? mx::expand_dims(a, 0, s)

@@ -404,6 +404,25 @@ def test_half_upcast_is_the_float32_convolution_rounded_once_bit_for_bit(case, b
 
 
 @needs_native
+@pytest.mark.parametrize("case", CONV_CASES[:2], ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
+@pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=str)
+@pytest.mark.parametrize("relu_", [False, True])
+def test_half_upcast_convolution_jvp_sums_its_tangents_once(case, half, relu_):
+    """The tangent of an upcast convolution with respect to several inputs: each part a
+    float32 convolution of the exact upcasts, summed in float32 and rounded once, as the casts
+    give it (not each part rounded first)."""
+    xs, ws, stride, pad, dil, groups = case
+    x, w, b = rand(xs, half), rand(ws, half), rand((ws[0],), half)
+    tangents = [rand(xs, half), rand(ws, half), rand((ws[0],), half)]
+    _, (mine,) = mx.jvp(lambda *t: _upcast_conv(*t, stride, pad, dil, groups, relu_),
+                        [x, w, b], tangents)
+    _, (theirs,) = mx.jvp(lambda *t: _upcast_conv(*t, stride, pad, dil, groups, relu_,
+                                                  upcast=False), [x, w, b], tangents)
+    assert mine.dtype == theirs.dtype == half
+    np.testing.assert_array_equal(np64(mine), np64(theirs))
+
+
+@needs_native
 def test_bfloat16_upcast_convolution_has_no_cast_nodes_and_runs_in_compile():
     from fluxlike_native import _ext
     x, w = rand((2, 6, 6, 4), mx.bfloat16), rand((3, 3, 3, 4), mx.bfloat16)

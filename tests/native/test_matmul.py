@@ -582,7 +582,9 @@ def test_half_upcast_is_the_float32_product_rounded_once_bit_for_bit(
         rows, inner, out, lead, xl, wl, bias, relu_, half, out_f32, seed):
     """float16, and bfloat16 with native_bf16=False: the result (and each gradient) is
     exactly that of astype, the float32 primitive and astype, for any layout of the operands,
-    a bias of either dtype, a fused ReLU and either output dtype."""
+    a bias of either dtype, a fused ReLU and either output dtype (a float32 output's
+    cotangent is rounded to the half dtype before the backward products, as in oneDNN's
+    bfloat16 kernels: native/README.md)."""
     from fluxlike_native import _ext
     mx.random.seed(seed)
     out_dtype = mx.float32 if out_f32 else half
@@ -629,6 +631,18 @@ def test_half_upcast_batched_and_transposed_bit_for_bit(ashape, bshape, ta, tb, 
         y = _ext.matmul(a, b, None, ta, tb, False, out_dtype, batched, False)
         ref = _upcast_reference(a, b, None, ta, tb, False, out_dtype, batched)
         np.testing.assert_array_equal(np64(y), np64(ref))
+    # the gradients too: an operand broadcast over batch axes gets its products summed in
+    # float32 and rounded once
+    c = rand(y.shape, half)
+
+    def grads(fn):
+        return mx.grad(lambda a, b: (fn(a, b) * c).astype(mx.float32).sum(), argnums=(0, 1))(a, b)
+
+    mine = grads(lambda a, b: _ext.matmul(a, b, None, ta, tb, False, None, batched, False))
+    theirs = grads(lambda a, b: _upcast_reference(a, b, None, ta, tb, False, half, batched))
+    for g, r in zip(mine, theirs, strict=True):
+        assert g.dtype == r.dtype == half
+        np.testing.assert_array_equal(np64(g), np64(r))
 
 
 @needs_native
