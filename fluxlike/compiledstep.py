@@ -10,6 +10,7 @@ calls and epochs and freed with the optimiser state, and with it the model they 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from types import FunctionType, MethodType
 from typing import Any
@@ -21,6 +22,7 @@ from . import native
 from ._mlxtyping import tree_flatten
 from .gradients import _trainable_parameters, _value_and_grad
 from .optimisers.compiled import (
+    _PLAIN,
     COMPILED,
     Compiled,
     _Same,
@@ -54,18 +56,62 @@ def _batch_key(value: Any) -> Any:
 
 
 def _loss_key(loss: Callable) -> Any:
-    """What identifies a loss function for a trace: a Python function by its code, closure
-    cells and defaults (so that ``trainstep(lambda m, x, y: ..., ...)`` written inside a loop,
-    a new function object each time, still finds its trace), a bound method by its function
-    and object, anything else by identity."""
+    """What identifies a loss function for a trace: a Python function by its code and what
+    its closure cells and defaults hold (so that ``trainstep(lambda m, x, y: ..., ...)``
+    written inside a loop, a new function object each time, still finds its trace, and a cell
+    rebound to another object, whose value the trace baked in, does not), a bound method by
+    its function and object, anything else by identity. Objects are held weakly where they
+    can be: the key lives as long as the optimiser state, and a loss that refers back to that
+    state (a trainer's bound method, a default argument) must not keep it alive."""
     if isinstance(loss, FunctionType):
-        cells = tuple(_Same(c) for c in loss.__closure__ or ())
+        cells = tuple(_held(c) for c in loss.__closure__ or ())
         defaults = (*(loss.__defaults__ or ()), *(loss.__kwdefaults__ or {}).values())
         return (_Same(loss.__code__), _Same(loss.__globals__), cells,
-                tuple(_Same(d) for d in defaults))  # (a default array is baked in: identity)
+                tuple(map(_identity, defaults)))  # (a default array is baked in: identity)
     if isinstance(loss, MethodType):
-        return _loss_key(loss.__func__), _Same(loss.__self__)
-    return _Same(loss)
+        return _loss_key(loss.__func__), _identity(loss.__self__)
+    return _identity(loss)
+
+
+class _Weakly:
+    """Compares equal only to a wrapper of the same object while it lives (a dead one equals
+    nothing), without keeping it alive."""
+
+    __slots__ = ("key", "ref")
+
+    def __init__(self, obj: Any):
+        self.ref, self.key = weakref.ref(obj), id(obj)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Weakly) or other.key != self.key:
+            return False
+        obj = self.ref()
+        return obj is not None and obj is other.ref()
+
+    def __hash__(self) -> int:
+        return self.key
+
+
+def _identity(value: Any) -> Any:
+    """``value`` as a key: a plain value itself, an object by identity (weakly where it can
+    be)."""
+    if type(value) in _PLAIN:
+        return value
+    try:
+        return _Weakly(value)
+    except TypeError:
+        return _Same(value)
+
+
+def _held(cell: Any) -> Any:
+    """What a closure cell holds, as a key (an empty cell: its own marker)."""
+    try:
+        return _identity(cell.cell_contents)
+    except ValueError:
+        return _EMPTY
+
+
+_EMPTY = object()
 
 
 def _structure(model: nn.Module) -> tuple:
@@ -85,9 +131,11 @@ def _structure(model: nn.Module) -> tuple:
     return tuple(out)
 
 
-def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtype | None,
+def _whole(current: list, model: nn.Module, opt_state: OptState, dtype: mx.Dtype | None,
            where: str, with_grads: bool) -> Callable:
-    """The step to trace. It returns only what the caller reads (each output of a compiled
+    """The step to trace, of the loss ``current[0]`` (set for each call and cleared after:
+    the function is kept with the optimiser state, and must not keep a loss that refers back
+    to that state alive). It returns only what the caller reads (each output of a compiled
     function costs its call a little): not the new parameters (the captured model holds
     them), the gradients only ``with_grads``."""
     optimizer, scale, parallel = opt_state.optimizer, opt_state.loss_scale, opt_state.distributed
@@ -96,7 +144,7 @@ def _whole(loss: Callable, model: nn.Module, opt_state: OptState, dtype: mx.Dtyp
     def whole(*args: Any) -> tuple:
         before = model.parameters()  # the inputs: returned, so a skipped step can be undone
         fresh: list = []
-        value, (g, *_) = _value_and_grad(loss, (model, *args), dtype, scale, where,
+        value, (g, *_) = _value_and_grad(current[0], (model, *args), dtype, scale, where,
                                          wrt_arrays=False, fresh_state=fresh)
         value = value[0] if isinstance(value, tuple) else value
         if parallel is not None:  # the group's mean: every rank decides alike
@@ -126,9 +174,13 @@ def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptS
     key = (_loss_key(loss), tuple(map(_batch_key, args)), dtype, precision_state.context.get(),
            _Same(optimizer), _Same(scale), id(live), id(scale.state), settings,
            native.available(), with_grads, _structure(model))
-    fn = compiled.whole.get(key)
-    if fn is not None:
-        out = fn(*args)  # one C++ call: the captured state is written all at once
+    entry = compiled.whole.get(key)
+    if entry is not None:
+        entry[1][0] = loss
+        try:
+            out = entry[0](*args)  # one C++ call: the captured state is written all at once
+        finally:
+            entry[1][0] = None
         _sync_statistics(opt_state, model)
         return _with_parameters(out, model)
     if compiled.eager is not None or live is not optimizer.state:
@@ -142,8 +194,9 @@ def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptS
         compiled.initialised.add(signature)
     captured = [model.state, live, scale.state, mx.random.state]
     before = (model.parameters(), dict(tree_flatten(live)), dict(scale.state))
-    fn = mx.compile(_whole(loss, model, opt_state, dtype, where, with_grads), inputs=captured,
-                    outputs=captured)
+    current: list = [loss]
+    fn = mx.compile(_whole(current, model, opt_state, dtype, where, with_grads),
+                    inputs=captured, outputs=captured)
     with uninterrupted():
         try:
             out = fn(*args)
@@ -155,10 +208,12 @@ def compiled_step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptS
             scale.state.update(before[2])
             compiled.initialised.clear()  # state made for thawed parts may be gone
             raise
+        finally:
+            current[0] = None
     if settings == (_settings(optimizer), _settings(scale)):  # else: replays would differ
         if len(compiled.whole) >= LIMIT:
             del compiled.whole[next(iter(compiled.whole))]
-        compiled.whole[key] = fn
+        compiled.whole[key] = (fn, current)
     _sync_statistics(opt_state, model)
     return _with_parameters(out, model)
 

@@ -214,8 +214,10 @@ def trainstep(
 
     ``compile=True`` runs the whole step (forward, backward, loss scaling, the rule) as one
     ``mx.compile``-d function with the model, optimiser, loss-scale and random state
-    captured. It is cached with ``opt_state`` (and freed with it), keyed by what makes a
-    trace differ (the loss function, the batch's shapes and dtypes, ``autocast`` and the
+    captured. It is cached with ``opt_state`` (and freed with it, holding the loss weakly),
+    keyed by what makes a trace differ (the loss function: its code and the objects its
+    closure and defaults hold, which the trace bakes in; the batch's shapes and dtypes,
+    ``autocast`` and the
     enclosing autocast scope, the loss scale and optimiser and their Python settings, the
     model's modules, their train/eval mode and what is frozen), so later calls and
     :func:`train` calls reuse it; a new key traces anew. The loss must then be traceable

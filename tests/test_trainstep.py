@@ -294,10 +294,32 @@ def test_the_compiled_step_goes_with_its_model_and_optimiser_state(compile):
     assert refs[0]() is None and refs[1]() is None
 
 
-def test_an_eager_step_keeps_no_strong_reference_to_a_loss_that_refers_to_its_state():
-    """The eager path's kept gradient function holds its loss and model weakly: a trainer
-    whose bound-method loss refers to the optimiser state (which keys the record that keeps
-    the function) is collected with it, and meanwhile its steps reuse the function."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_step_keeps_no_strong_reference_to_a_loss_that_refers_to_its_state(compile):
+    """What a step keeps with the optimiser state (the eager path's gradient function, the
+    compiled step and its key) holds the loss weakly: a trainer whose bound-method loss
+    refers to the optimiser state, or a loss whose default argument does, is collected with
+    it; meanwhile its steps reuse what was kept."""
+    x, y = _data()
+    model = _model()
+    opt_state = setup(Adam(0.01), model)
+
+    def loss(m, x, y, held=opt_state):
+        return mse_of(m, x, y)
+
+    for _ in range(3):
+        trainstep(loss, model, (x, y), opt_state, compile=compile)
+    assert len(COMPILED[opt_state].whole) == (1 if compile else 0)
+    refs = weakref.ref(model), weakref.ref(opt_state)
+    del model, opt_state, loss
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_a_trainers_bound_method_loss_goes_with_the_trainer():
+    """A trainer whose bound-method loss refers to its optimiser state (which keys what a
+    step keeps: the eager path's gradient function, the compiled step) is collected whole;
+    meanwhile its steps reuse what was kept (a new, equal bound method at each access)."""
 
     class Trainer:
         def __init__(self):
@@ -308,16 +330,40 @@ def test_an_eager_step_keeps_no_strong_reference_to_a_loss_that_refers_to_its_st
             return mse_of(m, x, y)
 
     x, y = _data()
-    trainer = Trainer()
-    for _ in range(3):
-        trainstep(trainer.loss, trainer.model, (x, y), trainer.opt_state)
-    kept = COMPILED[trainer.opt_state].gradient
-    trainstep(trainer.loss, trainer.model, (x, y), trainer.opt_state)
-    assert COMPILED[trainer.opt_state].gradient is kept  # (reused: equal bound methods)
-    refs = weakref.ref(trainer), weakref.ref(trainer.opt_state), weakref.ref(trainer.model)
-    del trainer, kept
-    gc.collect()
-    assert all(ref() is None for ref in refs)
+    for compile in (False, True):
+        trainer = Trainer()
+        for _ in range(3):
+            trainstep(trainer.loss, trainer.model, (x, y), trainer.opt_state, compile=compile)
+        kept = COMPILED[trainer.opt_state]
+        kept = kept.whole.copy() if compile else kept.gradient
+        trainstep(trainer.loss, trainer.model, (x, y), trainer.opt_state, compile=compile)
+        now = COMPILED[trainer.opt_state]
+        assert (now.whole == kept) if compile else (now.gradient is kept)  # reused
+        refs = weakref.ref(trainer), weakref.ref(trainer.opt_state), weakref.ref(trainer.model)
+        del trainer, kept, now
+        gc.collect()
+        assert all(ref() is None for ref in refs)
+
+
+def test_a_compiled_step_of_a_closure_follows_what_its_cells_hold():
+    """A compiled trace bakes in what the loss's closure holds: the same objects find the
+    trace again (a lambda written anew each step included); a name rebound to another object
+    traces anew, so the step computes with the new one."""
+    x, y = _data()
+    model = _model()
+    opt_state = setup(Descent(1e-30), model)  # (steps too small to move a float32 weight)
+    weight = mx.array(1.0)
+
+    def weighted():
+        return lambda m, x, y: weight * mse_of(m, x, y)
+
+    base = trainstep(weighted(), model, (x, y), opt_state, compile=True)
+    assert trainstep(weighted(), model, (x, y), opt_state, compile=True) == base
+    assert len(COMPILED[opt_state].whole) == 1
+    weight = mx.array(3.0)
+    assert trainstep(weighted(), model, (x, y), opt_state, compile=True) == pytest.approx(
+        3 * base)
+    assert len(COMPILED[opt_state].whole) == 2
 
 
 # ---------------------------------------------------------------- what a step costs

@@ -330,7 +330,9 @@ class Compiled:
         self.steps: dict[tuple, tuple[Callable, list]] = {}
         self.eager: str | None = None
         self.initialised: set[tuple] = set()  # gradient signatures the state was checked for
-        self.whole: dict[tuple, Callable] = {}  # whole training steps (fluxlike.compiledstep)
+        # whole training steps (fluxlike.compiledstep): the compiled function and the cell its
+        # loss is read from
+        self.whole: dict[tuple, tuple[Callable, list]] = {}
         # model trees validated for this state, by fingerprint: their gradient signature,
         # and the last gradient function made, with what it was made for (fluxlike.eagerstep)
         self.fingerprints: dict[tuple, tuple] = {}
