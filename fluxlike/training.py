@@ -217,11 +217,10 @@ def trainstep(
     captured. It is cached with ``opt_state`` (and freed with it, holding the loss weakly),
     keyed by what makes a trace differ (the loss function: its code and the objects its
     closure and defaults hold, which the trace bakes in; the batch's shapes and dtypes,
-    ``autocast`` and the
-    enclosing autocast scope, the loss scale and optimiser and their Python settings, the
-    model's modules, their train/eval mode and what is frozen), so later calls and
-    :func:`train` calls reuse it; a new key traces anew. The loss must then be traceable
-    (no ``.item()`` inside), as for ``mx.compile``.
+    ``autocast`` and the enclosing autocast scope, the loss scale and optimiser and their
+    Python settings, the model's modules, their train/eval mode and what is frozen), so
+    later calls and :func:`train` calls reuse it; a new key traces anew. The loss must then
+    be traceable (no ``.item()`` inside), as for ``mx.compile``.
 
     With data parallelism (``setup(..., distributed=...)``) the loss is averaged over the
     group, so every rank returns the same loss and takes the same decision; every rank must
