@@ -219,8 +219,9 @@ def trainstep(
     closure and defaults hold, which the trace bakes in; the batch's shapes and dtypes,
     ``autocast`` and the enclosing autocast scope, the loss scale and optimiser and their
     Python settings, the model's modules, their train/eval mode and what is frozen), so
-    later calls and :func:`train` calls reuse it; a new key traces anew. The loss must then
-    be traceable (no ``.item()`` inside), as for ``mx.compile``.
+    later calls and :func:`train` calls reuse it; a new key traces anew (so an array the
+    loss closes over and replaces every step is traced every step: pass it in the batch).
+    The loss must then be traceable (no ``.item()`` inside), as for ``mx.compile``.
 
     With data parallelism (``setup(..., distributed=...)``) the loss is averaged over the
     group, so every rank returns the same loss and takes the same decision; every rank must
