@@ -29,7 +29,7 @@ import mlx.nn as nn
 from .gradients import _split_output, _trainable_parameters
 from .optimisers.compiled import COMPILED, Compiled
 from .optimisers.state import OptState, _check_grads
-from .precision.lossscale import LossScale
+from .precision.lossscale import LossScale, NoOpLossScale
 from .precision.scope import autocast as autocast_scope
 from .precision.state import context, enter_differentiating
 
@@ -56,8 +56,9 @@ def remember(opt_state: OptState, model: nn.Module, grads: dict, where: str) -> 
 def _gradient(compiled: Compiled, loss: Callable, model: nn.Module, scale: LossScale,
               where: str) -> tuple[Callable, list]:
     """``(fn, current)``: ``fn = mx.value_and_grad`` of ``loss(model, *args)`` in the model's
-    parameters (the scaled loss differentiated, the loss itself returned beside it), which
-    reads the loss and model from ``current`` (set them for the call, clear them after).
+    parameters, which reads the loss and model from ``current`` (set them for the call, clear
+    them after); ``fn(params, *args)`` gives ``(loss, grads)`` (with a loss scale the scaled
+    loss is differentiated, the loss itself returned beside it as an auxiliary output).
     Made once and kept for the steps that follow with the same loss, model and scale (the
     last ones only), by weak reference: the record lives as long as its optimiser state, and
     a loss that refers back to that state (a trainer's bound method) must not keep it alive."""
@@ -76,7 +77,19 @@ def _gradient(compiled: Compiled, loss: Callable, model: nn.Module, scale: LossS
         value, rest = _split_output(loss_fn(module, *args), where)
         return scale.scale(value), (value, rest)  # (aux outputs are not returned)
 
-    fn = mx.value_and_grad(inner)
+    def unscaled(p: dict, *args: mx.array) -> mx.array:  # no scale: no auxiliary output
+        loss_fn, module = current
+        module.update(p)
+        return _split_output(loss_fn(module, *args), where)[0]
+
+    if isinstance(scale, NoOpLossScale):
+        fn = mx.value_and_grad(unscaled)
+    else:
+        scaled = mx.value_and_grad(inner)
+
+        def fn(p: dict, *args: mx.array) -> tuple[mx.array, dict]:
+            (_, (value, _)), grads = scaled(p, *args)
+            return value, grads
     try:
         loss_ref = weakref.WeakMethod(loss) if isinstance(loss, MethodType) else weakref.ref(loss)
         compiled.gradient = (loss_ref, weakref.ref(model), scale, where, fn, current)
@@ -109,7 +122,7 @@ def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
             fn, current = _gradient(compiled, loss, model, scale, where)
             current[:] = loss, model
             try:
-                (_, (value, _)), grads = fn(params, *args)
+                value, grads = fn(params, *args)
             finally:
                 current[:] = None, None
     except BaseException:

@@ -337,12 +337,14 @@ class Compiled:
         # and the last gradient function made, with what it was made for (fluxlike.eagerstep)
         self.fingerprints: dict[tuple, tuple] = {}
         self.gradient: tuple | None = None
+        self.last: tuple | None = None  # (what keyed the last update step: objects, values; it)
 
     def fall_back(self, reason: str) -> None:
         self.steps.clear()
         self.whole.clear()
         self.fingerprints.clear()
         self.gradient = None
+        self.last = None
         self.eager = reason
 
     def step(self, opt_state: Any, model: nn.Module, grads: dict, params: dict,
@@ -355,11 +357,22 @@ class Compiled:
         average = averager(opt_state)
         live, scale_state = optimizer.state, scale.state
         settings = (_settings(optimizer), _settings(scale))
-        key = (signature, keep, optimizer, scale, id(live), id(scale_state), settings,
-               native.available(),  # its kernels or MLX's (native.disabled())
-               None if average is None else _Same(average.__self__))
+        group = None if average is None else average.__self__
+        objects = (signature, optimizer, scale, live, scale_state, group)
+        values = (keep, settings, native.available())  # (native: its kernels or MLX's)
+        last = self.last
+        if (last is not None and all(a is b for a, b in zip(last[0], objects, strict=True))
+                and last[1] == values):
+            # What keyed the last step, the same objects (no hash of the signature, a pass
+            # over every parameter's path and shape)
+            entry: tuple[Callable, list] | None = last[2]
+        else:
+            key = (signature, keep, optimizer, scale, id(live), id(scale_state), settings,
+                   values[2], None if group is None else _Same(group))
+            entry = self.steps.get(key)
+            if entry is not None:
+                self.last = (objects, values, entry)
         captured = [live, scale_state]
-        entry = self.steps.get(key)
         if entry is not None:
             # The compiled call changes the captured state at once, in C++; the guard keeps
             # Ctrl-C from landing between it and the model's update.
