@@ -53,12 +53,16 @@ __attribute__((target("avx2,f16c"))) void narrow_f16_f16c(const float* src, uint
   }
 }
 
-const bool HAS_F16C = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-
-} // namespace
+bool has_f16c() {
+  static const bool has = [] {
+    __builtin_cpu_init();  // (this may run from a static initialiser: before libgcc's own)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
 
 void widen_f16_all(const uint16_t* src, float* dst, size_t n) {
-  if (HAS_F16C) {
+  if (has_f16c()) {
     widen_f16_f16c(src, dst, n);
     return;
   }
@@ -69,7 +73,7 @@ void widen_f16_all(const uint16_t* src, float* dst, size_t n) {
 }
 
 void narrow_f16_all(const float* src, uint16_t* dst, size_t n) {
-  if (HAS_F16C) {
+  if (has_f16c()) {
     narrow_f16_f16c(src, dst, n);
     return;
   }
@@ -78,6 +82,8 @@ void narrow_f16_all(const float* src, uint16_t* dst, size_t n) {
     half[i] = static_cast<_Float16>(src[i]);
   }
 }
+
+} // namespace
 
 void widen_all(const void* src, mx::Dtype dt, float* dst, size_t n) {
   if (dt == mx::float32) {
