@@ -41,9 +41,10 @@ bool any_nonfinite(const Span& s, int64_t lo, int64_t hi) {
   return any_nonfinite(static_cast<const uint16_t*>(s.data) + lo, hi - lo, mask);
 }
 
-// A check reads an element about as fast as a float32 GEMM does this many multiply-adds
-// (cpu.h: single_thread_macs): arrays below the threshold are read on this thread, larger
-// ones in blocks shared out over OpenMP's.
+// An element of the check counts as this many multiply-adds against the one-thread threshold
+// (cpu.h: single_thread_macs; an estimate, not measured: a load, an and and a compare per
+// element, memory-bound): arrays below it are read on this thread (2**20 float32 elements
+// and fewer), larger ones in blocks shared out over OpenMP's.
 constexpr double ELEMENT_MACS = 4;
 constexpr int64_t BLOCK = 1 << 16;
 
