@@ -208,8 +208,8 @@ def test_halves_bench_prints_a_row_per_model():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"^\| seed \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$", done.stdout, re.M), (
-        done.stdout)
+    assert re.search(r"^\| seed \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ / [0-9.]+ / "
+                     r"[0-9.]+ \|$", done.stdout, re.M), done.stdout
     assert " cores: " in done.stdout
 
 
