@@ -173,16 +173,21 @@ def leaves(tree):
     return dict(tree_flatten(tree))
 
 
-def in_threads(work: Callable[[int], object], n: int) -> None:
-    """``work(k)`` for ``k`` in ``range(n)``, each on a thread of its own, at once; the
-    failures are asserted on this thread."""
+def in_threads(work: Callable[[int], object], n: int, rounds: int = 1) -> None:
+    """``work(k)`` for ``k`` in ``range(n)``, each on a thread of its own, at once, ``rounds``
+    times, the threads starting each round together (at a barrier: they race, e.g. to create
+    shared primitives); the failures are asserted on this thread."""
+    start = threading.Barrier(n)
     failures: list[BaseException] = []
 
     def run(k: int) -> None:
         try:
-            work(k)
+            for _ in range(rounds):
+                start.wait()
+                work(k)
         except BaseException as error:  # noqa: BLE001  (reported on the main thread)
             failures.append(error)
+            start.abort()
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
     for t in threads:

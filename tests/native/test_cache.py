@@ -4,12 +4,12 @@ of oneDNN primitives for every op, with its counts. Calls fluxlike_native._ext d
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import in_threads
 
 if os.environ.get("FLUXLIKE_NATIVE", "").strip().lower() in {"0", "off", "no", "false", "none"}:
     pytest.skip("FLUXLIKE_NATIVE disables the native kernels", allow_module_level=True)
@@ -148,26 +148,13 @@ def test_concurrent_creation_from_threads(capacity):
     right and the counts add up, also when the cache evicts under the threads' feet."""
     _ext.set_cache_capacity(capacity)
     threads, rounds = 6, 3
-    start = threading.Barrier(threads)
-    failures: list[BaseException] = []
 
     def work(k: int) -> None:
-        try:
-            for _ in range(rounds):
-                start.wait()
-                matmul(64, 32, 16)  # shared by every thread
-                matmul(20 + k)  # this thread's own
-                matmul(40 + k, 16, 8)
-        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
-            failures.append(error)
-            start.abort()
+        matmul(64, 32, 16)  # shared by every thread
+        matmul(20 + k)  # this thread's own
+        matmul(40 + k, 16, 8)
 
-    pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    assert not failures, failures
+    in_threads(work, threads, rounds=rounds)
     counts = info()
     calls = threads * rounds * 3
     keys = 1 + 2 * threads

@@ -17,12 +17,12 @@ Calls fluxlike_native._ext directly; wall-clock time is measured in bench/shapes
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import in_threads
 
 if os.environ.get("FLUXLIKE_NATIVE", "").strip().lower() in {"0", "off", "no", "false", "none"}:
     pytest.skip("FLUXLIKE_NATIVE disables the native kernels", allow_module_level=True)
@@ -47,29 +47,6 @@ def _fresh() -> Iterator[None]:
     _ext.set_matmul_mode(mode)
     _ext.set_cache_capacity(capacity)
     _ext.clear_cache()
-
-
-def together(rounds: int, work: Callable[[int], None], threads: int = 6) -> None:
-    """``work(k)`` on ``threads`` threads (k = 0, 1, ...), ``rounds`` times, each round started
-    together (they race to create shared primitives); a failure on any thread fails the test."""
-    start = threading.Barrier(threads)
-    failures: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            for _ in range(rounds):
-                start.wait()
-                work(k)
-        except BaseException as error:  # noqa: BLE001  (reported on the main thread)
-            failures.append(error)
-            start.abort()
-
-    pool = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    assert not failures, failures
 
 
 def linear(x: mx.array, w: mx.array, b: mx.array | None = None, relu: bool = False) -> mx.array:
@@ -211,7 +188,7 @@ def test_threads_building_and_evaluating_at_once(mode):
             y = np.array(linear(x[:m], w))
             np.testing.assert_allclose(y, ref[:m], rtol=1e-5, atol=1e-5)
 
-    together(4, work)
+    in_threads(work, 6, rounds=4)
 
 
 def test_fluxlike_native_matmul_mode_sets_and_reads():
@@ -427,7 +404,7 @@ def test_threads_meeting_first_uses_of_convolutions_pools_and_softmaxes_at_once(
             np.testing.assert_allclose(np.array(scores), np.array(ref_soft), rtol=1e-4,
                                        atol=1e-5)
 
-    together(3, work)
+    in_threads(work, 6, rounds=3)
 
 
 def test_first_uses_mlx_cannot_take_or_too_large_create_the_primitive():

@@ -276,7 +276,9 @@ class TestSavedActivations:
         reference = float32_peak(model, x, limit=None)
         assert peak_of_training_step(model, x, dtype, limit=None) <= 0.7 * reference
 
-    @pytest.mark.skipif(not native.available(), reason="no native kernels here")
+    @pytest.mark.skipif(not native.available(),
+                        reason="the native kernels are not in use here (FLUXLIKE_NATIVE=0, or "
+                        "no companion built): no native path to compare with the emulation")
     def test_native_bfloat16_keeps_no_more_than_the_emulation(self, mlp, monkeypatch):
         """bfloat16 training runs on oneDNN (kernels.choose): in its bfloat16 kernels, or in
         its float32 ones upcasting inside the primitive. Either way its backward pass keeps
