@@ -131,6 +131,16 @@ inline uint16_t narrow(float x) {
   return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
+// To bfloat16 rounding to nearest even, a NaN keeping its sign and payload (quieted): the
+// scalar loops that reproduce a kernel's outputs bit for bit (conv.cpp, pool.cpp).
+inline uint16_t narrow_keeping_nan(float x) {
+  uint32_t w = std::bit_cast<uint32_t>(x);
+  if ((w & 0x7FFFFFFFu) > 0x7F800000u) {
+    return static_cast<uint16_t>((w >> 16) | 0x40);
+  }
+  return static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1)) >> 16);
+}
+
 // n values each way, as above (convert.cpp).
 void widen_all(const uint16_t* src, float* dst, size_t n);
 void narrow_all(const float* src, uint16_t* dst, size_t n);

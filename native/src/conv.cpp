@@ -9,7 +9,6 @@
 #include "conv.h"
 
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -201,24 +200,16 @@ bool mlx_multiplies_padding(const ConvParams& p) {
   return padded && !dilated && (p.groups == 1 || p.stride.size() == 1);
 }
 
-// float32 or bfloat16 bits to float and back (to bfloat16: round to nearest even, NaN quiet).
+// Element i of float32 or bfloat16 data as a float, and a float stored there (common.h).
 float to_float(const void* p, size_t i, bool bf16) {
-  uint32_t w = bf16 ? static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16
-                    : static_cast<const uint32_t*>(p)[i];
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
+  return bf16 ? widen(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
 void store_float(void* p, size_t i, float f, bool bf16) {
-  uint32_t w;
-  std::memcpy(&w, &f, 4);
-  if (!bf16) {
-    static_cast<uint32_t*>(p)[i] = w;
-  } else if ((w & 0x7FFFFFFFu) > 0x7F800000u) {
-    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>((w >> 16) | 0x40);
+  if (bf16) {
+    static_cast<uint16_t*>(p)[i] = narrow_keeping_nan(f);
   } else {
-    static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1)) >> 16);
+    static_cast<float*>(p)[i] = f;
   }
 }
 

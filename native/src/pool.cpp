@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -293,21 +292,22 @@ void keep_nan(const void* x, void* y, Workspace ws, const mx::Shape& xs, const m
 }
 
 // A float32 (U = uint32_t) or bfloat16 (U = uint16_t) value's bits, to and from float; to
-// bfloat16 rounding to nearest even (NaN kept quiet), as MLX's conversion does.
+// bfloat16 rounding to nearest even, a NaN kept quiet (common.h).
 template <typename U>
 struct Bits {
   static float get(U b) {
-    uint32_t w = sizeof(U) == 2 ? static_cast<uint32_t>(b) << 16 : static_cast<uint32_t>(b);
-    float f;
-    std::memcpy(&f, &w, 4);
-    return f;
+    if constexpr (sizeof(U) == 2) {
+      return widen(b);
+    } else {
+      return std::bit_cast<float>(b);
+    }
   }
   static U put(float f) {
-    uint32_t w;
-    std::memcpy(&w, &f, 4);
-    if (sizeof(U) == 4) return static_cast<U>(w);
-    if ((w & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<U>((w >> 16) | 0x40);
-    return static_cast<U>((w + 0x7FFFu + ((w >> 16) & 1)) >> 16);
+    if constexpr (sizeof(U) == 2) {
+      return narrow_keeping_nan(f);
+    } else {
+      return std::bit_cast<U>(f);
+    }
   }
   static constexpr U magnitude = sizeof(U) == 2 ? U(0x7FFF) : U(0x7FFFFFFFu);
   static constexpr U inf = sizeof(U) == 2 ? U(0x7F80) : U(0x7F800000u);
