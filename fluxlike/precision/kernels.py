@@ -31,7 +31,7 @@ from ..native import _loader
 from ..native import ops as native_ops
 from ..native.ops import _KNOWN_ACTS, split_act
 from . import castcache, emulation
-from .operands import one_dtype, operands
+from .operands import match_input, one_dtype, operands
 from .state import HALF, PLAIN, Context, context
 
 NATIVE, EMULATED, MLX = "native", "emulated", "mlx"
@@ -179,6 +179,10 @@ def linear(
         y = _on_kept_casts(state, x, weight, bias, act)  # repeated inference, CPU half
         if y is not None:
             return y
+    elif state.differentiating and state.cpu is not None and _switch.ext is not None:
+        y = _with_fused_casts(state.cpu, x, weight, bias, act, layer)  # training, CPU half
+        if y is not None:
+            return y
     x, weight, bias = operands(x, weight, bias, layer=layer)
     dtype = one_dtype(x, weight, bias)
     backend = choose("linear", dtype)
@@ -236,6 +240,31 @@ def _on_kept_casts(state: Context, x: mx.array, weight: mx.array, bias: mx.array
                                False, _switch.bf16)
         return y if after is None else after(y)
     return emulation.linear_on_kept(x, params, dtype, act)
+
+
+def _with_fused_casts(dtype: mx.Dtype, x: mx.array, weight: mx.array, bias: mx.array | None,
+                      act: Activation | None, layer: str) -> mx.array | None:
+    """``linear`` while fluxlike differentiates in a half-precision scope on the CPU, where
+    the native product runs in float32 kernels anyway (float16; bfloat16 without oneDNN's
+    bfloat16 kernels): float32 weights, bias and input are given to it as they are, and it
+    reads them rounded to ``dtype`` (``compute_dtype``): the casts' values and gradients bit
+    for bit, without a cast node for each, forward and backward. ``None`` where that does
+    not apply (then the casts are made)."""
+    if (dtype == _BF16 and _switch.bf16) or dtype not in _HALF or (
+            mx.default_device().type is not mx.cpu):
+        return None
+    for p in (weight, bias):
+        if p is not None and p.dtype != _F32 and p.dtype != dtype:
+            return None  # float64 parameters are not cast; another half dtype is
+    if type(x) is not mx.array or (x.dtype != _F32 and x.dtype != dtype):
+        x = match_input(x, weight, layer, dtype)  # the checks and conversion of the casts
+    fused, after = (False, None) if act is None else _split(act)
+    try:
+        y = _switch.ext.matmul(x, weight, bias, False, True, fused, None, False, False,  # type: ignore[union-attr]  # checked by the caller
+                               compute_dtype=dtype)
+    except ValueError:  # a bias of another shape, or a shape error: the general path says it
+        return None
+    return y if after is None else after(y)
 
 
 def matmul(a: mx.array, b: mx.array, *, transpose_b: bool = False) -> mx.array:

@@ -125,7 +125,13 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
 
   m.def(
       "matmul",
-      &fluxlike_native::matmul,
+      [](const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
+         bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
+         bool batched, bool native_bf16, std::optional<mx::Dtype> compute_dtype,
+         bool rounded, mx::StreamOrDevice s) {
+        return fluxlike_native::matmul(a, b, bias, trans_a, trans_b, relu, out_dtype, batched,
+                                       native_bf16, s, compute_dtype, rounded);
+      },
       "a"_a,
       "b"_a,
       "bias"_a = nb::none(),
@@ -136,8 +142,11 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
       "batched"_a = false,
       "native_bf16"_a = true,
       nb::kw_only(),
+      "compute_dtype"_a = nb::none(),
+      "rounded"_a = false,
       "stream"_a = nb::none(),
-      R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h).)");
+      R"(act(op(a) @ op(b) + bias) on oneDNN, as one MLX primitive (see matmul.h);
+compute_dtype fuses casts of float32 operands to it into the product.)");
 
   m.def(
       "set_matmul_mode",

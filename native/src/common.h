@@ -148,6 +148,9 @@ void narrow_all(const float* src, uint16_t* dst, size_t n);
 // back.
 void widen_all(const void* src, mx::Dtype dt, float* dst, size_t n);
 void narrow_all(const float* src, mx::Dtype dt, void* dst, size_t n);
+// n float32 values in place rounded to dtype `dt` (bfloat16 or float16; float32: unchanged),
+// as astype to it and back rounds them.
+void round_all(float* x, mx::Dtype dt, size_t n);
 
 // x's elements in a new row-contiguous array, copied by a task queued on the encoder before
 // the kernel that reads it (and kept alive until then as a temporary); float32 or bfloat16.

@@ -95,6 +95,29 @@ void widen_all(const void* src, mx::Dtype dt, float* dst, size_t n) {
   }
 }
 
+FLN_VECTOR_CLONES void round_bf16_all(float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = widen(narrow(x[i]));
+  }
+}
+
+void round_all(float* x, mx::Dtype dt, size_t n) {
+  if (dt == mx::float32) {
+    return;
+  }
+  if (dt == mx::bfloat16) {
+    round_bf16_all(x, n);
+    return;
+  }
+  constexpr size_t chunk = 1024;
+  uint16_t half[chunk];
+  for (size_t i = 0; i < n; i += chunk) {
+    size_t c = std::min(chunk, n - i);
+    narrow_f16_all(x + i, half, c);
+    widen_f16_all(half, x + i, c);
+  }
+}
+
 void narrow_all(const float* src, mx::Dtype dt, void* dst, size_t n) {
   if (dt == mx::float32) {
     std::copy_n(src, n, static_cast<float*>(dst));

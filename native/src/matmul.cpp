@@ -145,15 +145,17 @@ struct Operand {
   mx::Strides strides;
   size_t size;
   bool row_contiguous;
-  mx::Dtype dtype;  // bfloat16, float16, or float32 (a bias)
+  mx::Dtype dtype;  // bfloat16, float16, or float32
+  mx::Dtype round_to;  // a float32 operand's values rounded to this dtype (float32: none)
 };
 
-Operand operand(const mx::array& x) {
+Operand operand(const mx::array& x, mx::Dtype round_to = mx::float32) {
   return {x.data<void>(), x.shape(), x.strides(), x.size(), x.flags().row_contiguous,
-          x.dtype()};
+          x.dtype(), round_to};
 }
 
-// x's elements, row-major, as float32 (half precision widened exactly) into dst.
+// x's elements, row-major, as float32 into dst: half precision widened exactly, float32
+// rounded to x.round_to as astype to it and back would.
 void to_float32(const Operand& x, float* dst) {
   if (x.dtype == mx::float32) {
     if (x.row_contiguous) {
@@ -162,6 +164,7 @@ void to_float32(const Operand& x, float* dst) {
       gather(static_cast<const uint32_t*>(x.data), reinterpret_cast<uint32_t*>(dst), x.shape,
              x.strides);
     }
+    round_all(dst, x.round_to, x.size);
     return;
   }
   const void* src = x.data;
@@ -301,6 +304,14 @@ mx::array swap_last(const mx::array& x, bool t, mx::StreamOrDevice s) {
   return t ? mx::swapaxes(x, -1, -2, s) : x;
 }
 
+// A float32 product `y` as the output of a product computing in `dt` gives it: in `odt`,
+// rounded to `dt` where that is a half dtype and odt is, or `round_f32` asks.
+mx::array result_in(const mx::array& y, mx::Dtype dt, mx::Dtype odt, bool round_f32,
+                    mx::StreamOrDevice s) {
+  auto r = odt != mx::float32 || round_f32 ? mx::astype(y, dt, s) : y;
+  return mx::astype(r, odt, s);
+}
+
 } // namespace
 
 MatmulMode set_matmul_mode(MatmulMode mode) {
@@ -333,13 +344,25 @@ bool direct_gemm_in_use() {
 
 mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
-                 bool batched, bool native_bf16, mx::StreamOrDevice s) {
+                 bool batched, bool native_bf16, mx::StreamOrDevice s,
+                 std::optional<mx::Dtype> compute, bool rounded) {
   auto stream = mx::to_stream(s);
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU, the "
             "stream is on the GPU; use MLX's own kernels there (mx.matmul)");
-  auto dt = a.dtype();
-  FLN_CHECK(b.dtype() == dt, FN, ": a and b must have one dtype, got ", dtype_str(dt),
-            " and ", dtype_str(b.dtype()), "; cast one with astype");
+  bool fused = compute.has_value();
+  auto dt = compute.value_or(a.dtype());
+  if (fused) {
+    FLN_CHECK(dt == mx::bfloat16 || dt == mx::float16, FN, ": compute_dtype must be bfloat16 "
+              "or float16, got ", dtype_str(dt), "; leave it None for float32 products");
+    for (auto* x : {&a, &b}) {
+      FLN_CHECK(x->dtype() == dt || x->dtype() == mx::float32, FN, ": with compute_dtype ",
+                dtype_str(dt), " each operand must be float32 or ", dtype_str(dt), ", got ",
+                dtype_str(x->dtype()), "; cast it with astype");
+    }
+  } else {
+    FLN_CHECK(b.dtype() == dt, FN, ": a and b must have one dtype, got ", dtype_str(dt),
+              " and ", dtype_str(b.dtype()), "; cast one with astype, or pass compute_dtype");
+  }
   FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16, FN, ": operands "
             "must be float32, bfloat16 or float16, got ", dtype_str(dt), " (no fast oneDNN "
             "kernel for it on this CPU; use mx.matmul)");
@@ -353,26 +376,32 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
     FLN_CHECK(bias->dtype() == dt || bias->dtype() == mx::float32, FN, ": bias must be ",
               dtype_str(dt), " or float32, got ", dtype_str(bias->dtype()));
   }
+  bool round_f32 = rounded && odt == mx::float32 && dt != mx::float32;
   // A bfloat16 product over one entry (K == 1) in oneDNN 3.2's bfloat16 kernels gave NaN for
   // an infinite operand (the K pair is padded; seen in tests/native/test_hostile.py): float32.
   int k_len = a.ndim() == 0 ? 1 : (trans_a && a.ndim() >= 2 ? a.shape(-2) : a.shape(-1));
   // In float32 kernels: float16 always (no oneDNN float16 kernel pays on these CPUs), bfloat16
-  // without oneDNN's bfloat16 kernels (or with K == 1).
-  bool upcast = dt == mx::float16 || (dt == mx::bfloat16 && (!native_bf16 || k_len == 1));
+  // without oneDNN's bfloat16 kernels (or with K == 1), and fused casts.
+  bool upcast = dt == mx::float16 ||
+      (dt == mx::bfloat16 && (fused || !native_bf16 || k_len == 1));
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), " (no avx512_core_bf16); "
             "pass native_bf16=False to run bfloat16 in float32 kernels");
   if (a.size() == 0 || b.size() == 0) {  // oneDNN takes no empty operands
-    auto y = mx::matmul(
-        mx::astype(swap_last(a, trans_a, stream), mx::float32, stream),
-        mx::astype(swap_last(b, trans_b, stream), mx::float32, stream), stream);
+    // Each operand as the product reads it, in float32.
+    auto read = [&](const mx::array& x, bool rounds) {
+      auto r = rounds && x.dtype() != dt ? mx::astype(x, dt, stream) : x;
+      return mx::astype(r, mx::float32, stream);
+    };
+    auto y = mx::matmul(read(swap_last(a, trans_a, stream), true),
+                        read(swap_last(b, trans_b, stream), true), stream);
     if (bias) {
-      y = mx::add(y, mx::astype(*bias, mx::float32, stream), stream);
+      y = mx::add(y, read(*bias, fused), stream);
     }
     if (relu) {
       y = mx::maximum(y, mx::array(0.0f), stream);
     }
-    return mx::astype(mx::reshape(y, shape, stream), odt, stream);
+    return result_in(mx::reshape(y, shape, stream), dt, odt, round_f32, stream);
   }
   // Operands that are not laid out as oneDNN takes them are copied when the primitive runs
   // (Matmul::eval_cpu), as MLX's own matmul does, rather than by Contiguous ops in the
@@ -384,7 +413,8 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
   return mx::array(
       shape, odt,
       std::make_shared<Matmul>(
-          stream, trans_a, trans_b, bias.has_value(), relu, batched, odt, upcast),
+          stream, trans_a, trans_b, bias.has_value(), relu, batched, odt, upcast, dt, fused,
+          round_f32),
       std::move(inputs));
 }
 
@@ -509,14 +539,19 @@ void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
     encoder.set_input_array(in);
   }
   encoder.set_output_array(out);
+  // Fused casts: float32 operands read rounded to the compute dtype (a legacy float32 bias
+  // beside half operands is added as it is).
+  auto rounding = fused_ ? cdt_ : mx::float32;
   std::optional<Operand> bias;
   if (has_bias_) {
-    bias = operand(inputs[2]);
+    bias = operand(inputs[2], rounding);
   }
-  encoder.dispatch([a = operand(inputs[0]), b = operand(inputs[1]), bias = std::move(bias),
-                    entry = pl.entry, la = pl.la, lb = pl.lb, direct = pl.direct, relu = relu_,
-                    pdst = out.data<void>(), odt = out.dtype(), n_out = out.size(),
-                    m = pl.dst_dims[0], n = pl.dst_dims.back(), k = va.dims.back()]() {
+  encoder.dispatch([a = operand(inputs[0], rounding), b = operand(inputs[1], rounding),
+                    bias = std::move(bias), entry = pl.entry, la = pl.la, lb = pl.lb,
+                    direct = pl.direct, relu = relu_, pdst = out.data<void>(),
+                    odt = out.dtype(), n_out = out.size(), m = pl.dst_dims[0],
+                    n = pl.dst_dims.back(), k = va.dims.back(),
+                    round_f32 = round_f32_ ? cdt_ : mx::float32]() {
     constexpr const char* what = "a float32 copy of a half-precision operand";
     bool half = odt != mx::float32;
     Buffer a32(a.size * sizeof(float), FN, what), b32(b.size * sizeof(float), FN, what);
@@ -540,6 +575,8 @@ void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
     }
     if (half) {
       narrow_all(dst, odt, pdst, n_out);
+    } else {
+      round_all(dst, round_f32, n_out);
     }
   });
 }
@@ -561,9 +598,8 @@ std::pair<std::vector<mx::array>, std::vector<int>> Matmul::vmap(
     if (has_bias_) {
       bias = inputs[2];
     }
-    bool native = inputs[0].dtype() == mx::bfloat16 && !upcast_;
     return {{matmul(front(0), inputs[1], bias, false, trans_b_, relu_, out_dtype_, false,
-                    native, s)},
+                    native(), s, compute(), round_f32_)},
             {0}};
   }
   int mapped = -1;  // the size of the mapped axis
@@ -572,8 +608,16 @@ std::pair<std::vector<mx::array>, std::vector<int>> Matmul::vmap(
       mapped = inputs[i].shape(axes[i]);
     }
   }
+  // Operand i as the product reads it, in float32 (a fused cast rounds a float32 one).
+  auto read = [&](int i) {
+    auto x = front(i);
+    if ((i < 2 || fused_) && x.dtype() != cdt_) {
+      x = mx::astype(x, cdt_, s);
+    }
+    return mx::astype(x, mx::float32, s);
+  };
   auto operand = [&](int i, bool trans) {
-    auto x = mx::astype(front(i), mx::float32, s);
+    auto x = read(i);
     if (axes[i] < 0) {
       x = mx::expand_dims(x, 0, s);  // broadcast over the mapped axis
     }
@@ -585,7 +629,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> Matmul::vmap(
   };
   auto y = mx::matmul(operand(0, trans_a_), operand(1, trans_b_), s);
   if (has_bias_) {
-    auto bias = mx::astype(front(2), mx::float32, s);
+    auto bias = read(2);
     mx::Shape shape(y.ndim(), 1);
     shape[0] = axes[2] >= 0 ? mapped : 1;
     shape.back() = bias.shape(-1);
@@ -603,7 +647,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> Matmul::vmap(
   };
   mx::Shape out = out_shape(unmapped(0), unmapped(1), trans_a_, trans_b_, batched_);
   out.insert(out.begin(), mapped);  // y's rows are (mapped, rows...) in that order
-  return {{mx::astype(mx::reshape(y, out, s), out_dtype_, s)}, {0}};
+  return {{result_in(mx::reshape(y, out, s), cdt_, out_dtype_, round_f32_, s)}, {0}};
 }
 
 std::vector<mx::Shape> Matmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -614,9 +658,14 @@ bool Matmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Matmul&>(other);
   return trans_a_ == o.trans_a_ && trans_b_ == o.trans_b_ && has_bias_ == o.has_bias_ &&
       relu_ == o.relu_ && batched_ == o.batched_ && out_dtype_ == o.out_dtype_ &&
-      upcast_ == o.upcast_;
+      upcast_ == o.upcast_ && cdt_ == o.cdt_ && fused_ == o.fused_ &&
+      round_f32_ == o.round_f32_;
 }
 
+// The gradients are the products (and sums) the casts and the product in float32 would
+// differentiate to, with this product's kernels: a half cotangent, each operand's gradient
+// rounded to the compute dtype, then given its dtype (a fused float32 operand's gradient is
+// float32 holding the rounded values, as astype's gradient gives it).
 std::vector<mx::array> Matmul::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
@@ -625,8 +674,9 @@ std::vector<mx::array> Matmul::vjp(
   auto s = stream();
   auto& a = primals[0];
   auto& b = primals[1];
-  auto cdt = a.dtype();
-  bool native = cdt == mx::bfloat16 && !upcast_;  // its products run as this one does
+  auto cdt = cdt_;
+  bool native = this->native();  // its products run as this one does
+  auto comp = compute();
   auto g = cotangents[0];
   if (relu_) {  // relu'(y) is y > 0 (the output is kept in the compute dtype)
     // One pass, no temporaries (MLX's where, or a product with the mask, take 3-4 passes
@@ -637,24 +687,36 @@ std::vector<mx::array> Matmul::vjp(
   std::vector<mx::array> grads;
   // A batched operand broadcast over batch axes gets its gradient summed over them: upcast,
   // the products stay float32 until that sum is rounded once (as the casts it replaces do).
-  auto rdt = batched_ && upcast_ ? mx::float32 : cdt;
-  auto reduced = [&](const mx::array& x, const mx::Shape& shape) {
-    auto r = reduce_to(x, shape, s);
-    return r.dtype() == cdt ? r : mx::astype(r, cdt, s);
+  bool unrounded = batched_ && upcast_;
+  auto in_dtype_of = [&](const mx::array& x, const mx::Dtype& computed) {
+    return x.dtype() == computed ? x : mx::astype(x, computed, s);
+  };
+  auto reduced = [&](const mx::array& x, const mx::array& primal) {
+    auto r = in_dtype_of(reduce_to(x, primal.shape(), s), cdt);
+    return in_dtype_of(r, primal.dtype());
+  };
+  // A product's output for the gradient of `primal`: float32 unrounded, to be summed, or the
+  // primal's dtype rounded to the compute dtype.
+  auto odt = [&](const mx::array& primal) {
+    return unrounded ? mx::float32 : primal.dtype();
   };
   for (int arg : argnums) {
     if (arg == 0) {
       mx::array da = trans_a_
-          ? matmul(b, gc, std::nullopt, trans_b_, true, false, rdt, batched_, native, s)
-          : matmul(gc, b, std::nullopt, false, !trans_b_, false, rdt, batched_, native, s);
-      grads.push_back(batched_ ? reduced(da, a.shape()) : da);
+          ? matmul(b, gc, std::nullopt, trans_b_, true, false, odt(a), batched_, native, s,
+                   comp, !unrounded)
+          : matmul(gc, b, std::nullopt, false, !trans_b_, false, odt(a), batched_, native, s,
+                   comp, !unrounded);
+      grads.push_back(batched_ ? reduced(da, a) : da);
     } else if (arg == 1) {
       mx::array db = a;  // placeholder, assigned below
       if (batched_) {
         db = trans_b_
-            ? matmul(gc, a, std::nullopt, true, trans_a_, false, rdt, true, native, s)
-            : matmul(a, gc, std::nullopt, !trans_a_, false, false, rdt, true, native, s);
-        db = reduced(db, b.shape());
+            ? matmul(gc, a, std::nullopt, true, trans_a_, false, odt(b), true, native, s,
+                     comp, !unrounded)
+            : matmul(a, gc, std::nullopt, !trans_a_, false, false, odt(b), true, native, s,
+                     comp, !unrounded);
+        db = reduced(db, b);
       } else {
         // Rows of a and of the cotangent, as 2-D matrices (Flatten keeps shapeless traces).
         auto a2 = a.ndim() == 1 ? mx::expand_dims(a, 0, s)
@@ -664,10 +726,14 @@ std::vector<mx::array> Matmul::vjp(
             : gc.ndim() > 2      ? mx::flatten(gc, 0, gc.ndim() - 2, s)
                                  : gc;
         db = trans_b_
-            ? matmul(g2, a2, std::nullopt, true, trans_a_, false, cdt, false, native, s)
-            : matmul(a2, g2, std::nullopt, !trans_a_, false, false, cdt, false, native, s);
+            ? matmul(g2, a2, std::nullopt, true, trans_a_, false, b.dtype(), false, native, s,
+                     comp, !unrounded)
+            : matmul(a2, g2, std::nullopt, !trans_a_, false, false, b.dtype(), false, native,
+                     s, comp, !unrounded);
       }
       grads.push_back(db);
+    } else if (fused_) {  // the sum of the half cotangent, rounded, in the bias's dtype
+      grads.push_back(in_dtype_of(bias_grad(gc, cdt, s), primals[2].dtype()));
     } else {
       grads.push_back(bias_grad(g, primals[2].dtype(), s));
     }
@@ -683,8 +749,9 @@ std::vector<mx::array> Matmul::jvp(
   auto s = stream();
   auto& a = primals[0];
   auto& b = primals[1];
-  auto cdt = a.dtype();
-  bool native = cdt == mx::bfloat16 && !upcast_;
+  auto cdt = cdt_;
+  bool native = this->native();
+  auto comp = compute();
   auto shape = out_shape(a.shape(), b.shape(), trans_a_, trans_b_, batched_);
   // Tangents are summed in float32 and given the output's dtype.
   std::optional<mx::array> t;
@@ -693,12 +760,13 @@ std::vector<mx::array> Matmul::jvp(
     mx::array ti = tan;
     if (argnums[i] == 0) {
       ti = matmul(mx::astype(tan, cdt, s), b, std::nullopt, trans_a_, trans_b_, false,
-                  mx::float32, batched_, native, s);
+                  mx::float32, batched_, native, s, comp);
     } else if (argnums[i] == 1) {
       ti = matmul(a, mx::astype(tan, cdt, s), std::nullopt, trans_a_, trans_b_, false,
-                  mx::float32, batched_, native, s);
-    } else {
-      ti = mx::broadcast_to(mx::astype(tan, mx::float32, s), shape, s);
+                  mx::float32, batched_, native, s, comp);
+    } else {  // a fused cast rounds the bias's tangent as astype's tangent is rounded
+      auto tb = fused_ ? mx::astype(tan, cdt, s) : tan;
+      ti = mx::broadcast_to(mx::astype(tb, mx::float32, s), shape, s);
     }
     t = t ? mx::add(*t, ti, s) : ti;
   }
@@ -707,10 +775,11 @@ std::vector<mx::array> Matmul::jvp(
     bias = primals[2];
   }
   if (relu_) {
-    auto y = matmul(a, b, bias, trans_a_, trans_b_, false, mx::float32, batched_, native, s);
+    auto y = matmul(a, b, bias, trans_a_, trans_b_, false, mx::float32, batched_, native, s,
+                    comp);
     t = mx::where(mx::greater(y, mx::array(0.0f), s), *t, mx::array(0.0f), s);
   }
-  return {mx::astype(*t, out_dtype_, s)};
+  return {result_in(*t, cdt, out_dtype_, round_f32_, s)};
 }
 
 } // namespace fluxlike_native

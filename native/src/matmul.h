@@ -21,9 +21,18 @@ namespace fluxlike_native {
 // (exactly) into float32 buffers of its own while it runs and rounds the float32 result to
 // the half dtype if asked, so that the graph holds the half-precision operands only (a
 // backward pass keeps those, not float32 copies) and one node per product.
+//
+// compute (bfloat16 or float16), where given: the casts to it fused into the product, which
+// then always runs in float32 kernels as above. Operands (bias included) may each be float32
+// or `compute`; a float32 one is read rounded to `compute`, as astype would round it, so the
+// graph needs no cast node (autocast's float32 weights). out_dtype is `compute` (default) or
+// float32; `rounded` rounds a float32 result to `compute` too (what astype to it and back
+// gives: the gradient of a float32 operand). Every gradient and tangent is what the casts and
+// the product would give, bit for bit; an operand's gradient has its dtype.
 mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
-                 bool batched, bool native_bf16, mx::StreamOrDevice s = {});
+                 bool batched, bool native_bf16, mx::StreamOrDevice s = {},
+                 std::optional<mx::Dtype> compute = std::nullopt, bool rounded = false);
 
 // How unbatched float32 products run (process-wide; tests and benchmarks switch it):
 // - Gemm: on oneDNN's GEMM (dnnl_sgemm) without a primitive, for any row count;
@@ -55,7 +64,10 @@ class Matmul : public mx::UnaryPrimitive {
       bool relu,
       bool batched,
       mx::Dtype out_dtype,
-      bool upcast = false)
+      bool upcast = false,
+      mx::Dtype compute = mx::float32,
+      bool fused = false,
+      bool round_f32 = false)
       : mx::UnaryPrimitive(stream),
         trans_a_(trans_a),
         trans_b_(trans_b),
@@ -63,7 +75,10 @@ class Matmul : public mx::UnaryPrimitive {
         relu_(relu),
         batched_(batched),
         out_dtype_(out_dtype),
-        upcast_(upcast) {}
+        upcast_(upcast),
+        cdt_(compute),
+        fused_(fused),
+        round_f32_(round_f32) {}
 
   FLN_DEFINE_EVAL_CPU_ONLY("fluxlike_native.matmul has no GPU kernel: build it on a CPU stream")
   FLN_DEFINE_GRADS()
@@ -80,6 +95,17 @@ class Matmul : public mx::UnaryPrimitive {
   bool batched_;
   mx::Dtype out_dtype_;
   bool upcast_;  // half-precision operands in float32 kernels (see matmul above)
+  mx::Dtype cdt_;  // the compute dtype: the operands' (or the fused casts')
+  bool fused_;  // float32 operands (bias included) read rounded to cdt_ (matmul's compute)
+  bool round_f32_;  // a float32 result rounded to cdt_
+
+  // What to give matmul() for a product of this one's vjp/jvp/vmap: native_bf16, compute.
+  bool native() const {
+    return cdt_ == mx::bfloat16 && !upcast_;
+  }
+  std::optional<mx::Dtype> compute() const {
+    return fused_ ? std::optional<mx::Dtype>(cdt_) : std::nullopt;
+  }
 
   void eval_upcast(const std::vector<mx::array>& inputs, mx::array& out);
 };

@@ -676,3 +676,138 @@ def test_float16_results_round_to_nearest_even_overflow_and_underflow_as_astype(
     y = _ext.matmul(x, mx.ones((len(values), 1), mx.float16), bias, False, True, False, None,
                     False, False)
     np.testing.assert_array_equal(np.diag(np64(y)), np64(bias.astype(mx.float16)))
+
+
+# ---- fused casts: float32 operands read rounded to the compute dtype ----------------------------
+
+def _fused_reference(ops, compute, ta, tb, act, out_dtype, rounded, batched):
+    """The fused product spelled as the graph it replaces: each float32 operand (bias
+    included) cast to ``compute``, the upcasting product, the result cast to the output."""
+    from fluxlike_native import _ext
+    a, b, bias = (None if t is None else t.astype(compute) for t in ops)
+    inner = mx.float32 if out_dtype == mx.float32 and not rounded else compute
+    y = _ext.matmul(a, b, bias, ta, tb, act, inner, batched, False)
+    return y.astype(out_dtype)
+
+
+def _assert_same(mine, theirs):
+    for g, r in zip(mine, theirs, strict=True):
+        assert g.dtype == r.dtype
+        np.testing.assert_array_equal(np64(g), np64(r))
+
+
+def _out_dtype(kind, half):
+    return (half, False) if kind == "half" else (mx.float32, kind == "f32 rounded")
+
+
+@needs_native
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.integers(1, 30), inner=st.integers(1, 40), cols=st.integers(1, 30),
+       lead=st.sampled_from([(), (3,)]), xl=st.sampled_from(LAYOUTS),
+       wl=st.sampled_from(LAYOUTS), x32=st.booleans(), w32=st.booleans(),
+       bias=st.sampled_from([None, "half", mx.float32]), relu_=st.booleans(),
+       half=st.sampled_from([mx.bfloat16, mx.float16]),
+       kind=st.sampled_from(["half", "f32", "f32 rounded"]), seed=st.integers(0, 2**16))
+def test_fused_casts_are_the_casts_and_the_product_bit_for_bit(
+        rows, inner, cols, lead, xl, wl, x32, w32, bias, relu_, half, kind, seed):
+    """compute_dtype: each operand float32 or half, any layout, a bias of either dtype, a
+    fused ReLU, each output: the result and every gradient (in its operand's dtype: a float32
+    weight's gradient is float32 holding half values) are exactly those of the casts and the
+    product they replace."""
+    from fluxlike_native import _ext
+    mx.random.seed(seed)
+    out_dtype, rounded = _out_dtype(kind, half)
+    x = laid_out(rand((rows, inner), mx.float32 if x32 else half), xl)
+    if lead:
+        x = mx.stack([x] * lead[0])
+    w = laid_out(rand((cols, inner), mx.float32 if w32 else half), wl)
+    b = None if bias is None else rand((cols,), half if bias == "half" else bias)
+    args = [x, w] + ([] if b is None else [b])
+
+    def mine(x, w, b=None):
+        return _ext.matmul(x, w, b, False, True, relu_, out_dtype, False, False,
+                           compute_dtype=half, rounded=rounded)
+
+    def theirs(x, w, b=None):
+        return _fused_reference((x, w, b), half, False, True, relu_, out_dtype, rounded, False)
+
+    y, ref = mine(*args), theirs(*args)
+    assert y.dtype == ref.dtype == out_dtype
+    np.testing.assert_array_equal(np64(y), np64(ref))
+    c = rand(y.shape, half).astype(out_dtype)
+
+    def grads(fn):
+        return mx.grad(lambda *t: (fn(*t) * c).astype(mx.float32).sum(),
+                       argnums=list(range(len(args))))(*args)
+
+    got = grads(mine)
+    assert [g.dtype for g in got] == [t.dtype for t in args]
+    _assert_same(got, grads(theirs))
+    # tangents, and the first operand mapped by vmap (the kernel itself) or every one
+    tangents = [rand(t.shape, t.dtype) for t in args]
+    _assert_same(mx.jvp(mine, args, tangents)[1], mx.jvp(theirs, args, tangents)[1])
+    for axes in [(0, None) + (None,) * (len(args) - 2), (0,) * len(args)]:
+        stacked = [mx.stack([t, t * 0.5]) if ax == 0 else t
+                   for t, ax in zip(args, axes, strict=True)]
+        _assert_same([mx.vmap(mine, in_axes=axes)(*stacked)],
+                     [mx.vmap(theirs, in_axes=axes)(*stacked)])
+
+
+@needs_native
+@pytest.mark.parametrize(("ashape", "bshape", "ta", "tb"), [
+    ((2, 1, 5, 6), (1, 3, 6, 7), False, False),  # broadcast batch axes
+    ((3, 7, 5), (3, 7, 4), True, False),
+    ((7, 5), (3, 7), True, True),
+    ((0, 5), (5, 3), False, False),  # empty
+])
+@pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=str)
+@pytest.mark.parametrize("kind", ["half", "f32", "f32 rounded"])
+def test_fused_casts_batched_transposed_and_empty(ashape, bshape, ta, tb, half, kind):
+    from fluxlike_native import _ext
+    out_dtype, rounded = _out_dtype(kind, half)
+    a, b = rand(ashape, mx.float32), rand(bshape, half)
+    batched = len(ashape) > 2
+
+    def mine(a, b):
+        return _ext.matmul(a, b, None, ta, tb, False, out_dtype, batched, True,
+                           compute_dtype=half, rounded=rounded)
+
+    def theirs(a, b):
+        return _fused_reference((a, b, None), half, ta, tb, False, out_dtype, rounded, batched)
+
+    _assert_same([mine(a, b)], [theirs(a, b)])
+    c = rand(mine(a, b).shape, half)
+
+    def grads(fn):
+        return mx.grad(lambda a, b: (fn(a, b) * c).astype(mx.float32).sum(), argnums=(0, 1))(a, b)
+
+    got = grads(mine)
+    assert [g.dtype for g in got] == [mx.float32, half]
+    _assert_same(got, grads(theirs))
+
+
+@needs_native
+def test_fused_casts_are_one_node_and_name_their_errors():
+    """A float32 weight and input with compute_dtype: one product node, no cast, in and out of
+    mx.compile; operands of another dtype, a float32 compute dtype: a clear error."""
+    from fluxlike_native import _ext
+    x, w, b = rand((6, 9), mx.float32), rand((4, 9), mx.float32), rand((4,), mx.float32)
+    mx.eval(x, w, b)
+    y = _ext.matmul(x, w, b, False, True, True, None, False, False, compute_dtype=mx.bfloat16)
+    assert y.dtype == mx.bfloat16
+    path = Path(tempfile.mkdtemp()) / "graph.dot"
+    mx.export_to_dot(str(path), y)
+    nodes = re.findall(r'label ="?([A-Za-z]+)', path.read_text())
+    assert nodes == ["FluxlikeNativeMatmul"], nodes
+    f = mx.compile(lambda x, w, b: _ext.matmul(x, w, b, False, True, True, None, False, False,
+                                               compute_dtype=mx.bfloat16))
+    np.testing.assert_array_equal(np64(f(x, w, b)), np64(y))
+    with pytest.raises(ValueError, match=r"matmul: with compute_dtype bfloat16 each operand "
+                       r"must be float32 or bfloat16, got float16; cast it with astype"):
+        _ext.matmul(x, w.astype(mx.float16), compute_dtype=mx.bfloat16)
+    with pytest.raises(ValueError, match=r"compute_dtype must be bfloat16 or float16, got "
+                       r"float32"):
+        _ext.matmul(x, w, compute_dtype=mx.float32)
+    with pytest.raises(ValueError, match=r"a and b must have one dtype, got float32 and "
+                       r"bfloat16; cast one with astype, or pass compute_dtype"):
+        _ext.matmul(x, w.astype(mx.bfloat16), trans_b=True)

@@ -7,6 +7,7 @@ rounding. Attention's core under autocast(bfloat16) takes the native bfloat16 ma
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -28,8 +29,9 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=native.native_inf
 
 class Counting:
     """The companion's module as the routing sees it (``native.switch.ext``), recording the
-    operand dtype of each call of the entries ``names`` (``plain_linear``: only the calls it
-    computed, not those it declined)."""
+    compute dtype of each call of the entries ``names`` (the operands', or the
+    ``compute_dtype`` of fused casts; ``plain_linear``: only the calls it computed, not those
+    it declined)."""
 
     def __init__(self, ext, seen, names):
         self._ext, self._seen, self._names = ext, seen, names
@@ -42,7 +44,7 @@ class Counting:
         def counted(x, *args, **kwargs):
             y = entry(x, *args, **kwargs)
             if y is not None:
-                self._seen.append(x.dtype)
+                self._seen.append(kwargs.get("compute_dtype") or x.dtype)
             return y
 
         return counted
@@ -136,6 +138,49 @@ def test_a_nan_input_gives_nan_outputs_through_a_relu_layer(calls, dtype):
         y = layer(x)
     assert bool(calls)  # the kernel ran
     assert np.isnan(np64(y)[0]).all() and not np.isnan(np64(y)[1]).any()
+
+
+def _cast_nodes(*arrays):
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fl-graph-{os.getpid()}.dot")
+    mx.export_to_dot(path, *arrays)
+    with open(path) as f:
+        return len(re.findall(r'label ="?AsType', f.read()))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
+@pytest.mark.parametrize("x_dtype", [mx.float32, "compute"])
+def test_training_fuses_the_weights_casts_into_the_upcasting_product(
+        calls, monkeypatch, dtype, x_dtype):
+    """Where the native product runs half precision in float32 kernels (float16; bfloat16
+    without AVX512-BF16), training gives it the float32 weights, bias and input with
+    ``compute_dtype``: the same loss and gradients bit for bit as the casts it replaces, in
+    float32, without a cast node per parameter forward or backward."""
+    from fluxlike import Chain
+    if dtype == mx.bfloat16 and native.switch.bf16:
+        pytest.skip("oneDNN's bfloat16 kernels take bfloat16 operands: the casts are made")
+    mx.random.seed(3)
+    model = Chain(Dense(16, 32, relu), Dense(32, 32, mx.tanh), Dense(32, 4))
+    x = mx.random.normal((8, 16)).astype(dtype if x_dtype == "compute" else mx.float32)
+
+    def loss(m):
+        return m(x).astype(mx.float32).square().mean()
+
+    def run():
+        from fluxlike import withgradient
+        value, (grads,) = withgradient(loss, model, autocast=dtype)
+        return [value] + [g for _, g in tree_flatten(grads)]
+
+    mx.eval(x, model.parameters())
+    fused = run()
+    assert set(calls) == {dtype} and len(calls) == 3
+    assert all(g.dtype == mx.float32 for g in fused)
+    monkeypatch.setattr(kernels, "_with_fused_casts", lambda *args: None)
+    cast = run()
+    # the casts of the 6 parameters forward, of the 3 weights' gradients back (a bias's is
+    # still a half sum and a cast), and of the input where it is float32
+    assert _cast_nodes(*cast) - _cast_nodes(*fused) == 9 + (x.dtype == mx.float32)
+    for mine, theirs in zip(fused, cast, strict=True):
+        np.testing.assert_array_equal(np64(mine), np64(theirs))
 
 
 # ---- attention's core (fluxlike/precision/attention.py: attend, through kernels.matmul) ----------
