@@ -248,8 +248,10 @@ def _with_fused_casts(dtype: mx.Dtype, x: mx.array, weight: mx.array, bias: mx.a
     the native product runs in float32 kernels anyway (float16; bfloat16 without oneDNN's
     bfloat16 kernels): float32 weights, bias and input are given to it as they are, and it
     reads them rounded to ``dtype`` (``compute_dtype``): the casts' values and gradients bit
-    for bit, without a cast node for each, forward and backward. ``None`` where that does
-    not apply (then the casts are made)."""
+    for bit, without a cast node for each, forward and backward. (A weight used several
+    times in one step, as a recurrent layer's are, gets each use's gradient as the casts give
+    it, summed in float32, where the casts' own gradients were summed in half precision.)
+    ``None`` where that does not apply (then the casts are made)."""
     if (dtype == _BF16 and _switch.bf16) or dtype not in _HALF or (
             mx.default_device().type is not mx.cpu):
         return None

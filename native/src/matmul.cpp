@@ -360,15 +360,19 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
                 dtype_str(x->dtype()), "; cast it with astype");
     }
   } else {
+    auto half = [](mx::Dtype d) { return d == mx::bfloat16 || d == mx::float16; };
+    bool f32_and_half = (dt == mx::float32 && half(b.dtype())) ||
+        (b.dtype() == mx::float32 && half(dt));
     FLN_CHECK(b.dtype() == dt, FN, ": a and b must have one dtype, got ", dtype_str(dt),
-              " and ", dtype_str(b.dtype()), "; cast one with astype, or pass compute_dtype");
+              " and ", dtype_str(b.dtype()), "; cast one with astype",
+              f32_and_half ? ", or pass the half dtype as compute_dtype" : "");
   }
   FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16, FN, ": operands "
             "must be float32, bfloat16 or float16, got ", dtype_str(dt), " (no fast oneDNN "
             "kernel for it on this CPU; use mx.matmul)");
   auto odt = out_dtype.value_or(dt);
-  FLN_CHECK(odt == dt || odt == mx::float32, FN, ": out_dtype must be float32 or the "
-            "operands' ", dtype_str(dt), ", got ", dtype_str(odt));
+  FLN_CHECK(odt == dt || odt == mx::float32, FN, ": out_dtype must be float32 or the ",
+            fused ? "compute dtype " : "operands' ", dtype_str(dt), ", got ", dtype_str(odt));
   auto shape = out_shape(a.shape(), b.shape(), trans_a, trans_b, batched);
   if (bias) {
     FLN_CHECK(bias->ndim() == 1 && bias->shape(0) == shape.back(), FN, ": bias must have "
@@ -732,8 +736,12 @@ std::vector<mx::array> Matmul::vjp(
                      s, comp, !unrounded);
       }
       grads.push_back(db);
-    } else if (fused_) {  // the sum of the half cotangent, rounded, in the bias's dtype
-      grads.push_back(in_dtype_of(bias_grad(gc, cdt, s), primals[2].dtype()));
+    } else if (fused_) {
+      // The bias's cast differentiated: the cotangent summed (in float32) and rounded, in the
+      // bias's dtype. The cotangent as the casts give it: a rounded float32 result's is
+      // rounded by the cast back to float32; an unrounded one's is not.
+      auto summed = out_dtype_ == mx::float32 && !round_f32_ ? g : gc;
+      grads.push_back(in_dtype_of(bias_grad(summed, cdt, s), primals[2].dtype()));
     } else {
       grads.push_back(bias_grad(g, primals[2].dtype(), s));
     }

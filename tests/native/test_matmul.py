@@ -734,7 +734,7 @@ def test_fused_casts_are_the_casts_and_the_product_bit_for_bit(
     y, ref = mine(*args), theirs(*args)
     assert y.dtype == ref.dtype == out_dtype
     np.testing.assert_array_equal(np64(y), np64(ref))
-    c = rand(y.shape, half).astype(out_dtype)
+    c = rand(y.shape, out_dtype)  # (a float32 one not rounded to the half dtype)
 
     def grads(fn):
         return mx.grad(lambda *t: (fn(*t) * c).astype(mx.float32).sum(),
@@ -809,5 +809,10 @@ def test_fused_casts_are_one_node_and_name_their_errors():
                        r"float32"):
         _ext.matmul(x, w, compute_dtype=mx.float32)
     with pytest.raises(ValueError, match=r"a and b must have one dtype, got float32 and "
-                       r"bfloat16; cast one with astype, or pass compute_dtype"):
+                       r"bfloat16; cast one with astype, or pass the half dtype as compute_dtype"):
         _ext.matmul(x, w.astype(mx.bfloat16), trans_b=True)
+    with pytest.raises(ValueError, match=r"got float32 and float64; cast one with astype$"):
+        _ext.matmul(x, w.astype(mx.float64), trans_b=True)
+    with pytest.raises(ValueError, match=r"out_dtype must be float32 or the compute dtype "
+                       r"bfloat16, got float16"):
+        _ext.matmul(x, w, trans_b=True, out_dtype=mx.float16, compute_dtype=mx.bfloat16)

@@ -183,6 +183,30 @@ def test_training_fuses_the_weights_casts_into_the_upcasting_product(
         np.testing.assert_array_equal(np64(mine), np64(theirs))
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
+def test_a_weight_used_twice_sums_its_fused_gradients_in_float32(monkeypatch, dtype):
+    """A layer applied twice in a step (as a recurrent layer's weights are at every time
+    step): with fused casts each use's gradient is the casts' (rounded to the half dtype),
+    and they are summed in float32, as MLX sums a float32 array's gradients (the casts,
+    shared by the uses, summed them in half precision)."""
+    if dtype == mx.bfloat16 and native.switch.bf16:
+        pytest.skip("oneDNN's bfloat16 kernels take bfloat16 operands: the casts are made")
+    mx.random.seed(4)
+    layer, x = Dense(16, 16, relu), mx.random.normal((8, 16))
+    mx.eval(layer.parameters(), x)
+    (fused,) = gradient(lambda m: m(m(x)).astype(mx.float32).sum(), layer, autocast=dtype)
+    monkeypatch.setattr(kernels, "_with_fused_casts", lambda *args: None)
+    twin = Dense(16, 16, relu)
+    twin.update(layer.parameters())
+    # the same weights, each use its own casts
+    each = gradient(lambda a, b: b(a(x)).astype(mx.float32).sum(), layer, twin, autocast=dtype)
+    for name in ("weight", "bias"):
+        expected = each[0][name] + each[1][name]
+        np.testing.assert_array_equal(np64(fused[name]), np64(expected))
+        halves = each[0][name].astype(dtype).astype(mx.float32)
+        np.testing.assert_array_equal(np64(each[0][name]), np64(halves))  # each use rounded
+
+
 # ---- attention's core (fluxlike/precision/attention.py: attend, through kernels.matmul) ----------
 
 BF16 = mx.bfloat16
