@@ -604,3 +604,30 @@ def test_a_lambda_written_in_the_loop_finds_its_trace():
     trainstep(lambda m, x, y: (traces.append(1), mse_of(m, x, y))[1], model, (x, y),
               opt_state, compile=True)  # other code: traced
     assert len(traces) == 2
+
+
+def test_the_remembered_step_notices_settings_changed_between_steps():
+    """``trainstep``'s eager path reuses the last compiled update while the optimiser's
+    settings are unchanged (checked against its attributes, not a snapshot per step): an
+    equal value assigned keeps it; a list changed in place, a new attribute or another array
+    in one traces anew."""
+    mx.random.seed(0)
+    model, x, y = Chain(Dense(3, 4, relu), Dense(4, 2)), mx.random.normal((5, 3)), mx.ones((5, 2))
+    opt_state = setup(Adam(0.01), model)
+
+    def traces_after(n: int) -> int:
+        for _ in range(n):
+            trainstep(mse_of, model, (x, y), opt_state)
+        return len(COMPILED[opt_state].steps)
+
+    optimizer = opt_state.optimizer
+    assert traces_after(3) == 1
+    optimizer.eps = float(str(optimizer.eps))  # equal, another object
+    assert traces_after(2) == 1
+    optimizer.betas[0] = 0.5
+    assert traces_after(2) == 2
+    optimizer.note = mx.ones(3)
+    assert traces_after(2) == 3
+    optimizer.note = mx.ones(3)  # (arrays compared without a truth value of their ==)
+    assert traces_after(2) == 4
+    assert all(np.isfinite(np.array(v)).all() for v in leaves(model.parameters()).values())

@@ -272,6 +272,37 @@ def _settings(obj: Any, depth: int = 0) -> Any:
                     if how is _DICT or (k != "_state" and k != "_initialized")])
 
 
+def _kept(obj: Any) -> tuple | None:
+    """What :func:`_unchanged` compares ``obj``'s settings with later: a copy of its
+    attributes, and the snapshot of each that is not a plain value (a list, a schedule, a
+    transform), which may change in place; ``None`` for what has no attributes to copy."""
+    if _KINDS.get(type(obj)) is not _SETTINGS:
+        return None
+    attributes = dict(vars(obj))
+    return attributes, [(k, _settings(v, 1)) for k, v in attributes.items()
+                        if type(v) not in _PLAIN and k != "_state" and k != "_initialized"]
+
+
+def _unchanged(obj: Any, kept: tuple | None) -> bool:
+    """Whether ``obj``'s :func:`_settings` are what they were when ``kept`` (:func:`_kept`)
+    was taken, without a snapshot: the same attributes, plain values equal (compared in C)
+    and the snapshots of the others equal. (Its state dict is compared by identity first:
+    the caller has checked that it is the same.)"""
+    if kept is None:
+        return False
+    attributes, others = kept
+    try:
+        if vars(obj) != attributes:
+            return False
+    except Exception:  # a value whose == is not a truth value (an array): changed
+        return False
+    current = vars(obj)
+    for k, snapshot in others:
+        if _settings(current[k], 1) != snapshot:
+            return False
+    return True
+
+
 _SEQUENCE, _DICT, _SETTINGS, _NUMBER, _OTHER = "sequence", "dict", "settings", "number", "other"
 _KINDS: dict[type, str] = {}
 
@@ -356,22 +387,27 @@ class Compiled:
         optimizer, scale = opt_state.optimizer, opt_state.loss_scale
         average = averager(opt_state)
         live, scale_state = optimizer.state, scale.state
-        settings = (_settings(optimizer), _settings(scale))
         group = None if average is None else average.__self__
-        objects = (signature, optimizer, scale, live, scale_state, group)
-        values = (keep, settings, native.available())  # (native: its kernels or MLX's)
+        native_on = native.available()  # (its kernels or MLX's)
         last = self.last
-        if (last is not None and all(a is b for a, b in zip(last[0], objects, strict=True))
-                and last[1] == values):
-            # What keyed the last step, the same objects (no hash of the signature, a pass
-            # over every parameter's path and shape)
-            entry: tuple[Callable, list] | None = last[2]
-        else:
+        entry: tuple[Callable, list] | None = None
+        if last is not None:
+            # What keyed the last step: the same objects, and settings unchanged (checked
+            # without a snapshot; no hash of the signature, a pass over every parameter)
+            objects, values, kept, entry = last
+            if not (objects[0] is signature and objects[1] is optimizer and objects[2] is scale
+                    and objects[3] is live and objects[4] is scale_state
+                    and objects[5] is group and values[0] == keep and values[1] == native_on
+                    and _unchanged(optimizer, kept[0]) and _unchanged(scale, kept[1])):
+                entry = None
+        if entry is None:
+            settings = (_settings(optimizer), _settings(scale))
             key = (signature, keep, optimizer, scale, id(live), id(scale_state), settings,
-                   values[2], None if group is None else _Same(group))
+                   native_on, None if group is None else _Same(group))
             entry = self.steps.get(key)
             if entry is not None:
-                self.last = (objects, values, entry)
+                self.last = ((signature, optimizer, scale, live, scale_state, group),
+                             (keep, native_on), (_kept(optimizer), _kept(scale)), entry)
         captured = [live, scale_state]
         if entry is not None:
             # The compiled call changes the captured state at once, in C++; the guard keeps

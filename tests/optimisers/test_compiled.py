@@ -191,20 +191,32 @@ def test_schedule_is_followed_step_by_step():
     assert len(_compiled(opt_state).steps) == 1
 
 
-@pytest.mark.parametrize("how", ["assigned", "changed in place"])
+@pytest.mark.parametrize("how", ["assigned", "changed in place", "eps only",
+                                 "an equal value", "an attribute added"])
 def test_python_hyperparameter_change_retraces(how):
+    """Each step checks the last trace's settings against the optimiser's attributes: any
+    change retraces (a new value, a list changed in place, a new attribute), an equal value
+    assigned does not."""
     model, twin, opt_state, reference = _pair(Adam(0.01))
-    for step in range(3):
+    for step in range(5):
         if step == 2 and how == "assigned":
             opt_state.optimizer.betas = reference.betas = [0.5, 0.6]
             opt_state.optimizer.eps = reference.eps = 1e-3
-        elif step == 2:  # the list the trace read its betas from
+        elif step == 2 and how == "changed in place":  # the list the trace read betas from
             opt_state.optimizer.betas[0] = 0.5
             reference.betas = list(opt_state.optimizer.betas)
+        elif step == 2 and how == "eps only":
+            opt_state.optimizer.eps = reference.eps = 1e-3
+        elif step == 2 and how == "an equal value":
+            opt_state.optimizer.eps = float(str(opt_state.optimizer.eps))  # another object
+        elif step in (2, 4) and how == "an attribute added":  # an array (by identity, as
+            # a trace bakes it in), then, after a step on the trace for it, another
+            opt_state.optimizer.note = mx.ones(3)
         g = _grads(model, step)
         _step_both(opt_state, model, reference, twin, g)
     _assert_matches(model, twin, opt_state, reference)
-    assert len(_compiled(opt_state).steps) == 2
+    traces = {"an equal value": 1, "an attribute added": 3}.get(how, 2)
+    assert len(_compiled(opt_state).steps) == traces
 
 
 def test_changed_gradient_structure_and_dtype_retrace():
