@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -24,9 +25,10 @@ FLN_VECTOR_CLONES void narrow_all(const float* src, uint16_t* dst, size_t n) {
   }
 }
 
-// float16 as MLX converts it: widened exactly, narrowed to nearest even. F16C's conversions,
-// eight at a time, where the CPU has them (every AVX2 CPU does; chosen by feature, as
-// target_clones' "arch=" clones are chosen by CPU model); elsewhere _Float16's.
+// float16 as MLX converts it: widened exactly, narrowed to nearest even (a NaN to MLX's NaN of
+// its sign). F16C's conversions, eight at a time, where the CPU has them (every AVX2 CPU does;
+// chosen by feature, as target_clones' "arch=" clones are chosen by CPU model); elsewhere
+// _Float16's.
 namespace {
 
 __attribute__((target("avx2,f16c"))) void widen_f16_f16c(const uint16_t* src, float* dst,
@@ -41,15 +43,32 @@ __attribute__((target("avx2,f16c"))) void widen_f16_f16c(const uint16_t* src, fl
   }
 }
 
+// A NaN as MLX's astype narrows it to float16: its sign, the payload 0x100 (0x7D00).
+constexpr uint16_t F16_NAN = 0x7D00;
+
+inline uint16_t f16_nan_of(float x) {
+  return static_cast<uint16_t>((std::bit_cast<uint32_t>(x) >> 16) & 0x8000u) | F16_NAN;
+}
+
 __attribute__((target("avx2,f16c"))) void narrow_f16_f16c(const float* src, uint16_t* dst,
                                                            size_t n) {
+  const auto sign = _mm_set1_epi16(static_cast<int16_t>(0x8000));
+  const auto nan = _mm_set1_epi16(static_cast<int16_t>(F16_NAN));
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    auto half = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), half);
+    auto x = _mm256_loadu_ps(src + i);
+    auto half = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+    // NaN lanes (all ones in 32 bits, packed to 16) take MLX's NaN, keeping the sign
+    auto wide = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    auto is_nan = _mm_packs_epi32(_mm256_castsi256_si128(wide),
+                                  _mm256_extracti128_si256(wide, 1));
+    auto mlx_nan = _mm_or_si128(_mm_and_si128(half, sign), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm_blendv_epi8(half, mlx_nan, is_nan));
   }
   for (; i < n; ++i) {
-    dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+    dst[i] = src[i] != src[i] ? f16_nan_of(src[i])
+                              : _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
   }
 }
 
@@ -80,6 +99,9 @@ void narrow_f16_all(const float* src, uint16_t* dst, size_t n) {
   auto half = reinterpret_cast<_Float16*>(dst);
   for (size_t i = 0; i < n; ++i) {
     half[i] = static_cast<_Float16>(src[i]);
+    if (src[i] != src[i]) {
+      dst[i] = f16_nan_of(src[i]);
+    }
   }
 }
 

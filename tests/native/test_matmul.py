@@ -816,3 +816,27 @@ def test_fused_casts_are_one_node_and_name_their_errors():
     with pytest.raises(ValueError, match=r"out_dtype must be float32 or the compute dtype "
                        r"bfloat16, got float16"):
         _ext.matmul(x, w, trans_b=True, out_dtype=mx.float16, compute_dtype=mx.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=str)
+def test_nan_bits_are_astypes_in_results_and_fused_operands(half):
+    """A NaN result rounded to the half dtype, and a float32 NaN operand read rounded to it,
+    have the bits MLX's astype gives (float16: the sign and the payload 0x7D00 whatever the
+    NaN; bfloat16: 0x7FC0), eight lanes at a time and in the tail."""
+    from fluxlike_native import _ext
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA00000, 0xFFFFFFFF] * 3,
+                    dtype=np.uint32).view(np.float32)
+    bias = mx.array(nans)  # each NaN as a product's result: zero times one, plus it
+    x = mx.zeros((1, 1), half)
+    y = _ext.matmul(x, mx.ones((nans.size, 1), half), bias, False, True, False, None, False,
+                    False)
+    want = bias.astype(half)
+    assert np.array_equal(np.array(y[0].view(mx.uint16)), np.array(want.view(mx.uint16)))
+    # a float32 NaN weight read rounded: the float32 result (rounded, stored as float32)
+    w = mx.array(nans.reshape(-1, 1))
+    got = _ext.matmul(mx.ones((1, 1)), w, None, False, True, False, mx.float32, False, False,
+                      compute_dtype=half, rounded=True)
+    ref = _fused_reference((mx.ones((1, 1)), w, None), half, False, True, False, mx.float32,
+                           True, False)
+    assert np.array_equal(np.array(got.view(mx.uint32)), np.array(ref.view(mx.uint32)))
