@@ -609,8 +609,8 @@ def test_a_lambda_written_in_the_loop_finds_its_trace():
 def test_the_remembered_step_notices_settings_changed_between_steps():
     """``trainstep``'s eager path reuses the last compiled update while the optimiser's
     settings are unchanged (checked against its attributes, not a snapshot per step): an
-    equal value assigned keeps it; a list changed in place, a new attribute or another array
-    in one traces anew."""
+    equal value assigned keeps it; a list changed in place, a new attribute, another array in
+    one, or an equal value of another type (an array for a float) traces anew."""
     mx.random.seed(0)
     model, x, y = Chain(Dense(3, 4, relu), Dense(4, 2)), mx.random.normal((5, 3)), mx.ones((5, 2))
     opt_state = setup(Adam(0.01), model)
@@ -630,4 +630,6 @@ def test_the_remembered_step_notices_settings_changed_between_steps():
     assert traces_after(2) == 3
     optimizer.note = mx.ones(3)  # (arrays compared without a truth value of their ==)
     assert traces_after(2) == 4
+    optimizer.eps = mx.array(optimizer.eps)  # == the float, but another kind of setting
+    assert traces_after(2) == 5
     assert all(np.isfinite(np.array(v)).all() for v in leaves(model.parameters()).values())

@@ -279,24 +279,26 @@ def _kept(obj: Any) -> tuple | None:
     if _KINDS.get(type(obj)) is not _SETTINGS:
         return None
     attributes = dict(vars(obj))
-    return attributes, [(k, _settings(v, 1)) for k, v in attributes.items()
-                        if type(v) not in _PLAIN and k != "_state" and k != "_initialized"]
+    return attributes, list(map(type, attributes.values())), [
+        (k, _settings(v, 1)) for k, v in attributes.items()
+        if type(v) not in _PLAIN and k != "_state" and k != "_initialized"]
 
 
 def _unchanged(obj: Any, kept: tuple | None) -> bool:
     """Whether ``obj``'s :func:`_settings` are what they were when ``kept`` (:func:`_kept`)
-    was taken, without a snapshot: the same attributes, plain values equal (compared in C)
-    and the snapshots of the others equal. (Its state dict is compared by identity first:
-    the caller has checked that it is the same.)"""
+    was taken, without a snapshot: the same attributes holding values of the same types,
+    plain values equal (both compared in C) and the snapshots of the others equal. (Its
+    state dict is compared by identity first: the caller has checked that it is the same.)"""
     if kept is None:
         return False
-    attributes, others = kept
+    attributes, types, others = kept
+    current = vars(obj)
     try:
-        if vars(obj) != attributes:
+        # (types too: a float replaced by an equal array or numpy scalar is another setting)
+        if current != attributes or list(map(type, current.values())) != types:
             return False
     except Exception:  # a value whose == is not a truth value (an array): changed
         return False
-    current = vars(obj)
     for k, snapshot in others:
         if _settings(current[k], 1) != snapshot:
             return False

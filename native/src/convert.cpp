@@ -96,12 +96,9 @@ void narrow_f16_all(const float* src, uint16_t* dst, size_t n) {
     narrow_f16_f16c(src, dst, n);
     return;
   }
-  auto half = reinterpret_cast<_Float16*>(dst);
   for (size_t i = 0; i < n; ++i) {
-    half[i] = static_cast<_Float16>(src[i]);
-    if (src[i] != src[i]) {
-      dst[i] = f16_nan_of(src[i]);
-    }
+    dst[i] = src[i] != src[i] ? f16_nan_of(src[i])
+                              : std::bit_cast<uint16_t>(static_cast<_Float16>(src[i]));
   }
 }
 
