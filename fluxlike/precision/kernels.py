@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .. import workarounds
 from ..native import _loader
@@ -46,7 +47,7 @@ _HALF = frozenset(HALF)
 # The ops whose native kernels take float16, in float32 kernels (oneDNN has no float16 kernel
 # that pays on these CPUs): products upcast inside the primitive, max pooling through casts
 # (MLX's own float16 pooling is ten times slower).
-_UPCAST_F16 = frozenset(("linear", "conv", "max_pool"))
+_UPCAST_F16 = frozenset(("linear", "conv", "max_pool", "gelu"))
 _EMULABLE = frozenset(("linear", "conv", "conv_transpose", "matmul", "quantized_linear"))
 _switch = _loader.switch  # .ext read per call: the companion's module, or None
 _state = context.get  # bound once: read on every call of every layer
@@ -124,14 +125,20 @@ def _takes_max_pool(dtype: mx.Dtype, x: mx.array, w: Any, geometry: Any) -> bool
     return x.size > 0
 
 
+def _takes_gelu(dtype: mx.Dtype, x: mx.array, w: Any, geometry: Any) -> bool:
+    """Every floating dtype but float64, every size: MLX's CPU ``erf`` and ``exp`` are scalar
+    on the Linux wheel (its GELU 20x the native pass at a million entries)."""
+    return True
+
+
 def _never(*args: Any) -> bool:
     return False
 
 
 _TAKES: dict[str, Callable[..., bool]] = {
     "linear": _takes_linear, "matmul": _takes_matmul, "conv": _takes_conv,
-    "softmax": _takes_softmax, "max_pool": _takes_max_pool, "conv_transpose": _never,
-    "quantized_linear": _never,
+    "softmax": _takes_softmax, "max_pool": _takes_max_pool, "gelu": _takes_gelu,
+    "conv_transpose": _never, "quantized_linear": _never,
 }
 
 
@@ -286,6 +293,23 @@ def matmul(a: mx.array, b: mx.array, *, transpose_b: bool = False) -> mx.array:
         return native_ops.matmul(a, b, transpose_b=transpose_b)
     b = b.swapaxes(-1, -2) if transpose_b else b
     return emulation.matmul(a, b) if backend == EMULATED else a @ b
+
+
+def gelu(x: mx.array) -> mx.array:
+    """GELU in its exact form, ``x * Φ(x)``, in ``x``'s dtype: the native pass where
+    :func:`choose` takes it (the CPU with the companion in use; float32, bfloat16 or
+    float16), else ``mlx.nn.gelu``. The native pass evaluates MLX's approximation of ``erf``
+    (Abramowitz and Stegun 7.1.26) in float32 and rounds once, written so that negative
+    inputs keep their relative accuracy (``1 + erf`` cancels there in MLX's): the two agree to
+    5e-7 absolute in float32 (``tests/native/test_gelu.py``).
+
+    >>> import mlx.core as mx
+    >>> [round(v, 5) for v in gelu(mx.array([-1.0, 0.0, 2.0])).tolist()]
+    [-0.15866, 0.0, 1.9545]
+    """
+    if type(x) is mx.array and choose("gelu", x.dtype, x) == NATIVE:
+        return _switch.ext.gelu(x)  # type: ignore[union-attr]  # NATIVE: in use
+    return nn.gelu(x)
 
 
 def softmax(x: mx.array) -> mx.array:

@@ -16,6 +16,7 @@
 #include "mlx/version.h"
 #include "pool.h"
 #include "relu.h"
+#include "gelu.h"
 #include "softmax.h"
 #include "updates.h"
 
@@ -201,6 +202,11 @@ use; 'auto' (the default): 'gemm' where the float32 matmul primitive is that GEM
       R"(relu?(x @ w.T + bias) on oneDNN for float32 operands on the CPU (default device),
 w (out, in) and bias (out,) or None; None for anything else (the caller's general path).)");
 
+  m.def("gelu", &fluxlike_native::gelu, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        R"(x * Phi(x) (GELU, exact form) in one vectorised pass, float32, bfloat16 or float16
+(see gelu.h): MLX's erf approximation, without its cancellation for negative x.)");
+  m.def("gelu_grad", &fluxlike_native::gelu_grad, "g"_a, "x"_a, nb::kw_only(),
+        "stream"_a = nb::none(), R"(g * gelu'(x), GELU's backward pass (see gelu.h).)");
   m.def("relu_grad", &fluxlike_native::relu_grad, "g"_a, "y"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         R"(g where y > 0, else 0, in one pass (a fused ReLU's backward; see matmul.h).)");

@@ -3,8 +3,10 @@
 // copy of a strided operand, and derivatives and mx.vmap taken through MLX's ops.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <sstream>
 #include <stdexcept>
@@ -129,6 +131,32 @@ inline uint16_t narrow(float x) {
   uint32_t u = std::bit_cast<uint32_t>(x);
   uint32_t rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
   return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
+}
+
+// exp(d) for d <= 0 (softmax: x minus its row's maximum; GELU: -x^2/2), within 2 ulp: Cody-Waite reduction to
+// d = n ln 2 + r, |r| <= ln 2 / 2, Cephes' degree-6 polynomial for exp(r), 2^n from its
+// bits; 0 below -87.3 (where exp(d) leaves float32's normal range), -inf included. NaN is
+// taken as -87.3 inside (the float-to-int conversion stays defined) and gives 0. Branch-free,
+// so that a loop over it vectorises (with -fno-trapping-math, see CMakeLists.txt).
+inline float exp_nonpositive(float d) {
+  constexpr float low = -87.3365f;
+  float x = std::min(std::max(low, d), 0.0f);
+  // (x <= 0: truncating x log2(e) - 1/2 rounds x log2(e) to the nearest integer)
+  int32_t k = static_cast<int32_t>(x * 1.44269504088896341f - 0.5f);
+  float n = static_cast<float>(k);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float e = p * (r * r) + r + 1.0f;
+  int32_t bits = (k + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale * static_cast<float>(d >= low);
 }
 
 // To bfloat16 rounding to nearest even, a NaN keeping its sign and payload (quieted): the

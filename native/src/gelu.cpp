@@ -1,0 +1,241 @@
+// fluxlike-native: GELU and its derivative (see gelu.h).
+
+#include "gelu.h"
+#include "common.h"
+
+#include <cmath>
+#include <cstddef>
+#include <memory>
+#include <optional>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace fluxlike_native {
+
+namespace {
+
+const char* FN = "fluxlike_native.gelu";
+constexpr float SQRT1_2 = 0.70710678118654752f;
+constexpr float INV_SQRT_2PI = 0.39894228040143268f;
+
+// Phi(-|x|) = erfc(|x| / sqrt 2) / 2 by Abramowitz and Stegun 7.1.26 (MLX's erf), and
+// exp(-x^2 / 2); branch-free, to vectorise.
+inline float lower_tail(float x, float& density) {
+  float z = std::fabs(x) * SQRT1_2;
+  float t = 1.0f / (1.0f + 0.3275911f * z);
+  float r = 1.061405429f;
+  r = r * t - 1.453152027f;
+  r = r * t + 1.421413741f;
+  r = r * t - 0.284496736f;
+  r = r * t + 0.254829592f;
+  density = exp_nonpositive(-z * z);
+  return 0.5f * t * r * density;
+}
+
+FLN_VECTOR_CLONES void gelu_loop(const float* x, float* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    float v = x[i], e;
+    float tail = lower_tail(v, e);
+    y[i] = v * (v > 0.0f ? 1.0f - tail : tail);
+  }
+}
+
+FLN_VECTOR_CLONES void gelu_grad_loop(const float* g, const float* x, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    float v = x[i], e;
+    float tail = lower_tail(v, e);
+    out[i] = g[i] * ((v > 0.0f ? 1.0f - tail : tail) + v * e * INV_SQRT_2PI);
+  }
+}
+
+// The passes over any of the three dtypes: half precision through float32 chunks on the
+// stack, rounded once.
+void gelu_pass(const void* x, void* y, mx::Dtype dt, size_t n) {
+  if (dt == mx::float32) {
+    gelu_loop(static_cast<const float*>(x), static_cast<float*>(y), n);
+    return;
+  }
+  constexpr size_t chunk = 512;
+  float buf[chunk];
+  auto src = static_cast<const uint16_t*>(x);
+  auto dst = static_cast<uint16_t*>(y);
+  for (size_t i = 0; i < n; i += chunk) {
+    size_t c = std::min(chunk, n - i);
+    widen_all(src + i, dt, buf, c);
+    gelu_loop(buf, buf, c);
+    narrow_all(buf, dt, dst + i, c);
+  }
+}
+
+void gelu_grad_pass(const void* g, const void* x, void* out, mx::Dtype dt, size_t n) {
+  if (dt == mx::float32) {
+    gelu_grad_loop(static_cast<const float*>(g), static_cast<const float*>(x),
+                   static_cast<float*>(out), n);
+    return;
+  }
+  constexpr size_t chunk = 512;
+  float gb[chunk], xb[chunk];
+  auto gs = static_cast<const uint16_t*>(g);
+  auto xs = static_cast<const uint16_t*>(x);
+  auto dst = static_cast<uint16_t*>(out);
+  for (size_t i = 0; i < n; i += chunk) {
+    size_t c = std::min(chunk, n - i);
+    widen_all(gs + i, dt, gb, c);
+    widen_all(xs + i, dt, xb, c);
+    gelu_grad_loop(gb, xb, gb, c);
+    narrow_all(gb, dt, dst + i, c);
+  }
+}
+
+bool supported(mx::Dtype d) {
+  return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
+}
+
+// gelu'(x) in MLX's ops (float32, rounded to x's dtype): for the derivatives of gelu_grad.
+mx::array gelu_prime_ops(const mx::array& x, mx::StreamOrDevice s) {
+  auto xf = mx::astype(x, mx::float32, s);
+  auto cdf = mx::multiply(
+      mx::add(mx::erf(mx::multiply(xf, mx::array(SQRT1_2), s), s), mx::array(1.0f), s),
+      mx::array(0.5f), s);
+  auto pdf = mx::multiply(
+      mx::exp(mx::multiply(mx::square(xf, s), mx::array(-0.5f), s), s),
+      mx::array(INV_SQRT_2PI), s);
+  return mx::add(cdf, mx::multiply(xf, pdf, s), s);
+}
+
+// out's buffer: `in`'s where nothing else holds it (an elementwise pass runs in place, as
+// MLX's do), else a new one.
+void allocate_like(mx::array& out, const mx::array& in, bool copied) {
+  if (!copied && in.is_donatable() && in.itemsize() == out.itemsize() &&
+      in.buffer_size() <= out.nbytes() + 16384) {
+    out.copy_shared_buffer(in);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+}
+
+} // namespace
+
+mx::array gelu(const mx::array& x, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  FLN_CHECK(stream.device == mx::Device::cpu, FN, ": the kernel runs on the CPU, the stream "
+            "is on the GPU; use mlx.nn.gelu there");
+  FLN_CHECK(supported(x.dtype()), FN, ": x must be float32, bfloat16 or float16, got ",
+            dtype_str(x.dtype()), "; use mlx.nn.gelu");
+  return mx::array(x.shape(), x.dtype(), std::make_shared<Gelu>(stream), {x});
+}
+
+mx::array gelu_grad(const mx::array& g, const mx::array& x, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (g.shape() != x.shape() || g.dtype() != x.dtype() || !supported(x.dtype())) {
+    // (never built by Gelu's derivatives, whose cotangents and tangents have x's dtype)
+    return mx::astype(mx::multiply(mx::astype(g, mx::float32, stream),
+                                   gelu_prime_ops(x, stream), stream),
+                      g.dtype(), stream);
+  }
+  return mx::array(g.shape(), g.dtype(), std::make_shared<GeluGrad>(stream), {g, x});
+}
+
+void Gelu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::optional<mx::array> copy;
+  if (!inputs[0].flags().row_contiguous) {
+    copy = row_contiguous_copy(inputs[0], encoder);
+  }
+  const mx::array& x = copy ? *copy : inputs[0];
+  allocate_like(out, x, copy.has_value());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_output_array(out);
+  encoder.dispatch([px = x.data<void>(), py = out.data<void>(), dt = out.dtype(),
+                    n = out.size()]() { gelu_pass(px, py, dt, n); });
+}
+
+void GeluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  std::optional<mx::array> g_copy, x_copy;
+  if (!inputs[0].flags().row_contiguous) {
+    g_copy = row_contiguous_copy(inputs[0], encoder);
+  }
+  if (!inputs[1].flags().row_contiguous) {
+    x_copy = row_contiguous_copy(inputs[1], encoder);
+  }
+  const mx::array& g = g_copy ? *g_copy : inputs[0];
+  const mx::array& x = x_copy ? *x_copy : inputs[1];
+  allocate_like(out, g, g_copy.has_value());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_input_array(inputs[1]);
+  encoder.set_output_array(out);
+  encoder.dispatch([pg = g.data<void>(), px = x.data<void>(), po = out.data<void>(),
+                    dt = out.dtype(), n = out.size()]() {
+    gelu_grad_pass(pg, px, po, dt, n);
+  });
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> Gelu::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  return {{gelu(inputs[0], stream())}, {axes[0]}};  // elementwise: the axis stays
+}
+
+std::vector<mx::array> Gelu::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>&,
+    const std::vector<mx::array>&) {
+  return {gelu_grad(cotangents[0], primals[0], stream())};
+}
+
+std::vector<mx::array> Gelu::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>&) {
+  return {gelu_grad(tangents[0], primals[0], stream())};
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> GeluGrad::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  // Elementwise: both operands with the mapped axis in front, broadcast where one lacks it.
+  auto s = stream();
+  auto g = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, s) : inputs[0];
+  auto x = axes[1] >= 0 ? mx::moveaxis(inputs[1], axes[1], 0, s) : inputs[1];
+  if (axes[0] < 0) {
+    g = mx::broadcast_to(mx::expand_dims(g, 0, s), x.shape(), s);
+  }
+  if (axes[1] < 0) {
+    x = mx::broadcast_to(mx::expand_dims(x, 0, s), g.shape(), s);
+  }
+  return {{gelu_grad(g, x, s)}, {0}};
+}
+
+namespace {
+
+std::vector<mx::array> grad_ops(const std::vector<mx::array>& in, mx::Stream s) {
+  return {mx::astype(mx::multiply(mx::astype(in[0], mx::float32, s), gelu_prime_ops(in[1], s),
+                                  s),
+                     in[0].dtype(), s)};
+}
+
+} // namespace
+
+std::vector<mx::array> GeluGrad::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  auto s = stream();
+  return vjp_of([s](const std::vector<mx::array>& in) { return grad_ops(in, s); }, primals,
+                cotangents, argnums);
+}
+
+std::vector<mx::array> GeluGrad::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  auto s = stream();
+  return jvp_of([s](const std::vector<mx::array>& in) { return grad_ops(in, s); }, primals,
+                tangents, argnums, s);
+}
+
+} // namespace fluxlike_native
