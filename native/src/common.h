@@ -197,6 +197,18 @@ inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder
   return copy;
 }
 
+// An elementwise pass's output buffer: its input's where nothing else holds it (and it was
+// not `copied` for the pass), as MLX's elementwise ops do (a new buffer per layer would raise
+// the peak of a backward pass that MLX's scheduler queues ahead), else a new one.
+inline void reuse_or_allocate(mx::array& out, const mx::array& in, bool copied) {
+  if (!copied && in.is_donatable() && in.itemsize() == out.itemsize() &&
+      in.buffer_size() <= out.nbytes() + 16384) {
+    out.copy_shared_buffer(in);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+}
+
 // The gradient of a bias added along the last axis of an output whose cotangent is `g`: g
 // summed over its other axes, in the bias's dtype. MLX's CPU sum of bfloat16 accumulates in
 // float32 and rounds once: the same result as summing a float32 upcast, without an upcast of
@@ -238,6 +250,22 @@ inline std::vector<mx::array> jvp_of(const OpsFn& fn, const std::vector<mx::arra
     full[argnums[j]] = tangents[j];
   }
   return mx::jvp(fn, primals, full).second;
+}
+
+// Two operands of an elementwise primitive under mx.vmap: each with the mapped axis in front,
+// broadcast over it where one lacks it (the result is mapped on axis 0).
+inline std::pair<mx::array, mx::array> mapped_in_front(const std::vector<mx::array>& inputs,
+                                                       const std::vector<int>& axes,
+                                                       mx::Stream s) {
+  auto a = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, s) : inputs[0];
+  auto b = axes[1] >= 0 ? mx::moveaxis(inputs[1], axes[1], 0, s) : inputs[1];
+  if (axes[0] < 0) {
+    a = mx::broadcast_to(mx::expand_dims(a, 0, s), b.shape(), s);
+  }
+  if (axes[1] < 0) {
+    b = mx::broadcast_to(mx::expand_dims(b, 0, s), a.shape(), s);
+  }
+  return {a, b};
 }
 
 // mx.vmap for a primitive over rows: `apply` builds the primitive's outputs from its inputs,

@@ -8,7 +8,6 @@
 #include <memory>
 #include <optional>
 
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace fluxlike_native {
@@ -104,17 +103,6 @@ mx::array gelu_prime_ops(const mx::array& x, mx::StreamOrDevice s) {
   return mx::add(cdf, mx::multiply(xf, pdf, s), s);
 }
 
-// out's buffer: `in`'s where nothing else holds it (an elementwise pass runs in place, as
-// MLX's do), else a new one.
-void allocate_like(mx::array& out, const mx::array& in, bool copied) {
-  if (!copied && in.is_donatable() && in.itemsize() == out.itemsize() &&
-      in.buffer_size() <= out.nbytes() + 16384) {
-    out.copy_shared_buffer(in);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
-}
-
 } // namespace
 
 mx::array gelu(const mx::array& x, mx::StreamOrDevice s) {
@@ -144,7 +132,7 @@ void Gelu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     copy = row_contiguous_copy(inputs[0], encoder);
   }
   const mx::array& x = copy ? *copy : inputs[0];
-  allocate_like(out, x, copy.has_value());
+  reuse_or_allocate(out, x, copy.has_value());
   encoder.set_input_array(inputs[0]);
   encoder.set_output_array(out);
   encoder.dispatch([px = x.data<void>(), py = out.data<void>(), dt = out.dtype(),
@@ -162,7 +150,7 @@ void GeluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   const mx::array& g = g_copy ? *g_copy : inputs[0];
   const mx::array& x = x_copy ? *x_copy : inputs[1];
-  allocate_like(out, g, g_copy.has_value());
+  reuse_or_allocate(out, g, g_copy.has_value());
   encoder.set_input_array(inputs[0]);
   encoder.set_input_array(inputs[1]);
   encoder.set_output_array(out);
@@ -196,17 +184,8 @@ std::vector<mx::array> Gelu::jvp(
 std::pair<std::vector<mx::array>, std::vector<int>> GeluGrad::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
-  // Elementwise: both operands with the mapped axis in front, broadcast where one lacks it.
-  auto s = stream();
-  auto g = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, s) : inputs[0];
-  auto x = axes[1] >= 0 ? mx::moveaxis(inputs[1], axes[1], 0, s) : inputs[1];
-  if (axes[0] < 0) {
-    g = mx::broadcast_to(mx::expand_dims(g, 0, s), x.shape(), s);
-  }
-  if (axes[1] < 0) {
-    x = mx::broadcast_to(mx::expand_dims(x, 0, s), g.shape(), s);
-  }
-  return {{gelu_grad(g, x, s)}, {0}};
+  auto [g, x] = mapped_in_front(inputs, axes, stream());
+  return {{gelu_grad(g, x, stream())}, {0}};
 }
 
 namespace {

@@ -8,7 +8,6 @@
 #include <optional>
 #include <type_traits>
 
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace fluxlike_native {
@@ -88,15 +87,7 @@ void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   const mx::array& g = g_copy ? *g_copy : inputs[0];
   const mx::array& y = y_copy ? *y_copy : inputs[1];
-  // The cotangent's buffer is reused when nothing else holds it, as MLX's elementwise ops
-  // do (an elementwise pass can run in place): a new buffer per layer would raise the peak
-  // of a backward pass that MLX's scheduler queues ahead.
-  if (!g_copy && g.is_donatable() && g.itemsize() == out.itemsize() &&
-      g.buffer_size() <= out.nbytes() + 16384) {
-    out.copy_shared_buffer(g);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
+  reuse_or_allocate(out, g, g_copy.has_value());  // (the cotangent's buffer, if free)
   encoder.set_input_array(inputs[0]);
   encoder.set_input_array(inputs[1]);
   encoder.set_output_array(out);
@@ -125,17 +116,8 @@ void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 std::pair<std::vector<mx::array>, std::vector<int>> ReluGrad::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
-  // Elementwise: both operands with the mapped axis in front, broadcast where one lacks it.
-  auto s = stream();
-  auto g = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, s) : inputs[0];
-  auto y = axes[1] >= 0 ? mx::moveaxis(inputs[1], axes[1], 0, s) : inputs[1];
-  if (axes[0] < 0) {
-    g = mx::broadcast_to(mx::expand_dims(g, 0, s), y.shape(), s);
-  }
-  if (axes[1] < 0) {
-    y = mx::broadcast_to(mx::expand_dims(y, 0, s), g.shape(), s);
-  }
-  return {{relu_grad(g, y, s)}, {0}};
+  auto [g, y] = mapped_in_front(inputs, axes, stream());
+  return {{relu_grad(g, y, stream())}, {0}};
 }
 
 std::vector<mx::array> ReluGrad::vjp(
