@@ -116,7 +116,12 @@ mx::array gelu(const mx::array& x, mx::StreamOrDevice s) {
 
 mx::array gelu_grad(const mx::array& g, const mx::array& x, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (g.shape() != x.shape() || g.dtype() != x.dtype() || !supported(x.dtype())) {
+  FLN_CHECK(stream.device == mx::Device::cpu, "fluxlike_native.gelu_grad: the kernel runs on "
+            "the CPU, the stream is on the GPU");
+  FLN_CHECK(supported(g.dtype()) && supported(x.dtype()), "fluxlike_native.gelu_grad: g and x "
+            "must be float32, bfloat16 or float16, got ", dtype_str(g.dtype()), " and ",
+            dtype_str(x.dtype()));
+  if (g.shape() != x.shape() || g.dtype() != x.dtype()) {
     // (never built by Gelu's derivatives, whose cotangents and tangents have x's dtype)
     return mx::astype(mx::multiply(mx::astype(g, mx::float32, stream),
                                    gelu_prime_ops(x, stream), stream),

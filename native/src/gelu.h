@@ -16,6 +16,7 @@ namespace fluxlike_native {
 mx::array gelu(const mx::array& x, mx::StreamOrDevice s = {});
 
 // g * gelu'(x) = g * (Phi(x) + x phi(x)) (g and x of one shape and dtype): gelu's backward pass.
+// Its own derivatives (second order) are MLX's ops, with MLX's erf.
 mx::array gelu_grad(const mx::array& g, const mx::array& x, mx::StreamOrDevice s = {});
 
 class Gelu : public mx::UnaryPrimitive {

@@ -149,6 +149,12 @@ def test_errors_name_the_function_and_the_fix():
     with pytest.raises(ValueError, match=r"fluxlike_native.gelu: x must be float32, bfloat16 or "
                        r"float16, got float64; use mlx.nn.gelu"):
         _ext().gelu(mx.ones(3, mx.float64))
+    with pytest.raises(ValueError, match=r"gelu_grad: g and x must be float32, bfloat16 or "
+                       r"float16, got int32 and float32"):
+        _ext().gelu_grad(mx.ones(3, mx.int32), mx.ones(3))
+    # operands of two shapes or float dtypes: MLX's ops, in float32
+    g = _ext().gelu_grad(mx.ones((2, 3), mx.bfloat16), mx.zeros(3))
+    assert g.dtype == mx.bfloat16 and g.shape == (2, 3) and (np64(g) == 0.5).all()
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16, mx.float64], ids=str)
