@@ -169,6 +169,14 @@ inline uint16_t narrow_keeping_nan(float x) {
   return static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1)) >> 16);
 }
 
+// Whether operands of dtype `dt` run in oneDNN's float32 kernels, upcast inside the primitive:
+// float16 always (no oneDNN float16 kernel pays on these CPUs), bfloat16 where its own
+// kernels are not taken (`bf16_kernels`: asked for, and not declined by the op for a case
+// they get wrong).
+inline bool in_float32_kernels(mx::Dtype dt, bool bf16_kernels) {
+  return dt == mx::float16 || (dt == mx::bfloat16 && !bf16_kernels);
+}
+
 // n values each way, as above (convert.cpp).
 void widen_all(const uint16_t* src, float* dst, size_t n);
 void narrow_all(const float* src, uint16_t* dst, size_t n);

@@ -379,8 +379,7 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
   // weight: an infinite or NaN neighbour made NaN where MLX gives a finite result. Float32
   // kernels (an RGB input's first layer among them).
   bool paired = w.shape().back() % 2 == 1;
-  // In float32 kernels: float16 always, bfloat16 without oneDNN's bfloat16 kernels.
-  bool upcast = dt == mx::float16 || (dt == mx::bfloat16 && (!native_bf16 || paired));
+  bool upcast = in_float32_kernels(dt, native_bf16 && !paired);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
   FLN_CHECK(x.size() != 0 && w.size() != 0, FN, ": empty operands (x ", shape_str(x.shape()),
@@ -402,7 +401,7 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
   FLN_CHECK(expect == dy.shape(), FN, ": a convolution of an input ", shape_str(xs), " with w ",
             shape_str(w.shape()), " gives ", shape_str(expect), ", not dy's ",
             shape_str(dy.shape()));
-  bool upcast = dt == mx::float16 || (dt == mx::bfloat16 && !native_bf16);  // float32 kernels
+  bool upcast = in_float32_kernels(dt, native_bf16);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa());
   return backward_data(dy, w, x_tail, p, stream, upcast);

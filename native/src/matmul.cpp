@@ -384,10 +384,8 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
   // A bfloat16 product over one entry (K == 1) in oneDNN 3.2's bfloat16 kernels gave NaN for
   // an infinite operand (the K pair is padded; seen in tests/native/test_hostile.py): float32.
   int k_len = a.ndim() == 0 ? 1 : (trans_a && a.ndim() >= 2 ? a.shape(-2) : a.shape(-1));
-  // In float32 kernels: float16 always (no oneDNN float16 kernel pays on these CPUs), bfloat16
-  // without oneDNN's bfloat16 kernels (or with K == 1), and fused casts.
-  bool upcast = dt == mx::float16 ||
-      (dt == mx::bfloat16 && (fused || !native_bf16 || k_len == 1));
+  // (Fused casts read float32 operands: float32 kernels too.)
+  bool upcast = in_float32_kernels(dt, native_bf16 && !fused && k_len != 1);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), " (no avx512_core_bf16); "
             "pass native_bf16=False to run bfloat16 in float32 kernels");

@@ -494,7 +494,7 @@ mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
   // oneDNN 3.2's bfloat16 pooling loses the window offset when it needs an int32 workspace
   // (windows of 256 entries or more: every gradient went to the window's first entry).
   bool wide = workspace_dtype(p) != mx::uint8;
-  if (dt == mx::float16 || (dt == mx::bfloat16 && (!native_bf16 || !isa_has_bf16() || wide))) {
+  if (in_float32_kernels(dt, native_bf16 && isa_has_bf16() && !wide)) {
     // The maximum is exact in any dtype: through float32 kernels, rounded back exactly.
     // (float16: MLX's own float16 pooling, a strided view and a max reduction, is ten times
     // slower than these casts and float32 kernels.)
