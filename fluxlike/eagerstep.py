@@ -71,16 +71,18 @@ def _gradient(compiled: Compiled, loss: Callable, model: nn.Module, scale: LossS
             return last_fn, last_current
     current: list = [None, None]
 
-    def inner(p: dict, *args: mx.array) -> tuple[mx.array, tuple]:
+    def evaluated(p: dict, args: tuple) -> tuple[mx.array, tuple]:
+        """The loss (and its auxiliary outputs) of the model holding parameters ``p``."""
         loss_fn, module = current
         module.update(p)
-        value, rest = _split_output(loss_fn(module, *args), where)
+        return _split_output(loss_fn(module, *args), where)
+
+    def inner(p: dict, *args: mx.array) -> tuple[mx.array, tuple]:
+        value, rest = evaluated(p, args)
         return scale.scale(value), (value, rest)  # (aux outputs are not returned)
 
     def unscaled(p: dict, *args: mx.array) -> mx.array:  # no scale: no auxiliary output
-        loss_fn, module = current
-        module.update(p)
-        return _split_output(loss_fn(module, *args), where)[0]
+        return evaluated(p, args)[0]
 
     if isinstance(scale, NoOpLossScale):
         fn = mx.value_and_grad(unscaled)
