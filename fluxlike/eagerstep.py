@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
 from types import MethodType
 
 import mlx.core as mx
@@ -56,9 +55,12 @@ def remember(opt_state: OptState, model: nn.Module, grads: dict, where: str) -> 
 def _gradient(compiled: Compiled, loss: Callable, model: nn.Module, scale: LossScale,
               where: str) -> tuple[Callable, list]:
     """``(fn, current)``: ``fn = mx.value_and_grad`` of ``loss(model, *args)`` in the model's
-    parameters, which reads the loss and model from ``current`` (set them for the call, clear
-    them after); ``fn(params, *args)`` gives ``(loss, grads)`` (with a loss scale the scaled
-    loss is differentiated, the loss itself returned beside it as an auxiliary output).
+    parameters, which reads the loss, model and batch ``args`` from ``current`` (set them for
+    the call, clear them after); ``fn(params)`` gives ``(loss, grads)`` (with a loss scale the
+    scaled loss is differentiated, the loss itself returned beside it as an auxiliary output).
+    The batch is read from ``current``, not passed: ``mx.value_and_grad`` makes a traced copy
+    of every argument, a graph node per batch array (a sizeable part of a small model's
+    evaluation) that nothing differentiates.
     Made once and kept for the steps that follow with the same loss, model and scale (the
     last ones only), by weak reference: the record lives as long as its optimiser state, and
     a loss that refers back to that state (a trainer's bound method) must not keep it alive."""
@@ -69,28 +71,28 @@ def _gradient(compiled: Compiled, loss: Callable, model: nn.Module, scale: LossS
         if (model_ref() is model and last_scale is scale and last_where == where
                 and (kept is loss or (isinstance(loss, MethodType) and kept == loss))):
             return last_fn, last_current
-    current: list = [None, None]
+    current: list = [None, None, ()]
 
-    def evaluated(p: dict, args: tuple) -> tuple[mx.array, tuple]:
+    def evaluated(p: dict) -> tuple[mx.array, tuple]:
         """The loss (and its auxiliary outputs) of the model holding parameters ``p``."""
-        loss_fn, module = current
+        loss_fn, module, args = current
         module.update(p)
         return _split_output(loss_fn(module, *args), where)
 
-    def inner(p: dict, *args: mx.array) -> tuple[mx.array, tuple]:
-        value, rest = evaluated(p, args)
+    def inner(p: dict) -> tuple[mx.array, tuple]:
+        value, rest = evaluated(p)
         return scale.scale(value), (value, rest)  # (aux outputs are not returned)
 
-    def unscaled(p: dict, *args: mx.array) -> mx.array:  # no scale: no auxiliary output
-        return evaluated(p, args)[0]
+    def unscaled(p: dict) -> mx.array:  # no scale: no auxiliary output
+        return evaluated(p)[0]
 
     if isinstance(scale, NoOpLossScale):
         fn = mx.value_and_grad(unscaled)
     else:
         scaled = mx.value_and_grad(inner)
 
-        def fn(p: dict, *args: mx.array) -> tuple[mx.array, dict]:
-            (_, (value, _)), grads = scaled(p, *args)
+        def fn(p: dict) -> tuple[mx.array, dict]:
+            (_, (value, _)), grads = scaled(p)
             return value, grads
     try:
         loss_ref = weakref.WeakMethod(loss) if isinstance(loss, MethodType) else weakref.ref(loss)
@@ -117,21 +119,21 @@ def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
     signature = None if frozen else compiled.fingerprints.get(tuple(leaves))
     if signature is None or signature not in compiled.initialised:
         return None
-    scale = opt_state.loss_scale
+    fn, current = _gradient(compiled, loss, model, opt_state.loss_scale, where)
+    current[:] = loss, model, args
     token = enter_differentiating()
     try:
-        with nullcontext() if dtype is None else autocast_scope(dtype):
-            fn, current = _gradient(compiled, loss, model, scale, where)
-            current[:] = loss, model
-            try:
-                value, grads = fn(params, *args)
-            finally:
-                current[:] = None, None
+        if dtype is None:
+            value, grads = fn(params)
+        else:
+            with autocast_scope(dtype):
+                value, grads = fn(params)
     except BaseException:
         model.update(params)
         raise
     finally:
         context.reset(token)
+        current[:] = None, None, ()
     if opt_state.distributed is not None:  # the group's mean: every rank decides alike
         value = opt_state.distributed.mean(value)
     out = compiled.step(opt_state, model, grads, params, signature, keep=False)

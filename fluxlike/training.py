@@ -92,9 +92,14 @@ def _check_args(model: Any, opt_state: Any, autocast: Any, where: str) -> mx.Dty
     return dtype
 
 
+# MLX's random state: one list-like object for the process, its key replaced in place (read
+# once here: the module attribute takes longer to read than the key from it, every step)
+_RANDOM_STATE: Any = mx.random.state  # type: ignore[attr-defined]  # (MLX's stub lacks it)
+
+
 def _reseed(key: Any) -> None:
     """Put the random state back to ``key`` (taken before a step), if the step moved it."""
-    if mx.random.state[0] is not key:  # type: ignore[index]  # (MLX's stub lacks it)
+    if _RANDOM_STATE[0] is not key:
         # mx.random.state takes no assignment: seed to the key (a list: [key]).
         hi, lo = key.tolist()
         mx.random.seed((hi << 32) | lo)
@@ -108,7 +113,7 @@ def _step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
     shows it (rare): the arrays of before it are put back (kept, not copied: MLX arrays are
     immutable), so the graph of every step carries no selections for it. The gradients are
     ``None`` from a compiled step unless ``with_grads``."""
-    key = mx.random.state[0]  # type: ignore[index]  # MLX's stub lacks mx.random.state
+    key = _RANDOM_STATE[0]
     scale, optimizer = opt_state.loss_scale, opt_state.optimizer
     scale_before = dict(scale.state)  # a few scalars
     fresh: list = []

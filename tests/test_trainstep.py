@@ -610,7 +610,8 @@ def test_the_remembered_step_notices_settings_changed_between_steps():
     """``trainstep``'s eager path reuses the last compiled update while the optimiser's
     settings are unchanged (checked against its attributes, not a snapshot per step): an
     equal value assigned keeps it; a list changed in place, a new attribute, another array in
-    one, or an equal value of another type (an array for a float) traces anew."""
+    one, an equal value of another type (an array for a float), a dict filled in place or a
+    list changed one level down traces anew."""
     mx.random.seed(0)
     model, x, y = Chain(Dense(3, 4, relu), Dense(4, 2)), mx.random.normal((5, 3)), mx.ones((5, 2))
     opt_state = setup(Adam(0.01), model)
@@ -632,4 +633,14 @@ def test_the_remembered_step_notices_settings_changed_between_steps():
     assert traces_after(2) == 4
     optimizer.eps = mx.array(optimizer.eps)  # == the float, but another kind of setting
     assert traces_after(2) == 5
+    opt_state = setup(Adam(0.01), model)  # (a new state: at most Compiled.LIMIT traces kept)
+    optimizer = opt_state.optimizer
+    optimizer.extra = {}  # an empty dict, then filled in place
+    assert traces_after(2) == 1
+    optimizer.extra["k"] = 1.0
+    assert traces_after(2) == 2
+    optimizer.nested = [[1.0]]  # a list of lists: changed in place one level down
+    assert traces_after(2) == 3
+    optimizer.nested[0][0] = 2.0
+    assert traces_after(2) == 4
     assert all(np.isfinite(np.array(v)).all() for v in leaves(model.parameters()).values())

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from operator import is_
 from types import MethodType
 from typing import Any
 
@@ -274,35 +275,50 @@ def _settings(obj: Any, depth: int = 0) -> Any:
 
 def _kept(obj: Any) -> tuple | None:
     """What :func:`_unchanged` compares ``obj``'s settings with later: a copy of its
-    attributes, and the snapshot of each that is not a plain value (a list, a schedule, a
-    transform), which may change in place; ``None`` for what has no attributes to copy."""
+    attributes, their types, and for each attribute that may change in place (a list, a
+    schedule, a transform) a copy to compare with ``==`` where it is a list, tuple or dict of
+    plain values (an empty one included), else its snapshot; ``None`` for what has no
+    attributes to copy."""
     if _KINDS.get(type(obj)) is not _SETTINGS:
         return None
     attributes = dict(vars(obj))
-    return attributes, list(map(type, attributes.values())), [
-        (k, _settings(v, 1)) for k, v in attributes.items()
-        if type(v) not in _PLAIN and k != "_state" and k != "_initialized"]
+    others = []
+    for k, v in attributes.items():
+        if type(v) in _PLAIN or k == "_state" or k == "_initialized":
+            continue
+        kind = type(v)
+        if kind in _FLAT and all(type(e) in _PLAIN for e in (v.values() if kind is dict else v)):
+            others.append((k, True, kind(v)))
+        else:
+            others.append((k, False, _settings(v, 1)))
+    return attributes, list(map(type, attributes.values())), others
 
 
 def _unchanged(obj: Any, kept: tuple | None) -> bool:
     """Whether ``obj``'s :func:`_settings` are what they were when ``kept`` (:func:`_kept`)
     was taken, without a snapshot: the same attributes holding values of the same types,
-    plain values equal (both compared in C) and the snapshots of the others equal. (Its
-    state dict is compared by identity first: the caller has checked that it is the same.)"""
+    plain values equal (both compared in C; the types only where a value is not the same
+    object) and the copies or snapshots of the others equal. (Its state dict is compared by
+    identity first: the caller has checked that it is the same.)"""
     if kept is None:
         return False
     attributes, types, others = kept
     current = vars(obj)
     try:
         # (types too: a float replaced by an equal array or numpy scalar is another setting)
-        if current != attributes or list(map(type, current.values())) != types:
+        if current != attributes or (
+                not all(map(is_, current.values(), attributes.values()))
+                and list(map(type, current.values())) != types):
             return False
     except Exception:  # a value whose == is not a truth value (an array): changed
         return False
-    for k, snapshot in others:
-        if _settings(current[k], 1) != snapshot:
+    for k, flat, copy in others:
+        if (current[k] != copy) if flat else (_settings(current[k], 1) != copy):
             return False
     return True
+
+
+_FLAT = (list, tuple, dict)  # containers whose plain values _unchanged compares with ==
 
 
 _SEQUENCE, _DICT, _SETTINGS, _NUMBER, _OTHER = "sequence", "dict", "settings", "number", "other"
@@ -414,7 +430,8 @@ class Compiled:
         if entry is not None:
             # The compiled call changes the captured state at once, in C++; the guard keeps
             # Ctrl-C from landing between it and the model's update.
-            guarded = INTERRUPTS.enter()
+            # (trainstep holds the guard already: counted in again only if not)
+            guarded = not INTERRUPTS.depth and INTERRUPTS.enter()
             try:
                 out = entry[0](grads, params)
                 model.update(out[0])
