@@ -85,10 +85,10 @@ def _trainable_parameters(module: nn.Module, leaves: list | None = None) -> tupl
         for k, v in entries:
             path: str = k if prefix is None else f"{prefix}{k}"  # type: ignore[assignment]
             if isinstance(v, mx.array):
-                if v.dtype in _INEXACT and path[:1] != "_" and path not in no_grad:
+                if (dtype := v.dtype) in _INEXACT and path[:1] != "_" and path not in no_grad:
                     out[k] = v
                     if leaves is not None:
-                        leaves.append((id(owner), path, v.shape, v.dtype))
+                        leaves.append((id(owner), path, v.shape, dtype))
                     continue
             elif isinstance(v, (dict, list)) and path[:1] != "_" and path not in no_grad:
                 out[k] = walk(owner, path, v)
