@@ -29,7 +29,7 @@ from .gradients import _split_output, _trainable_parameters
 from .optimisers.compiled import COMPILED, Compiled
 from .optimisers.state import OptState, _check_grads
 from .precision.lossscale import LossScale, NoOpLossScale
-from .precision.scope import autocast as autocast_scope
+from .precision.scope import enter_step
 from .precision.state import context, enter_differentiating
 
 LIMIT = 8  # fingerprints remembered per OptState (a model trained in a few configurations)
@@ -121,13 +121,9 @@ def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
         return None
     fn, current = _gradient(compiled, loss, model, opt_state.loss_scale, where)
     current[:] = loss, model, args
-    token = enter_differentiating()
+    token = enter_differentiating() if dtype is None else enter_step(dtype)
     try:
-        if dtype is None:
-            value, grads = fn(params)
-        else:
-            with autocast_scope(dtype):
-                value, grads = fn(params)
+        value, grads = fn(params)
     except BaseException:
         model.update(params)
         raise

@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from contextvars import Token
 from typing import Any, cast
 
 import mlx.core as mx
 
 from . import policy
-from .state import HALF, PLAIN, context, device_index, routing
+from .state import HALF, PLAIN, Context, context, device_index, routing
 from .state import scope_entries as _entries
 
 _DEVICE_NAMES = {"cpu": mx.cpu, "gpu": mx.gpu}
@@ -179,3 +180,34 @@ class autocast:
         """The compute dtype in force for ``device``'s type, or ``None`` when off."""
         slot = _device_slot(device, "autocast.get_dtype")
         return cast("mx.Dtype | None", context.get()[device_index() if slot is None else slot])
+
+
+_STEP_STATES: dict[tuple[int, mx.Dtype], Context] = {}  # enter_step's from PLAIN, made once
+
+
+def enter_step(dtype: mx.Dtype) -> Token:
+    """The state of a training step's forward and backward under ``autocast(dtype)``: what
+    ``with autocast(dtype):`` inside :func:`~.state.enter_differentiating` sets, on the
+    default device, as one change of the context variable (a step's: no scope object, no
+    record of entries, on the common path no ``_replace``); ``context.reset(token)`` undoes
+    it. ``dtype`` is one :class:`autocast` accepts (the caller has checked it); what is
+    entered inside the step is left inside it.
+
+    >>> import mlx.core as mx
+    >>> token = enter_step(mx.bfloat16)
+    >>> autocast.get_dtype("cpu"), context.get().differentiating
+    (mlx.core.bfloat16, True)
+    >>> context.reset(token); context.get() is PLAIN
+    True
+    """
+    if not routing.on:
+        policy.activate()
+    slot = 1 if mx.default_device().type is mx.gpu else 0  # device_index(), inline
+    current = context.get()
+    new = _STEP_STATES.get((slot, dtype)) if current is PLAIN else None
+    if new is None:
+        new = (current._replace(differentiating=True, gpu=dtype) if slot
+               else current._replace(differentiating=True, cpu=dtype))
+        if current is PLAIN:
+            _STEP_STATES[slot, dtype] = new
+    return context.set(new)

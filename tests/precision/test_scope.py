@@ -563,3 +563,38 @@ ScopeMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None
 )
 TestScopeStateMachine = ScopeMachine.TestCase
+
+
+@pytest.mark.parametrize("outer", ["plain", "autocast f16", "shapeless", "differentiating"])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_a_steps_state_is_autocast_inside_differentiating_set_at_once(outer, dtype):
+    """``enter_step`` (every eager training step) sets what ``with autocast(dtype):`` inside
+    ``enter_differentiating()`` sets, from any state, and its reset gives the state back."""
+    from fluxlike.precision.scope import enter_step
+    from fluxlike.precision.state import enter, enter_differentiating
+
+    tokens = []
+    if outer == "autocast f16":
+        scope = autocast(F16)
+        scope.__enter__()
+    elif outer != "plain":
+        tokens.append(enter(**{outer: True}))
+    try:
+        before, entries = context.get(), _entries.get()
+        token = enter_differentiating()
+        with autocast(dtype):
+            wanted = context.get()
+        context.reset(token)
+        assert context.get() is before
+        for _ in range(2):  # (the second from the remembered state)
+            token = enter_step(dtype)
+            assert context.get() == wanted and context.get().differentiating
+            assert _entries.get() == entries  # (no scope object recorded)
+            context.reset(token)
+            assert context.get() is before
+    finally:
+        if outer == "autocast f16":
+            scope.__exit__(None, None, None)
+        for token in reversed(tokens):
+            context.reset(token)
+    assert context.get() is PLAIN
