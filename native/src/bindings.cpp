@@ -16,6 +16,7 @@
 #include "mlx/version.h"
 #include "pool.h"
 #include "relu.h"
+#include "bias.h"
 #include "gelu.h"
 #include "softmax.h"
 #include "updates.h"
@@ -207,6 +208,16 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
 (see gelu.h): MLX's erf approximation, without its cancellation for negative x.)");
   m.def("gelu_grad", &fluxlike_native::gelu_grad, "g"_a, "x"_a, nb::kw_only(),
         "stream"_a = nb::none(), R"(g * gelu'(x), GELU's backward pass (see gelu.h).)");
+  m.def(
+      "bias_grad",
+      [](const mx::array& g, mx::Dtype bias_dt, std::optional<mx::Dtype> round_dt,
+         mx::StreamOrDevice s) {
+        return fluxlike_native::bias_grad(g, bias_dt, s, round_dt.value_or(mx::float32));
+      },
+      "g"_a, "bias_dtype"_a, nb::kw_only(), "round_dtype"_a = nb::none(),
+      "stream"_a = nb::none(),
+        R"(The gradient of a bias added along g's last axis: g summed over its other axes in
+float32, rounded to round_dtype, in bias_dtype; as MLX's sum and casts give it (see bias.h).)");
   m.def("relu_grad", &fluxlike_native::relu_grad, "g"_a, "y"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         R"(g where y > 0, else 0, in one pass (a fused ReLU's backward; see matmul.h).)");

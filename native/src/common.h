@@ -217,20 +217,6 @@ inline void reuse_or_allocate(mx::array& out, const mx::array& in, bool copied) 
   }
 }
 
-// The gradient of a bias added along the last axis of an output whose cotangent is `g`: g
-// summed over its other axes, in the bias's dtype. MLX's CPU sum of bfloat16 accumulates in
-// float32 and rounds once: the same result as summing a float32 upcast, without an upcast of
-// the whole cotangent.
-inline mx::array bias_grad(const mx::array& g, mx::Dtype bias_dt, mx::StreamOrDevice s) {
-  std::vector<int> axes;
-  for (int i = 0; i + 1 < g.ndim(); ++i) {
-    axes.push_back(i);
-  }
-  auto gb = bias_dt == g.dtype() ? mx::sum(g, axes, false, s)
-                                 : mx::sum(mx::astype(g, mx::float32, s), axes, false, s);
-  return gb.dtype() == bias_dt ? gb : mx::astype(gb, bias_dt, s);
-}
-
 // A primitive's derivatives taken of the same computation written in MLX's ops (`fn`: the
 // inputs to the outputs): the cotangents of the inputs in `argnums` (vjp), and the outputs'
 // tangents given those of the inputs in `argnums` (jvp; the other inputs held constant).

@@ -13,6 +13,7 @@
 #include <memory>
 #include <stdexcept>
 
+#include "bias.h"
 #include "cache.h"
 #include "common.h"
 #include "cpu.h"

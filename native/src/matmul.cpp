@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "bias.h"
 #include "cache.h"
 #include "common.h"
 #include "cpu.h"
@@ -739,7 +740,7 @@ std::vector<mx::array> Matmul::vjp(
       // bias's dtype. The cotangent as the casts give it: a rounded float32 result's is
       // rounded by the cast back to float32; an unrounded one's is not.
       auto summed = out_dtype_ == mx::float32 && !round_f32_ ? g : gc;
-      grads.push_back(in_dtype_of(bias_grad(summed, cdt, s), primals[2].dtype()));
+      grads.push_back(bias_grad(summed, primals[2].dtype(), s, cdt));
     } else {
       grads.push_back(bias_grad(g, primals[2].dtype(), s));
     }
