@@ -29,8 +29,7 @@ from .gradients import _split_output, _trainable_parameters
 from .optimisers.compiled import COMPILED, Compiled
 from .optimisers.state import OptState, _check_grads
 from .precision.lossscale import LossScale, NoOpLossScale
-from .precision.scope import enter_step
-from .precision.state import context, enter_differentiating
+from .precision.scope import enter_step, leave_step
 
 LIMIT = 8  # fingerprints remembered per OptState (a model trained in a few configurations)
 
@@ -121,14 +120,16 @@ def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
         return None
     fn, current = _gradient(compiled, loss, model, opt_state.loss_scale, where)
     current[:] = loss, model, args
-    token = enter_differentiating() if dtype is None else enter_step(dtype)
     try:
-        value, grads = fn(params)
+        step = enter_step(dtype)
+        try:
+            value, grads = fn(params)
+        finally:
+            leave_step(step)
     except BaseException:
         model.update(params)
         raise
     finally:
-        context.reset(token)
         current[:] = None, None, ()
     if opt_state.distributed is not None:  # the group's mean: every rank decides alike
         value = opt_state.distributed.mean(value)

@@ -643,4 +643,6 @@ def test_the_remembered_step_notices_settings_changed_between_steps():
     assert traces_after(2) == 3
     optimizer.nested[0][0] = 2.0
     assert traces_after(2) == 4
+    optimizer.extra["k"] = mx.array(1.0)  # == the float inside a dict, another kind of setting
+    assert traces_after(2) == 5
     assert all(np.isfinite(np.array(v)).all() for v in leaves(model.parameters()).values())

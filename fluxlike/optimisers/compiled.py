@@ -276,21 +276,22 @@ def _settings(obj: Any, depth: int = 0) -> Any:
 def _kept(obj: Any) -> tuple | None:
     """What :func:`_unchanged` compares ``obj``'s settings with later: a copy of its
     attributes, their types, and for each attribute that may change in place (a list, a
-    schedule, a transform) a copy to compare with ``==`` where it is a list, tuple or dict of
-    plain values (an empty one included), else its snapshot; ``None`` for what has no
-    attributes to copy."""
+    schedule, a transform) ``(name, copy, its entries' types)`` where it is a list, tuple or
+    dict of plain values (an empty one included), else ``(name, snapshot, None)``; ``None``
+    for what has no attributes to copy."""
     if _KINDS.get(type(obj)) is not _SETTINGS:
         return None
     attributes = dict(vars(obj))
-    others = []
+    others: list[tuple[Any, Any, list[type] | None]] = []
     for k, v in attributes.items():
         if type(v) in _PLAIN or k == "_state" or k == "_initialized":
             continue
         kind = type(v)
-        if kind in _FLAT and all(type(e) in _PLAIN for e in (v.values() if kind is dict else v)):
-            others.append((k, True, kind(v)))
+        entries = list(v.values() if kind is dict else v) if kind in _FLAT else None
+        if entries is not None and all(type(e) in _PLAIN for e in entries):
+            others.append((k, kind(v), list(map(type, entries))))
         else:
-            others.append((k, False, _settings(v, 1)))
+            others.append((k, _settings(v, 1), None))
     return attributes, list(map(type, attributes.values())), others
 
 
@@ -298,8 +299,9 @@ def _unchanged(obj: Any, kept: tuple | None) -> bool:
     """Whether ``obj``'s :func:`_settings` are what they were when ``kept`` (:func:`_kept`)
     was taken, without a snapshot: the same attributes holding values of the same types,
     plain values equal (both compared in C; the types only where a value is not the same
-    object) and the copies or snapshots of the others equal. (Its state dict is compared by
-    identity first: the caller has checked that it is the same.)"""
+    object) and the others' copies (with their entries' types) or snapshots equal. (Its
+    state dict is compared by identity first: the caller has checked that it is the
+    same.)"""
     if kept is None:
         return False
     attributes, types, others = kept
@@ -310,11 +312,16 @@ def _unchanged(obj: Any, kept: tuple | None) -> bool:
                 not all(map(is_, current.values(), attributes.values()))
                 and list(map(type, current.values())) != types):
             return False
+        for k, copy, entry_types in others:
+            value = current[k]
+            if entry_types is None:
+                if _settings(value, 1) != copy:
+                    return False
+            elif value != copy or list(map(type, value.values() if type(value) is dict
+                                           else value)) != entry_types:
+                return False
     except Exception:  # a value whose == is not a truth value (an array): changed
         return False
-    for k, flat, copy in others:
-        if (current[k] != copy) if flat else (_settings(current[k], 1) != copy):
-            return False
     return True
 
 

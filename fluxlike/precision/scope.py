@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from contextvars import Token
 from typing import Any, cast
 
 import mlx.core as mx
 
 from . import policy
-from .state import HALF, PLAIN, Context, context, device_index, routing
+from .state import HALF, PLAIN, Context, context, device_index, enter_differentiating, routing
 from .state import scope_entries as _entries
 
 _DEVICE_NAMES = {"cpu": mx.cpu, "gpu": mx.gpu}
@@ -184,30 +183,51 @@ class autocast:
 
 _STEP_STATES: dict[tuple[int, mx.Dtype], Context] = {}  # enter_step's from PLAIN, made once
 
+Step = tuple  # (context token, scope entries at entry or None, device slot, its dtype before)
 
-def enter_step(dtype: mx.Dtype) -> Token:
-    """The state of a training step's forward and backward under ``autocast(dtype)``: what
-    ``with autocast(dtype):`` inside :func:`~.state.enter_differentiating` sets, on the
-    default device, as one change of the context variable (a step's: no scope object, no
-    record of entries, on the common path no ``_replace``); ``context.reset(token)`` undoes
-    it. ``dtype`` is one :class:`autocast` accepts (the caller has checked it); what is
-    entered inside the step is left inside it.
+
+def enter_step(dtype: mx.Dtype | None) -> Step:
+    """The state of a training step's forward and backward: differentiating, under
+    ``autocast(dtype)`` on the default device unless ``dtype`` is ``None``, set as one change
+    of the context variable (every step: no scope object entered and left, on the common
+    path no ``_replace``); :func:`leave_step` undoes it. ``dtype`` is one :class:`autocast`
+    accepts (the caller has checked it).
 
     >>> import mlx.core as mx
-    >>> token = enter_step(mx.bfloat16)
+    >>> step = enter_step(mx.bfloat16)
     >>> autocast.get_dtype("cpu"), context.get().differentiating
     (mlx.core.bfloat16, True)
-    >>> context.reset(token); context.get() is PLAIN
+    >>> leave_step(step); context.get() is PLAIN
     True
     """
+    if dtype is None:
+        return enter_differentiating(), None, 0, None
+    current = context.get()
     if not routing.on:
         policy.activate()
     slot = 1 if mx.default_device().type is mx.gpu else 0  # device_index(), inline
-    current = context.get()
     new = _STEP_STATES.get((slot, dtype)) if current is PLAIN else None
     if new is None:
         new = (current._replace(differentiating=True, gpu=dtype) if slot
                else current._replace(differentiating=True, cpu=dtype))
         if current is PLAIN:
             _STEP_STATES[slot, dtype] = new
-    return context.set(new)
+    return context.set(new), _entries.get(), slot, current[slot]
+
+
+def leave_step(step: Step) -> None:
+    """Undo :func:`enter_step`: the context as the step found it. A scope entered inside the
+    step and still open (a generator's, closed later) is given the dtype the step found as
+    the one to restore on its exit, as it would have been had the step been an
+    :class:`autocast` scope."""
+    token, entries, slot, before = step
+    if entries is not None:
+        now = _entries.get()
+        if now is not entries:
+            rest = list(now)
+            for j, entry in enumerate(rest):
+                if entry[1] == slot and not any(entry is e for e in entries):
+                    rest[j] = (entry[0], slot, before)
+                    _entries.set(tuple(rest))
+                    break
+    context.reset(token)

@@ -7,11 +7,15 @@ namespace fluxlike_native {
 
 // The gradient of a bias added along the last axis of an output whose cotangent is `g`: g
 // summed over its other axes with float32 accumulators, rounded to `round_dt` and given
-// `bias_dt` (the bias's dtype): as MLX's ops compute
+// `bias_dt` (the bias's dtype): what MLX's ops compute,
 //   astype(astype(sum(astype(g, float32), leading axes), round_dt), bias_dt),
-// bit for bit (MLX's CPU sum adds each column's rows in order into a float32 accumulator,
-// half-precision inputs included). `round_dt` float32 (the default) rounds nothing more; a
-// bias given a half-precision compute dtype by a fused cast passes it (matmul.cpp).
+// each column's rows added in row-major order into a float32 accumulator. For a cotangent
+// that is row-major in memory (a product's or convolution's output, the usual case) or a
+// 2-D view, that is MLX's CPU sum bit for bit (it adds rows in order, half-precision inputs
+// included); for another view of three or more axes (a transposed output's cotangent) MLX
+// adds in memory order, which can differ in the last bits, and where NaNs of both signs meet
+// in a column the result's sign may differ. `round_dt` float32 (the default) rounds nothing
+// more; a bias given a half-precision compute dtype by a fused cast passes it (matmul.cpp).
 // On the CPU, where g has at least two rows and two columns, one primitive: MLX's ops make
 // three or four nodes (the sum, its squeeze, the casts), a sizeable part of a small model's
 // evaluation; elsewhere those ops (a sum over one column MLX orders otherwise).

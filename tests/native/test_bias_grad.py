@@ -1,8 +1,9 @@
 """The native bias gradient (native/src/bias.cpp: ``bias_grad``, the backward pass of every
 native linear layer's and convolution's bias) against the MLX ops it replaces,
 ``astype(astype(sum(astype(g, float32), leading axes), round_dtype), bias_dtype)``: bit for bit
-in every dtype, layout and size, special values included; one graph node where MLX's make
-three or four; derivatives, vmap and ``mx.compile`` as the ops'.
+for row-major cotangents and 2-D views in every dtype and size, special values included; other
+views of three or more axes (which MLX sums in memory order) to float32's rounding; one graph
+node where MLX's make three or four; derivatives, vmap and ``mx.compile`` as the ops'.
 
 Without the extension these tests skip with the reason ``native_info()`` gives.
 """
@@ -84,11 +85,28 @@ def test_every_leading_axis_is_summed(shape, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("view", ["transposed axes", "reversed"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_other_views_of_three_axes_to_float32s_rounding(view, dtype):
+    """A view that is not row-major with three or more axes (a transposed convolution output's
+    cotangent): summed in row order, where MLX's sum goes in memory order: the same sum to
+    float32's rounding, not always the same bits."""
+    x = mx.random.normal((6, 300, 5)) * 100
+    g = (mx.contiguous(x.transpose(1, 0, 2)).transpose(1, 0, 2) if view == "transposed axes"
+         else x[::-1, ::-1]).astype(dtype)
+    got = np.array(_ext().bias_grad(g, mx.float32))
+    want = np.array(_reference(g, mx.float32))
+    scale = np.abs(np.array(g.astype(mx.float32))).sum(axis=(0, 1))
+    assert (np.abs(got - want) <= 1e-6 * scale).all()
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_special_values_as_mlx(dtype):
     """NaN, infinities of both signs (their sum NaN), -0.0 (0 + -0.0 is +0.0, as MLX's sum
     starts from 0), sums past the half dtype's range, and NaN rounded to half precision as
-    MLX's casts round it."""
+    MLX's casts round it. (One NaN per column: where NaNs of both signs meet, which one's
+    sign the sum keeps is the compiler's choice of operand order, in MLX's sum as here.)"""
     big = 60000.0 if dtype == mx.float16 else 3e38
     cols = [[np.nan, 1.0], [np.inf, 1.0], [-np.inf, np.inf], [-0.0, -0.0], [big, big],
             [-np.nan, 2.0]]

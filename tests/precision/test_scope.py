@@ -566,11 +566,12 @@ TestScopeStateMachine = ScopeMachine.TestCase
 
 
 @pytest.mark.parametrize("outer", ["plain", "autocast f16", "shapeless", "differentiating"])
-@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("dtype", [BF16, F16, None])
 def test_a_steps_state_is_autocast_inside_differentiating_set_at_once(outer, dtype):
     """``enter_step`` (every eager training step) sets what ``with autocast(dtype):`` inside
-    ``enter_differentiating()`` sets, from any state, and its reset gives the state back."""
-    from fluxlike.precision.scope import enter_step
+    ``enter_differentiating()`` sets, from any state, and ``leave_step`` gives the state
+    back."""
+    from fluxlike.precision.scope import enter_step, leave_step
     from fluxlike.precision.state import enter, enter_differentiating
 
     tokens = []
@@ -582,15 +583,18 @@ def test_a_steps_state_is_autocast_inside_differentiating_set_at_once(outer, dty
     try:
         before, entries = context.get(), _entries.get()
         token = enter_differentiating()
-        with autocast(dtype):
+        if dtype is None:
             wanted = context.get()
+        else:
+            with autocast(dtype):
+                wanted = context.get()
         context.reset(token)
         assert context.get() is before
         for _ in range(2):  # (the second from the remembered state)
-            token = enter_step(dtype)
+            step = enter_step(dtype)
             assert context.get() == wanted and context.get().differentiating
             assert _entries.get() == entries  # (no scope object recorded)
-            context.reset(token)
+            leave_step(step)
             assert context.get() is before
     finally:
         if outer == "autocast f16":
@@ -598,3 +602,23 @@ def test_a_steps_state_is_autocast_inside_differentiating_set_at_once(outer, dty
         for token in reversed(tokens):
             context.reset(token)
     assert context.get() is PLAIN
+
+
+def test_a_scope_left_open_by_a_step_restores_what_the_step_found():
+    """A scope entered inside a step and exited after it (a generator's, closed later)
+    restores the dtype the step found, as it would had the step been an autocast scope."""
+    from fluxlike.precision.scope import enter_step, leave_step
+
+    def features():
+        with autocast(F16):
+            yield
+            yield
+
+    step = enter_step(BF16)
+    opened = features()
+    next(opened)
+    leave_step(step)
+    assert autocast.get_dtype("cpu") is None
+    opened.close()
+    assert autocast.get_dtype("cpu") is None and context.get() is PLAIN
+    assert _entries.get() == ()
