@@ -42,7 +42,7 @@ def attend(
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
     scores = kernels.matmul(q * scale, k, transpose_b=True)
     # The softmax runs in float32 at least, as sdpa's does.
-    scores = scores.astype(mx.float32) if scores.dtype in HALF else scores
+    scores = operands.convert(scores, mx.float32) if scores.dtype in HALF else scores
     if isinstance(mask, str):
         lq, lk = scores.shape[-2:]
         mask = mx.arange(lk - lq, lk)[:, None] >= mx.arange(lk)[None]
@@ -56,7 +56,7 @@ def attend(
     if dropout:
         keep = mx.random.bernoulli(1 - dropout, weights.shape)
         weights = mx.where(keep, weights / (1 - dropout), mx.zeros_like(weights))
-    weights = weights.astype(v.dtype)
+    weights = operands.convert(weights, v.dtype)
     return kernels.matmul(weights, v), weights
 
 

@@ -28,6 +28,7 @@ import mlx.core as mx
 from .. import workarounds
 from .._mlxtyping import custom_function
 from . import castcache
+from .operands import convert
 from .state import context
 
 Activation = Callable[[mx.array], mx.array]
@@ -72,10 +73,10 @@ def rounded(
     """
     kind = _commuting(act)
     if kind == "identity" or act is None:  # _commuting: no act is "identity"
-        return y32.astype(dtype)
+        return convert(y32, dtype)
     if kind is None:
-        return act(y32.astype(dtype))
-    return act(y32).astype(dtype)
+        return act(convert(y32, dtype))
+    return convert(act(y32), dtype)
 
 
 # Largest float32 temporary (bytes) one piece of an emulated linear layer may make.
@@ -113,7 +114,7 @@ def linear_on_kept(x: mx.array, params: tuple[mx.array, ...], dtype: mx.Dtype,
     kept = castcache.rounded_f32_if_seen(params, dtype)
     if kept is None:
         return None
-    x32 = (x.astype(dtype) if x.dtype != dtype else x).astype(mx.float32)
+    x32 = convert(convert(x, dtype), mx.float32)
     y32 = x32 @ kept[0].T if len(kept) == 1 else mx.addmm(kept[1], x32, kept[0].T)
     return rounded(y32, dtype, act)
 
@@ -133,7 +134,7 @@ def convolved(options: tuple, act: Callable | None, x: mx.array, weight: mx.arra
         options = (f"{name}+bias", *rest)
     params32 = castcache.casts_if_seen((weight, *bias), mx.float32)
     if params32 is not None:
-        return rounded(plain_kernel(*options)(x.astype(mx.float32), *params32), x.dtype, act)
+        return rounded(plain_kernel(*options)(convert(x, mx.float32), *params32), x.dtype, act)
     return _activated(act, *options)(x, weight, *bias)
 
 
@@ -175,8 +176,8 @@ def _in_float32(
     kernel = plain_kernel(name, *options)
 
     def plain(*operands: mx.array) -> mx.array:
-        y = kernel(*(a.astype(mx.float32) for a in operands))
-        return (y if act is None else act(y)).astype(operands[0].dtype)
+        y = kernel(*(convert(a, mx.float32) for a in operands))
+        return convert(y if act is None else act(y), operands[0].dtype)
 
     forward = custom_function(plain)
 
@@ -184,14 +185,14 @@ def _in_float32(
     def backward(operands: tuple, cotangent: mx.array, output: mx.array) -> tuple:
         # Recompute the upcasts from the saved half operands. Tying them to the cotangent
         # keeps MLX from scheduling them (and holding them) before the backward pass gets here.
-        upcast = [a.astype(mx.float32) for a in mx.depends(list(operands), [cotangent])]
-        cotangent32 = cotangent.astype(mx.float32)
+        upcast = [convert(a, mx.float32) for a in mx.depends(list(operands), [cotangent])]
+        cotangent32 = convert(cotangent, mx.float32)
         if act is not None:  # relu'(y) is y > 0, and y > 0 exactly where its rounding is
             # (a product, not mx.where, which is slower on the CPU: bench/README.md,
             # "Figures quoted by the code")
             cotangent32 = cotangent32 * (output > 0)
         grads = _kernel_vjp(name, kernel, upcast, cotangent32)
-        grads = [g.astype(a.dtype) for g, a in zip(grads, operands, strict=True)]
+        grads = [convert(g, a.dtype) for g, a in zip(grads, operands, strict=True)]
         # The first operand's gradient flows on down the network; making it wait for the
         # others' (weights') has those computed now, while their float32 inputs are live,
         # instead of at the end with every layer's cotangent held until then.
@@ -226,19 +227,19 @@ def _in_float32_rows(name: str, step: int) -> Callable[..., mx.array]:
 
     @custom_function
     def forward(x: mx.array, *params: mx.array) -> mx.array:
-        params32 = [p.astype(mx.float32) for p in params]
+        params32 = [convert(p, mx.float32) for p in params]
         outputs: list[mx.array] = []
         for start in blocks(x.shape[0]):
             rows = x[start : start + step]
             if outputs:
                 rows = mx.depends(rows, outputs[-1])
-            outputs.append(kernel(rows.astype(mx.float32), *params32).astype(x.dtype))
+            outputs.append(convert(kernel(convert(rows, mx.float32), *params32), x.dtype))
         return mx.concatenate(outputs, axis=0)
 
     @forward.vjp
     def backward(operands: tuple, cotangent: mx.array, output: mx.array) -> tuple:
         x, *params = operands
-        params32 = [p.astype(mx.float32) for p in mx.depends(list(params), [cotangent])]
+        params32 = [convert(p, mx.float32) for p in mx.depends(list(params), [cotangent])]
         sums: list[mx.array] | None = None  # parameter gradients, accumulated in float32
         dxs: list[mx.array] = []
         previous = cotangent
@@ -246,14 +247,14 @@ def _in_float32_rows(name: str, step: int) -> Callable[..., mx.array]:
             rows, cot = mx.depends([x[start : start + step], cotangent[start : start + step]],
                                    [previous])
             dx, *dparams = _kernel_vjp(
-                name, kernel, [rows.astype(mx.float32), *params32], cot.astype(mx.float32)
+                name, kernel, [convert(rows, mx.float32), *params32], convert(cot, mx.float32)
             )
             sums = dparams if sums is None else [a + b for a, b in zip(sums, dparams, strict=True)]
-            previous = dx.astype(x.dtype)
+            previous = convert(dx, x.dtype)
             dxs.append(previous)
         assert sums is not None  # _emulated_linear: more than one block of rows
         dx = mx.depends(mx.concatenate(dxs, axis=0), sums)
-        return (dx, *(g.astype(p.dtype) for g, p in zip(sums, params, strict=True)))
+        return (dx, *(convert(g, p.dtype) for g, p in zip(sums, params, strict=True)))
 
     return forward
 

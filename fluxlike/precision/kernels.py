@@ -32,7 +32,7 @@ from ..native import _loader
 from ..native import ops as native_ops
 from ..native.ops import _KNOWN_ACTS, split_act
 from . import castcache, emulation
-from .operands import match_input, one_dtype, operands
+from .operands import convert, match_input, one_dtype, operands
 from .state import HALF, PLAIN, Context, context
 
 NATIVE, EMULATED, MLX = "native", "emulated", "mlx"
@@ -242,7 +242,7 @@ def _on_kept_casts(state: Context, x: mx.array, weight: mx.array, bias: mx.array
         kept = castcache.casts_if_seen(params, dtype)
         if kept is None:
             return None
-        y = _switch.ext.matmul(x.astype(dtype) if given == _F32 else x, kept[0],  # type: ignore[union-attr]  # NATIVE: in use
+        y = _switch.ext.matmul(convert(x, dtype) if given == _F32 else x, kept[0],  # type: ignore[union-attr]  # NATIVE: in use
                                kept[1] if bias is not None else None, False, True, fused, None,
                                False, _switch.bf16)
         return y if after is None else after(y)

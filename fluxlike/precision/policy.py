@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from .operands import convert
 from .state import CASTABLE, HALF, PLAIN, context, device_index, routing
 from .swap import cast_arguments, swap_lock, swapped
 
@@ -342,7 +343,7 @@ def _scoped_call(plain: Callable, scoped: Callable,
 
 
 def _up(x: Any) -> Any:
-    return x.astype(mx.float32) if isinstance(x, mx.array) and x.dtype in HALF else x
+    return convert(x, mx.float32) if isinstance(x, mx.array) and x.dtype in HALF else x
 
 
 def _unscoped_call(plain: Callable, float32: bool) -> Callable:
@@ -361,7 +362,7 @@ def _unscoped_call(plain: Callable, float32: bool) -> Callable:
         if not float32:
             pass
         elif len(args) == 1 and not kwargs and isinstance(args[0], mx.array):  # the usual
-            args = (args[0].astype(f32),) if args[0].dtype in half else args
+            args = (convert(args[0], f32),) if args[0].dtype in half else args
         else:
             args, kwargs = cast_arguments(f32, half, args, kwargs)
         off = state._replace(cpu=None) if slot == 0 else state._replace(gpu=None)
@@ -374,7 +375,7 @@ def _unscoped_call(plain: Callable, float32: bool) -> Callable:
         if not float32:
             return out
         if isinstance(out, mx.array):
-            return out.astype(f32) if out.dtype in half else out
+            return convert(out, f32) if out.dtype in half else out
         return tree_map(_up, out)
 
     return call

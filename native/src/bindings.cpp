@@ -17,6 +17,7 @@
 #include "pool.h"
 #include "relu.h"
 #include "bias.h"
+#include "cast.h"
 #include "gelu.h"
 #include "softmax.h"
 #include "updates.h"
@@ -218,6 +219,10 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       "stream"_a = nb::none(),
         R"(The gradient of a bias added along g's last axis: g summed over its other axes in
 float32, rounded to round_dtype, in bias_dtype; as MLX's sum and casts give it (see bias.h).)");
+  m.def("convert", &fluxlike_native::convert, "x"_a, "dtype"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(x as dtype, as mx.astype gives it bit for bit, in one vectorised pass between
+float32, bfloat16 and float16 on the CPU (mx.astype itself elsewhere; see cast.h).)");
   m.def("relu_grad", &fluxlike_native::relu_grad, "g"_a, "y"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         R"(g where y > 0, else 0, in one pass (a fused ReLU's backward; see matmul.h).)");

@@ -16,6 +16,7 @@
 #include <stdexcept>
 
 #include "cache.h"
+#include "cast.h"
 #include "common.h"
 #include "cpu.h"
 #include "matmul.h"
@@ -497,9 +498,8 @@ mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
   if (in_float32_kernels(dt, native_bf16 && isa_has_bf16() && !wide)) {
     // The maximum is exact in any dtype: through float32 kernels, rounded back exactly.
     // (float16: MLX's own float16 pooling, a strided view and a max reduction, is ten times
-    // slower than these casts and float32 kernels.)
-    return mx::astype(max_pool(mx::astype(x, mx::float32, stream), p, false, stream), dt,
-                      stream);
+    // slower than these casts and float32 kernels; the casts vectorised, cast.h.)
+    return convert(max_pool(convert(x, mx::float32, stream), p, false, stream), dt, stream);
   }
   auto outs = mx::array::make_arrays(
       {shape, shape}, {dt, workspace_dtype(p)}, std::make_shared<MaxPool>(stream, p),

@@ -144,7 +144,7 @@ def _cast_nodes(*arrays):
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fl-graph-{os.getpid()}.dot")
     mx.export_to_dot(path, *arrays)
     with open(path) as f:
-        return len(re.findall(r'label ="?AsType', f.read()))
+        return len(re.findall(r'label ="?(?:AsType|FluxlikeNativeConvert)\b', f.read()))
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
