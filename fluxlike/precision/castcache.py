@@ -33,7 +33,34 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from ..native import _loader
 from .state import context
+
+_F16 = mx.float16
+_CONVERTED = frozenset((mx.float32, mx.bfloat16, mx.float16))
+_switch = _loader.switch  # .ext read per call: the companion's module, or None
+
+
+def convert(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``x.astype(dtype)``, the same bits, through the native companion's vectorised pass
+    (``fluxlike_native.convert``) where float16 is either side of a cast between float32,
+    bfloat16 and float16 on the CPU: MLX's CPU casts to and from float16 convert one value at
+    a time (1.65 ms to narrow 800,000 values on an AVX2 EPYC, six times bfloat16's). MLX's
+    ``astype`` elsewhere.
+
+    >>> import mlx.core as mx
+    >>> convert(mx.array([1.0, 2.5]), mx.float16)
+    array([1, 2.5], dtype=float16)
+    """
+    source = x.dtype
+    if source == dtype:
+        return x
+    if ((source == _F16 or dtype == _F16) and _switch.ext is not None
+            and source in _CONVERTED and dtype in _CONVERTED
+            and mx.default_device().type is mx.cpu):
+        return _switch.ext.convert(x, dtype)
+    return x.astype(dtype)
+
 
 # One thread's entries: id(source) -> (weak reference to source, {dtype: source.astype(dtype)}).
 _Table = dict[int, tuple[weakref.ref, dict[mx.Dtype, mx.array]]]
@@ -99,7 +126,7 @@ def cached_cast(source: mx.array, dtype: mx.Dtype) -> mx.array:
     casts = _casts(source)
     result = casts.get(dtype)
     if result is None:
-        result = casts[dtype] = source.astype(dtype)
+        result = casts[dtype] = convert(source, dtype)
     return result
 
 
@@ -170,8 +197,8 @@ def rounded_f32_if_seen(sources: tuple[mx.array, ...], dtype: mx.Dtype
         if result is None:
             half = source if source.dtype == dtype else casts.get(dtype)
             if half is None:
-                half = casts[dtype] = source.astype(dtype)
-            casts[(dtype, mx.float32)] = half.astype(mx.float32)
+                half = casts[dtype] = convert(source, dtype)
+            casts[(dtype, mx.float32)] = convert(half, mx.float32)
             missed = True
         else:
             found.append(result)

@@ -16,36 +16,12 @@ from typing import cast, overload
 
 import mlx.core as mx
 
-from ..native import _loader
 from . import castcache
+from .castcache import convert
 from .state import CASTABLE, HALF, PLAIN, context, device_index
 
 _warned_float64: set[str] = set()
 HALF_SET = frozenset(HALF)
-_F16 = mx.float16
-_CONVERTED = frozenset((mx.float32, mx.bfloat16, mx.float16))
-_switch = _loader.switch  # .ext read per call: the companion's module, or None
-
-
-def convert(x: mx.array, dtype: mx.Dtype) -> mx.array:
-    """``x.astype(dtype)``, the same bits, through the native companion's vectorised pass
-    (``fluxlike_native.convert``) where float16 is either side of a cast between float32,
-    bfloat16 and float16 on the CPU: MLX's CPU casts to and from float16 convert one value at
-    a time (1.65 ms to narrow 800,000 values on an AVX2 EPYC, six times bfloat16's). MLX's
-    ``astype`` elsewhere.
-
-    >>> import mlx.core as mx
-    >>> convert(mx.array([1.0, 2.5]), mx.float16)
-    array([1, 2.5], dtype=float16)
-    """
-    source = x.dtype
-    if source == dtype:
-        return x
-    if ((source == _F16 or dtype == _F16) and _switch.ext is not None
-            and source in _CONVERTED and dtype in _CONVERTED
-            and mx.default_device().type is mx.cpu):
-        return _switch.ext.convert(x, dtype)
-    return x.astype(dtype)
 
 
 def match_input(x: mx.array, weight: mx.array, layer: str,
