@@ -8,8 +8,9 @@ namespace fluxlike_native {
 // x as dtype `dt`, as mx::astype gives it bit for bit (widened exactly, narrowed to nearest
 // even, NaN as MLX's casts give it), where x and dt are float32, bfloat16 or float16 and the
 // stream is the CPU's; elsewhere (or when x already has dtype `dt`) mx::astype itself. MLX's
-// CPU casts to and from float16 convert one value at a time in software (1.65 ms to narrow
-// 800,000 values on an AVX2 EPYC, six times bfloat16's); these use F16C, eight at a time.
+// CPU casts to and from float16 convert one value at a time in software (1.95 ms to narrow
+// 800,000 values on an AVX2 EPYC); these use F16C, eight at a time (0.14 ms), and bfloat16's
+// bit operations vectorised (0.15 against MLX's 0.33).
 mx::array convert(const mx::array& x, mx::Dtype dt, mx::StreamOrDevice s = {});
 
 class Convert : public mx::UnaryPrimitive {
