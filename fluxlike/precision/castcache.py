@@ -54,9 +54,10 @@ def convert(x: mx.array, dtype: mx.Dtype) -> mx.array:
     source = x.dtype
     if source == dtype:
         return x
-    if (source in _CONVERTED and dtype in _CONVERTED and _switch.ext is not None
+    ext = _switch.ext  # (read once: another thread may enter native.disabled() meanwhile)
+    if (ext is not None and source in _CONVERTED and dtype in _CONVERTED
             and mx.default_device().type is mx.cpu):
-        return _switch.ext.convert(x, dtype)
+        return ext.convert(x, dtype)
     return x.astype(dtype)
 
 

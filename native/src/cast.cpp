@@ -55,11 +55,10 @@ bool Convert::is_equivalent(const mx::Primitive& other) const {
 
 void Convert::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  // A buffer holding exactly the array's elements (row- or column-major) converts as it is,
-  // keeping its layout, as MLX's casts do; any other view is copied first.
-  const auto& x = inputs[0].flags().contiguous && inputs[0].data_size() == inputs[0].size()
-                      ? inputs[0]
-                      : row_contiguous_copy(inputs[0], encoder);
+  // A contiguous buffer (row- or column-major, or a broadcast of one: data_size() elements)
+  // converts as it is, keeping its layout, as MLX's casts do; any other view is copied first.
+  const auto& x =
+      inputs[0].flags().contiguous ? inputs[0] : row_contiguous_copy(inputs[0], encoder);
   out.set_data(mx::allocator::malloc(x.data_size() * out.itemsize()), x.data_size(),
                x.strides(), x.flags());
   encoder.set_input_array(x);

@@ -125,3 +125,17 @@ def test_the_routing_takes_half_precision_casts_on_the_cpu():
     assert convert(x, mx.float32) is x
     with native.disabled():
         assert _nodes(convert(x, mx.float16)) == ["AsType"]
+
+
+@needs_native
+def test_a_broadcast_converts_its_data_not_its_view():
+    """A contiguous broadcast (``mx.full``, a ``.sum()``'s cotangent) converts its
+    ``data_size()`` values and keeps its strides, as MLX's casts do: no copy the size of the
+    view."""
+    b = mx.broadcast_to(mx.array(1.5, mx.float16), (1 << 22,))
+    mx.eval(b)
+    mx.reset_peak_memory()
+    y = _ext().convert(b, mx.float32)
+    mx.eval(y)
+    assert mx.get_peak_memory() < 1 << 20
+    assert y.shape == b.shape and (y == 1.5).all().item()
