@@ -30,6 +30,7 @@ from .optimisers.compiled import COMPILED, Compiled
 from .optimisers.state import OptState, _check_grads
 from .precision.lossscale import LossScale, NoOpLossScale
 from .precision.scope import enter_step, leave_step
+from .precision.state import context, enter_differentiating
 
 LIMIT = 8  # fingerprints remembered per OptState (a model trained in a few configurations)
 
@@ -121,11 +122,18 @@ def step(loss: Callable, model: nn.Module, args: tuple, opt_state: OptState,
     fn, current = _gradient(compiled, loss, model, opt_state.loss_scale, where)
     current[:] = loss, model, args
     try:
-        step = enter_step(dtype)
-        try:
-            value, grads = fn(params)
-        finally:
-            leave_step(step)
+        if dtype is None:
+            token = enter_differentiating()
+            try:
+                value, grads = fn(params)
+            finally:
+                context.reset(token)
+        else:
+            step = enter_step(dtype)
+            try:
+                value, grads = fn(params)
+            finally:
+                leave_step(step)
     except BaseException:
         model.update(params)
         raise

@@ -317,8 +317,8 @@ def _unchanged(obj: Any, kept: tuple | None) -> bool:
             if entry_types is None:
                 if _settings(value, 1) != copy:
                     return False
-            elif value != copy or list(map(type, value.values() if type(value) is dict
-                                           else value)) != entry_types:
+            elif value != copy or entry_types and list(
+                    map(type, value.values() if type(value) is dict else value)) != entry_types:
                 return False
     except Exception:  # a value whose == is not a truth value (an array): changed
         return False
