@@ -10,7 +10,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from . import policy
-from .state import HALF, PLAIN, Context, context, device_index, enter_differentiating, routing
+from .state import HALF, PLAIN, Context, context, device_index, routing
 from .state import scope_entries as _entries
 
 _DEVICE_NAMES = {"cpu": mx.cpu, "gpu": mx.gpu}
@@ -183,15 +183,15 @@ class autocast:
 
 _STEP_STATES: dict[tuple[int, mx.Dtype], Context] = {}  # enter_step's from PLAIN, made once
 
-Step = tuple  # (context token, scope entries at entry or None, device slot, its dtype before)
+Step = tuple  # (context token, scope entries at entry, device slot, its dtype before)
 
 
-def enter_step(dtype: mx.Dtype | None) -> Step:
-    """The state of a training step's forward and backward: differentiating, under
-    ``autocast(dtype)`` on the default device unless ``dtype`` is ``None``, set as one change
-    of the context variable (every step: no scope object entered and left, on the common
-    path no ``_replace``); :func:`leave_step` undoes it. ``dtype`` is one :class:`autocast`
-    accepts (the caller has checked it).
+def enter_step(dtype: mx.Dtype) -> Step:
+    """The state of an autocast training step's forward and backward: differentiating, under
+    ``autocast(dtype)`` on the default device, set as one change of the context variable
+    (every step: no scope object entered and left, on the common path no ``_replace``);
+    :func:`leave_step` undoes it. ``dtype`` is one :class:`autocast` accepts (the caller has
+    checked it).
 
     >>> import mlx.core as mx
     >>> step = enter_step(mx.bfloat16)
@@ -200,8 +200,6 @@ def enter_step(dtype: mx.Dtype | None) -> Step:
     >>> leave_step(step); context.get() is PLAIN
     True
     """
-    if dtype is None:
-        return enter_differentiating(), None, 0, None
     current = context.get()
     if not routing.on:
         policy.activate()
@@ -221,13 +219,12 @@ def leave_step(step: Step) -> None:
     the one to restore on its exit, as it would have been had the step been an
     :class:`autocast` scope."""
     token, entries, slot, before = step
-    if entries is not None:
-        now = _entries.get()
-        if now is not entries:
-            rest = list(now)
-            for j, entry in enumerate(rest):
-                if entry[1] == slot and not any(entry is e for e in entries):
-                    rest[j] = (entry[0], slot, before)
-                    _entries.set(tuple(rest))
-                    break
+    now = _entries.get()
+    if now is not entries:
+        rest = list(now)
+        for j, entry in enumerate(rest):
+            if entry[1] == slot and not any(entry is e for e in entries):
+                rest[j] = (entry[0], slot, before)
+                _entries.set(tuple(rest))
+                break
     context.reset(token)
