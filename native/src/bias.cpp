@@ -15,10 +15,6 @@ namespace fluxlike_native {
 
 namespace {
 
-bool float_dtype(mx::Dtype d) {
-  return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
-}
-
 // The same in MLX's ops: the reference for the derivatives, vmap and the cases the pass
 // leaves to MLX (a sum over one column or one row, a GPU stream).
 mx::array bias_grad_ops(const mx::array& g, mx::Dtype bias_dt, mx::Dtype round_dt,
@@ -70,14 +66,14 @@ void column_sums(const void* x, mx::Dtype dt, int64_t rows, int64_t cols, float*
 
 mx::array bias_grad(const mx::array& g, mx::Dtype bias_dt, mx::StreamOrDevice s,
                     mx::Dtype round_dt) {
-  FLN_CHECK(float_dtype(g.dtype()) && float_dtype(bias_dt) && float_dtype(round_dt),
+  FLN_CHECK(float_or_half(g.dtype()) && float_or_half(bias_dt) && float_or_half(round_dt),
             "fluxlike_native.bias_grad: expected float32, bfloat16 or float16 dtypes, got g ",
             dtype_str(g.dtype()), ", bias ", dtype_str(bias_dt), ", rounding to ",
             dtype_str(round_dt));
   FLN_CHECK(g.ndim() >= 1, "fluxlike_native.bias_grad: expected a cotangent with at least "
             "one axis, got a scalar");
   auto stream = mx::to_stream(s);
-  int64_t cols = g.ndim() ? g.shape(-1) : 1;
+  int64_t cols = g.shape(-1);
   int64_t rows = cols ? static_cast<int64_t>(g.size()) / cols : 0;
   if (stream.device != mx::Device::cpu || g.ndim() < 2 || cols < 2 || rows < 2) {
     return bias_grad_ops(g, bias_dt, round_dt, stream);

@@ -3,9 +3,6 @@
 #include "cast.h"
 #include "common.h"
 
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
 #include <memory>
 
 #include "mlx/allocator.h"
@@ -13,36 +10,9 @@
 
 namespace fluxlike_native {
 
-namespace {
-
-bool float_dtype(mx::Dtype d) {
-  return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
-}
-
-// n values of dtype `from` at src as dtype `to` at dst (MLX's conversions: common.h).
-void convert_all(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_t n) {
-  if (from == mx::float32) {
-    narrow_all(static_cast<const float*>(src), to, dst, n);
-  } else if (to == mx::float32) {
-    widen_all(src, from, static_cast<float*>(dst), n);
-  } else {  // one half dtype to the other: through float32, as MLX converts
-    constexpr size_t chunk = 2048;
-    float wide[chunk];
-    auto* in = static_cast<const uint16_t*>(src);
-    auto* out = static_cast<uint16_t*>(dst);
-    for (size_t i = 0; i < n; i += chunk) {
-      size_t c = std::min(chunk, n - i);
-      widen_all(in + i, from, wide, c);
-      narrow_all(wide, to, out + i, c);
-    }
-  }
-}
-
-} // namespace
-
 mx::array convert(const mx::array& x, mx::Dtype dt, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  if (x.dtype() == dt || !float_dtype(x.dtype()) || !float_dtype(dt) ||
+  if (x.dtype() == dt || !float_or_half(x.dtype()) || !float_or_half(dt) ||
       stream.device != mx::Device::cpu) {
     return mx::astype(x, dt, stream);
   }

@@ -169,6 +169,12 @@ inline uint16_t narrow_keeping_nan(float x) {
   return static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1)) >> 16);
 }
 
+// The dtypes the elementwise passes, the checks and the conversions take: float32, bfloat16,
+// float16.
+inline bool float_or_half(mx::Dtype d) {
+  return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
+}
+
 // Whether operands of dtype `dt` run in oneDNN's float32 kernels, upcast inside the primitive:
 // float16 always (no oneDNN float16 kernel pays on these CPUs), bfloat16 where its own
 // kernels are not taken (`bf16_kernels`: asked for, and not declined by the op for a case
@@ -184,6 +190,9 @@ void narrow_all(const float* src, uint16_t* dst, size_t n);
 // back.
 void widen_all(const void* src, mx::Dtype dt, float* dst, size_t n);
 void narrow_all(const float* src, mx::Dtype dt, void* dst, size_t n);
+// n values of dtype `from` at src as dtype `to` at dst, all three float dtypes (as MLX converts
+// each: a half dtype to the other through float32).
+void convert_all(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_t n);
 // n float32 values in place rounded to dtype `dt` (bfloat16 or float16; float32: unchanged),
 // as astype to it and back rounds them.
 void round_all(float* x, mx::Dtype dt, size_t n);

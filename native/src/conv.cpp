@@ -365,7 +365,7 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU, the stream "
             "is on the GPU; use mx.conv_general there");
   auto dt = x.dtype();
-  FLN_CHECK(w.dtype() == dt && (dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16),
+  FLN_CHECK(w.dtype() == dt && float_or_half(dt),
             FN, ": x and w must both be float32, both bfloat16 or both float16, got ",
             x.dtype(), " and ", w.dtype());
   conv_out_shape(x.shape(), w.shape(), p);  // its checks
@@ -393,7 +393,7 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
   auto stream = mx::to_stream(s);
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU");
   auto dt = dy.dtype();
-  FLN_CHECK(w.dtype() == dt && (dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16),
+  FLN_CHECK(w.dtype() == dt && float_or_half(dt),
             FN, ": dy and w must both be float32, both bfloat16 or both float16, got ",
             dy.dtype(), " and ", w.dtype());
   mx::Shape xs{dy.ndim() > 0 ? dy.shape(0) : 0};

@@ -147,4 +147,22 @@ void narrow_all(const float* src, mx::Dtype dt, void* dst, size_t n) {
   }
 }
 
+void convert_all(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_t n) {
+  if (from == mx::float32) {
+    narrow_all(static_cast<const float*>(src), to, dst, n);
+  } else if (to == mx::float32) {
+    widen_all(src, from, static_cast<float*>(dst), n);
+  } else {  // one half dtype to the other: through float32, as MLX converts
+    constexpr size_t chunk = 2048;
+    float wide[chunk];
+    auto* in = static_cast<const uint16_t*>(src);
+    auto* out = static_cast<uint16_t*>(dst);
+    for (size_t i = 0; i < n; i += chunk) {
+      size_t c = std::min(chunk, n - i);
+      widen_all(in + i, from, wide, c);
+      narrow_all(wide, to, out + i, c);
+    }
+  }
+}
+
 } // namespace fluxlike_native

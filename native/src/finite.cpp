@@ -67,10 +67,6 @@ bool any_nonfinite(const std::vector<Span>& spans) {
   return bad;
 }
 
-bool checked_dtype(mx::Dtype d) {
-  return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
-}
-
 // The check in MLX's ops (for vmap): per array, whether all its elements along every axis but
 // the first (the mapped one) are finite; anded.
 mx::array reference(const std::vector<mx::array>& xs, mx::Stream s) {
@@ -91,7 +87,7 @@ mx::array reference(const std::vector<mx::array>& xs, mx::Stream s) {
 mx::array all_finite(const std::vector<mx::array>& xs, mx::StreamOrDevice s) {
   FLN_CHECK(!xs.empty(), "fluxlike_native.all_finite: expected at least one array, got none");
   for (const auto& x : xs) {
-    FLN_CHECK(checked_dtype(x.dtype()), "fluxlike_native.all_finite: expected float32, "
+    FLN_CHECK(float_or_half(x.dtype()), "fluxlike_native.all_finite: expected float32, "
               "bfloat16 or float16 arrays, got ", dtype_str(x.dtype()),
               "; use mx.all(mx.isfinite(x)) for other dtypes");
   }

@@ -87,10 +87,6 @@ void gelu_grad_pass(const void* g, const void* x, void* out, mx::Dtype dt, size_
   }
 }
 
-bool supported(mx::Dtype d) {
-  return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
-}
-
 // gelu'(x) in MLX's ops (float32, rounded to x's dtype): for the derivatives of gelu_grad.
 mx::array gelu_prime_ops(const mx::array& x, mx::StreamOrDevice s) {
   auto xf = mx::astype(x, mx::float32, s);
@@ -109,7 +105,7 @@ mx::array gelu(const mx::array& x, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": the kernel runs on the CPU, the stream "
             "is on the GPU; use mlx.nn.gelu there");
-  FLN_CHECK(supported(x.dtype()), FN, ": x must be float32, bfloat16 or float16, got ",
+  FLN_CHECK(float_or_half(x.dtype()), FN, ": x must be float32, bfloat16 or float16, got ",
             dtype_str(x.dtype()), "; use mlx.nn.gelu");
   return mx::array(x.shape(), x.dtype(), std::make_shared<Gelu>(stream), {x});
 }
@@ -118,8 +114,8 @@ mx::array gelu_grad(const mx::array& g, const mx::array& x, mx::StreamOrDevice s
   auto stream = mx::to_stream(s);
   FLN_CHECK(stream.device == mx::Device::cpu, "fluxlike_native.gelu_grad: the kernel runs on "
             "the CPU, the stream is on the GPU");
-  FLN_CHECK(supported(g.dtype()) && supported(x.dtype()), "fluxlike_native.gelu_grad: g and x "
-            "must be float32, bfloat16 or float16, got ", dtype_str(g.dtype()), " and ",
+  FLN_CHECK(float_or_half(g.dtype()) && float_or_half(x.dtype()), "fluxlike_native.gelu_grad: "
+            "g and x must be float32, bfloat16 or float16, got ", dtype_str(g.dtype()), " and ",
             dtype_str(x.dtype()));
   if (g.shape() != x.shape() || g.dtype() != x.dtype()) {
     // (never built by Gelu's derivatives, whose cotangents and tangents have x's dtype)

@@ -368,7 +368,7 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
               " and ", dtype_str(b.dtype()), "; cast one with astype",
               f32_and_half ? ", or pass the half dtype as compute_dtype" : "");
   }
-  FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16, FN, ": operands "
+  FLN_CHECK(float_or_half(dt), FN, ": operands "
             "must be float32, bfloat16 or float16, got ", dtype_str(dt), " (no fast oneDNN "
             "kernel for it on this CPU; use mx.matmul)");
   auto odt = out_dtype.value_or(dt);

@@ -488,7 +488,7 @@ mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": oneDNN kernels run on the CPU, the "
             "stream is on the GPU");
   auto dt = x.dtype();
-  FLN_CHECK(dt == mx::float32 || dt == mx::bfloat16 || dt == mx::float16, FN, ": x must be "
+  FLN_CHECK(float_or_half(dt), FN, ": x must be "
             "float32, bfloat16 or float16, got ", dt);
   auto shape = pool_out_shape(x.shape(), p);
   FLN_CHECK(x.size() != 0, FN, ": empty input ", shape_str(x.shape()));

@@ -63,10 +63,7 @@ void relu_keeping_nan(void* y, size_t n, bool bf16) {
 
 mx::array relu_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
-  auto ok = [](mx::Dtype d) {
-    return d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
-  };
-  if (g.shape() != y.shape() || !ok(g.dtype()) || !ok(y.dtype())) {
+  if (g.shape() != y.shape() || !float_or_half(g.dtype()) || !float_or_half(y.dtype())) {
     // Anything else (never built by Matmul::vjp): MLX's ops.
     auto mask = mx::greater(y, mx::array(0.0f, y.dtype()), stream);
     return mx::where(mask, g, mx::array(0.0f, g.dtype()), stream);
