@@ -145,8 +145,8 @@ def matmul_mode(mode: str | None = None) -> str | None:
     - ``"gemm"``: on oneDNN's GEMM without a primitive: nothing to create for a new row count;
     - ``"reused"``: a shape's first use on that GEMM, a cached primitive from its second use;
     - ``"primitive"``: a cached primitive per shape from its first use (before 2026-12-04).
-      It also governs the other ops: otherwise a small float32 convolution's forward pass
-      (2**18 multiply-adds at most), a small float32 max pooling and a softmax of at most
+      It also governs the other ops: otherwise a float32 convolution's forward pass of at
+      most 2**23 multiply-adds, a small float32 max pooling and a softmax of at most
       2**16 entries make no primitive on a shape's first use (MLX's convolution, loops),
       only from its second, and a softmax of at most 2**14 entries none (its loops are as
       fast);

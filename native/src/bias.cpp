@@ -143,4 +143,15 @@ std::vector<mx::array> BiasGrad::jvp(
       primals, tangents, argnums, s);
 }
 
+FLN_VECTOR_CLONES void add_bias_float32(float* y, const float* bias, size_t rows,
+                                         size_t cols) {
+  for (size_t r = 0; r < rows; ++r) {
+    float* __restrict row = y + r * cols;
+    const float* __restrict b = bias;
+    for (size_t c = 0; c < cols; ++c) {
+      row[c] += b[c];
+    }
+  }
+}
+
 } // namespace fluxlike_native

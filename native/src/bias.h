@@ -22,6 +22,11 @@ namespace fluxlike_native {
 mx::array bias_grad(const mx::array& g, mx::Dtype bias_dt, mx::StreamOrDevice s = {},
                     mx::Dtype round_dt = mx::float32);
 
+// y[r, c] += bias[c] for a row-major float32 (rows, cols) y: the bias after a product or a
+// convolution computed without one (vectorised for AVX-512, AVX2 and baseline, picked at load
+// time: the lambda it replaced ran at 0.6 ns an entry, a third of a small convolution).
+void add_bias_float32(float* y, const float* bias, size_t rows, size_t cols);
+
 // inputs: {g}; output: shape {g.shape(-1)}, in the bias's dtype.
 class BiasGrad : public mx::UnaryPrimitive {
  public:

@@ -324,8 +324,8 @@ mx::array make(
     mx::Stream s,
     bool relu = false,
     bool upcast = false) {
-  std::vector<mx::array> inputs{mx::contiguous(in0, false, s), mx::contiguous(in1, false, s)};
-  if (bias) inputs.push_back(mx::contiguous(*bias, false, s));
+  std::vector<mx::array> inputs{in0, in1};  // (made row-contiguous in eval_cpu where not)
+  if (bias) inputs.push_back(*bias);
   auto dt = in0.dtype();
   return mx::array(
       std::move(shape), dt,
@@ -414,11 +414,12 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
 // through the primitive of the graph node mx::conv_general builds on the same inputs (never
 // evaluated as a node: its eval_cpu runs here, on this stream), so that call is what the
 // kernels-off path computes, bit for bit, bias and ReLU after it as MLX adds them.
-// Up to FIRST_USE_MAX_MACS multiply-adds (above, MLX's convolution costs more than the
-// creation: 68 against 2.4 ms at 2**25 on AVX2, and its im2col temporary is the kernel's
-// volume times the input), float32 only, and what MLX's conv_general takes (groups only in
-// one or two spatial axes).
-constexpr double FIRST_USE_MAX_MACS = 1 << 18;
+// Up to FIRST_USE_MAX_MACS multiply-adds (to there MLX's kernel cost less than a creation
+// and oneDNN's call over 1-3 spatial axes, 1x1 to 5x5 kernels, strides 1-2, AMD EPYC Zen 3:
+// bench/results/2026-12-04-first-uses.md; above, it can cost several times more, 70 against
+// 14 ms at 2**29, and its im2col temporary is the kernel's volume times the input), float32
+// only, and what MLX's conv_general takes (groups only in one or two spatial axes).
+constexpr double FIRST_USE_MAX_MACS = 1 << 23;
 
 bool Conv::first_use_fits(const std::vector<mx::array>& inputs, const mx::array& out) const {
   auto& x = inputs[0];
@@ -455,11 +456,7 @@ bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out
   encoder.dispatch([ref, y = out.data<float>(), channels = out.shape().back(), n = out.size(),
                     bias = has_bias_ ? inputs[2].data<float>() : nullptr, relu = relu_]() {
     if (bias != nullptr) {
-      for (size_t i = 0; i < n; i += static_cast<size_t>(channels)) {
-        for (int c = 0; c < channels; ++c) {
-          y[i + c] += bias[c];
-        }
-      }
+      add_bias_float32(y, bias, n / static_cast<size_t>(channels), static_cast<size_t>(channels));
     }
     if (relu) {
       relu_keeping_nan(y, n, false);
@@ -468,7 +465,9 @@ bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out
   return true;
 }
 
-void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  auto inputs = row_contiguous_all(operands, encoder);
   auto& in0 = inputs[0];
   auto& in1 = inputs[1];
   std::optional<mx::Dtype> bias_dt;
@@ -485,11 +484,6 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) return;
-  for (auto& in : inputs) {
-    if (!in.flags().row_contiguous) {
-      throw std::runtime_error(std::string(FN) + ": internal error: operand not contiguous");
-    }
-  }
   const mx::Shape* xs;
   const mx::Shape* ws;
   const mx::Shape* ys;
@@ -503,9 +497,6 @@ void Conv::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   if (!entry) {
     entry = lookup(kind_, p_, *xs, *ws, *ys, dt, bias_dt);
   }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) encoder.set_input_array(in);
-  encoder.set_output_array(out);
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
   if (upcast_) {
     // Half precision in float32 kernels: the operands upcast (exactly) into float32 buffers

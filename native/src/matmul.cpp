@@ -277,12 +277,7 @@ void direct_gemm(const float* a, Lead la, const float* b, Lead lb, const float* 
                              std::to_string(static_cast<int>(status)) + ")");
   }
   if (bias != nullptr) {
-    for (int64_t i = 0; i < m; ++i) {
-      float* row = dst + i * n;
-      for (int64_t j = 0; j < n; ++j) {
-        row[j] += bias[j];
-      }
-    }
+    add_bias_float32(dst, bias, static_cast<size_t>(m), static_cast<size_t>(n));
   }
 }
 

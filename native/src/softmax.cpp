@@ -160,8 +160,7 @@ mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
   check(x, "x");
   auto stream = mx::to_stream(s);
   on_the_cpu(stream);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream, false),
-                   {mx::contiguous(x, false, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream, false), {x});
 }
 
 mx::array softmax_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s) {
@@ -170,11 +169,10 @@ mx::array softmax_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevic
   FLN_CHECK(g.shape() == y.shape(), FN, "_grad: g and y must have one shape");
   auto stream = mx::to_stream(s);
   on_the_cpu(stream);
-  return mx::array(g.shape(), mx::float32, std::make_shared<Softmax>(stream, true),
-                   {mx::contiguous(g, false, stream), mx::contiguous(y, false, stream)});
+  return mx::array(g.shape(), mx::float32, std::make_shared<Softmax>(stream, true), {g, y});
 }
 
-void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+void Softmax::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
     return;
@@ -183,10 +181,7 @@ void Softmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   int64_t rows = static_cast<int64_t>(out.size()) / cols;
   auto entry = lookup(backward_, rows, cols);
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  encoder.set_output_array(out);
+  auto inputs = row_contiguous_all(operands, encoder);
   void* in1 = backward_ ? const_cast<void*>(inputs[1].data<void>()) : nullptr;
   encoder.dispatch([entry, backward = backward_, in0 = const_cast<void*>(inputs[0].data<void>()),
                     in1, dst = out.data<void>(), rows, cols]() {
