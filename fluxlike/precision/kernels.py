@@ -356,8 +356,7 @@ def conv(
     >>> y.shape, y.dtype
     ((1, 5, 5, 3), mlx.core.bfloat16)
     """
-    options = ("conv", hashable(stride), hashable(padding), hashable(dilation), groups)
-    return _convolved(options, x, weight, bias, act)
+    return _convolved(("conv", stride, padding, dilation, groups), x, weight, bias, act)
 
 
 def conv_transpose(
@@ -380,8 +379,7 @@ def conv_transpose(
     >>> y.shape, y.dtype
     ((1, 9, 3), mlx.core.float16)
     """
-    options = ("conv_transpose", hashable(stride), hashable(padding), hashable(dilation),
-               hashable(output_padding), groups)
+    options = ("conv_transpose", stride, padding, dilation, output_padding, groups)
     return _convolved(options, x, weight, bias, act)
 
 
@@ -393,8 +391,10 @@ def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | N
     backend = choose(options[0], one_dtype(x, weight, bias), x, weight, options[1:4])
     if backend == NATIVE:
         stride, padding, dilation, groups = options[1:]
-        return native_ops.conv(x, weight, bias, stride=stride, padding=padding,
-                               dilation=dilation, groups=groups, act=act)
+        lo, hi = padding if isinstance(padding[0], (tuple, list)) else (padding, padding)
+        return native_ops.conv_spelled_out(x, weight, bias, stride, lo, hi, dilation, groups,
+                                           act)
+    options = hashable(options)  # (keys the kernels' caches)
     if backend == EMULATED:
         return emulation.convolved(options, act, x, weight, *(() if bias is None else (bias,)))
     y = emulation.plain_kernel(*options)(x, weight)

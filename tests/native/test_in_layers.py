@@ -71,10 +71,12 @@ def test_cnn_layers_run_native_kernels_in_training(ac, monkeypatch):
         return loss, g
 
     calls: dict[str, list] = {"conv": [], "max_pool": []}
-    for name in calls:
-        kernel = getattr(native.ops, name)
-        monkeypatch.setattr(native.ops, name, lambda *a, _k=kernel, _n=name, **kw: (
-            calls[_n].append((a[0].dtype, kw.get("act"))), _k(*a, **kw))[1])
+    # (the layers' convolution: native.ops.conv's arguments spelled out, act the ninth)
+    for name, entry in (("conv", "conv_spelled_out"), ("max_pool", "max_pool")):
+        kernel = getattr(native.ops, entry)
+        monkeypatch.setattr(native.ops, entry, lambda *a, _k=kernel, _n=name, **kw: (
+            calls[_n].append((a[0].dtype, a[8] if len(a) > 8 else kw.get("act"))),
+            _k(*a, **kw))[1])
     loss, g = step()
     monkeypatch.undo()
     want = mx.float32 if ac is None else mx.bfloat16
