@@ -11,6 +11,7 @@ Reported: ms per step (median), and the primitives created (``fluxlike.native.ca
 
     .venv/bin/python bench/shapes.py [--lengths 120] [--max-length 512] [--per-shape]
     .venv/bin/python bench/shapes.py --first-calls 3     # first calls only, each against off
+    .venv/bin/python bench/shapes.py --conv-costs        # where a conv's first use runs MLX
 
 Variants: ``auto`` (the companion as it ships), ``off`` (``fluxlike.native.disabled()``) and,
 with ``--per-shape``, ``primitive`` (the companion's matmul mode with a primitive per shape, as
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import statistics
@@ -29,11 +31,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-if "--first-calls" in sys.argv:  # before oneDNN starts: its own cache of primitives off, so
-    # that a round after the first meets new shapes as the first did (0 hits otherwise too)
+if {"--first-calls", "--conv-costs"} & set(sys.argv):
+    # before oneDNN starts: its own cache of primitives off, so that a round after the first
+    # meets new shapes as the first did (0 hits otherwise too)
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import models as M  # noqa: E402
@@ -114,7 +118,10 @@ def first_calls(rounds: int, max_length: int) -> None:
     """Each call's time with the kernels on against off, first calls only: the companion's
     cache is emptied before every round, and every length is new to it. A length runs three
     times back to back, on, off and off again, in a rotating order (the first also warms
-    MLX's allocator); the ratio of the two off calls is the machine's noise floor."""
+    MLX's allocator); the ratio of the two off calls is the machine's noise floor. Rounds
+    alternate the creation policy (``native.background_creation``): a shape's primitive,
+    from its second use, made on the worker thread or on the evaluating thread, each round
+    order seen under both."""
     ext = native.switch.loaded
     if ext is None:
         print("first calls: the companion is not in use")
@@ -122,40 +129,121 @@ def first_calls(rounds: int, max_length: int) -> None:
     loops = (("mlp f32 grad", mlp_gradient, list(range(1, max_length + 1, 7))),
              ("generation", generator, list(range(1, 65))),
              ("cnn forward", cnn_forward, list(range(8, 40))))
-    print(f"\n{'loop (first calls)':<20} {'calls':>6} {'on/off: median':>15} {'p90':>5} "
-          f"{'> 1.10':>7} {'| off/off: p90':>15} {'> 1.10':>7} {'ms on':>6} {'ms off':>7}")
+    policies = {"worker": True, "evaluating": False}
+    print(f"\n{'loop (first calls)':<20} {'creation':<11} {'calls':>6} {'on/off: median':>15} "
+          f"{'p90':>5} {'> 1.10':>7} {'| off/off: p90':>15} {'> 1.10':>7} {'ms on':>6} "
+          f"{'ms off':>7} {'made':>5}")
     variants = ("on", "off", "off again")
-    for name, make, lengths in loops:
-        step = make()
-        step(lengths[0])  # warm: imports, the weights' casts
-        ratios: dict[str, list[float]] = {"on": [], "off again": []}
-        on_ms, off_ms = [], []
-        for r in range(rounds):
-            ext.clear_cache()
-            order = random.Random(r).sample(lengths, len(lengths))
-            for i, length in enumerate(order):
-                times = {}
-                turn = (i + r) % 3
-                for variant in variants[turn:] + variants[:turn]:
-                    with contextlib.nullcontext() if variant == "on" else native.disabled():
-                        start = time.perf_counter()
-                        step(length)
-                        times[variant] = time.perf_counter() - start
-                for key in ratios:
-                    ratios[key].append(times[key] / times["off"])
-                on_ms.append(times["on"] * 1e3)
-                off_ms.append(times["off"] * 1e3)
-        on, noise = sorted(ratios["on"]), sorted(ratios["off again"])
+    before = native.background_creation()
+    try:
+        for name, make, lengths in loops:
+            step = make()
+            step(lengths[0])  # warm: imports, the weights' casts
+            ratios = {p: {"on": [], "off again": []} for p in policies}
+            on_ms: dict[str, list[float]] = {p: [] for p in policies}
+            off_ms: dict[str, list[float]] = {p: [] for p in policies}
+            made = dict.fromkeys(policies, 0)
+            for r in range(2 * rounds):
+                policy = list(policies)[r % 2]
+                native.background_creation(policies[policy])
+                ext.clear_cache()  # (waits for the worker's creations)
+                order = random.Random(r // 2).sample(lengths, len(lengths))
+                for i, length in enumerate(order):
+                    times = {}
+                    turn = (i + r // 2) % 3
+                    for variant in variants[turn:] + variants[:turn]:
+                        with contextlib.nullcontext() if variant == "on" else native.disabled():
+                            start = time.perf_counter()
+                            step(length)
+                            times[variant] = time.perf_counter() - start
+                    for key in ratios[policy]:
+                        ratios[policy][key].append(times[key] / times["off"])
+                    on_ms[policy].append(times["on"] * 1e3)
+                    off_ms[policy].append(times["off"] * 1e3)
+                native.wait_for_creations()
+                made[policy] += creations()
+            for policy in policies:
+                on, noise = sorted(ratios[policy]["on"]), sorted(ratios[policy]["off again"])
+                print(f"{name:<20} {policy:<11} {len(on):>6} {statistics.median(on):>15.2f} "
+                      f"{p90(on):>5.2f} {over(on):>7} {p90(noise):>15.2f} {over(noise):>7} "
+                      f"{statistics.median(on_ms[policy]):>6.2f} "
+                      f"{statistics.median(off_ms[policy]):>7.2f} {made[policy]:>5}")
+    finally:
+        native.background_creation(before)
 
-        def p90(values: list[float]) -> float:
-            return values[int(0.9 * len(values))]
 
-        def over(values: list[float]) -> str:
-            return f"{sum(v > 1.10 for v in values) / len(values):.0%}"
+# (name, kernel, C_in, C_out, x shape, stride, padding): 1-3 spatial axes, 1x1 to 5x5
+# kernels, strides 1-2, from 2**17 to 2**29 multiply-adds.
+CONVS = [
+    ("2d 3x3 3->16 16x16 b2", (3, 3), 3, 16, (2, 16, 16, 3), 1, 0),
+    ("2d 3x3 16->32 10x10 b2", (3, 3), 16, 32, (2, 10, 10, 16), 1, 0),
+    ("2d 3x3 16->32 17x17 b2", (3, 3), 16, 32, (2, 17, 17, 16), 1, 0),
+    ("3d 3x3x3 8->16 8^3 b2", (3, 3, 3), 8, 16, (2, 8, 8, 8, 8), 1, 1),
+    ("2d 3x3 16->32 32x32 b2", (3, 3), 16, 32, (2, 32, 32, 16), 1, 0),
+    ("2d 5x5 1->20 28x28 b32", (5, 5), 1, 20, (32, 28, 28, 1), 1, 0),
+    ("2d 1x1 64->256 14x14 b8", (1, 1), 64, 256, (8, 14, 14, 64), 1, 0),
+    ("2d 3x3 s2 32->64 32x32 b8", (3, 3), 32, 64, (8, 32, 32, 32), 2, 1),
+    ("1d k5 64->64 L512 b8", (5,), 64, 64, (8, 512, 64), 1, 2),
+    ("2d 3x3 256->256 4x4 b8", (3, 3), 256, 256, (8, 4, 4, 256), 1, 1),
+    ("3d 3x3x3 16->32 16^3 b2", (3, 3, 3), 16, 32, (2, 16, 16, 16, 16), 1, 1),
+    ("2d 3x3 64->64 56x56 b8", (3, 3), 64, 64, (8, 56, 56, 64), 1, 1),
+]
 
-        print(f"{name:<20} {len(on):>6} {statistics.median(on):>15.2f} {p90(on):>5.2f} "
-              f"{over(on):>7} {p90(noise):>15.2f} {over(noise):>7} "
-              f"{statistics.median(on_ms):>6.2f} {statistics.median(off_ms):>7.2f}")
+
+def conv_costs(repeats: int = 5) -> None:
+    """Where a float32 convolution's first use should run MLX's kernel: per shape, MLX's call
+    (the kernels off), a primitive's creation with its first call (matmul mode "primitive",
+    the cache emptied before each), and the primitive's later calls; ms, best of
+    ``repeats``."""
+    ext = native.switch.loaded
+    if ext is None:
+        print("conv costs: the companion is not in use")
+        return
+
+    def best(call: Callable[[], None], clear: bool = False) -> float:
+        times = []
+        for _ in range(repeats):
+            if clear:
+                ext.clear_cache()
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+    print(f"\n{'convolution (ReLU, bias)':<28} {'MACs':>6} {'MLX':>8} {'created + run':>14} "
+          f"{'primitive':>10}")
+    mode = ext.matmul_mode()
+    try:
+        for name, kernel, c_in, c_out, shape, stride, padding in CONVS:
+            layer = fluxlike.Conv(kernel, c_in, c_out, fluxlike.relu, stride=stride,
+                                  padding=padding)
+            x = mx.random.normal(shape)
+            mx.eval(layer.parameters(), x)
+            y = layer(x)
+            macs = y.size * c_in * int(np.prod(kernel))
+
+            def call(layer: fluxlike.Conv = layer, x: mx.array = x) -> None:
+                mx.eval(layer(x))
+
+            with native.disabled():
+                call()
+                off = best(call)
+            ext.set_matmul_mode("primitive")
+            created = best(call, clear=True)
+            ext.set_matmul_mode(mode)
+            steady = best(call)
+            print(f"{name:<28} 2**{math.log2(macs):<4.1f} {off:>8.3f} {created:>14.3f} "
+                  f"{steady:>10.3f}")
+    finally:
+        ext.set_matmul_mode(mode)
+
+
+def p90(values: list[float]) -> float:
+    return values[int(0.9 * len(values))]
+
+
+def over(values: list[float]) -> str:
+    return f"{sum(v > 1.10 for v in values) / len(values):.0%}"
 
 
 def run(step: Callable[[int], None], lengths: list[int], variant: str) -> tuple[float, int]:
@@ -193,11 +281,17 @@ def main() -> None:
     parser.add_argument("--first-calls", type=int, metavar="ROUNDS", default=0,
                         help="only first calls, each against the kernels off: ROUNDS rounds, "
                              "the primitive cache emptied before each")
+    parser.add_argument("--conv-costs", action="store_true",
+                        help="only a float32 convolution's costs per shape: MLX's call, a "
+                             "creation with its first call, later calls")
     args = parser.parse_args()
     mx.set_cache_limit(1 << 30)
-    if args.first_calls:
+    if args.first_calls or args.conv_costs:
         print(f"native: {native.native_info().reason}")
-        first_calls(args.first_calls, args.max_length)
+        if args.conv_costs:
+            conv_costs()
+        if args.first_calls:
+            first_calls(args.first_calls, args.max_length)
         return
     rng = random.Random(0)
     lengths = rng.sample(range(1, args.max_length + 1), args.lengths)
@@ -216,6 +310,7 @@ def main() -> None:
         results: dict[str, list] = {f"{v} {phase}": [] for phase in ("first", "steady")
                                     for v in variants}
         for phase in ("first", "steady"):
+            native.wait_for_creations()  # (the first pass's, before the steady one)
             for i in range(0, len(ls), 8):
                 chunk = ls[i:i + 8]
                 turn = (i // 8) % len(variants)

@@ -47,10 +47,10 @@ from .ops import (
     softmax,
 )
 
-__all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "available", "bfloat16_native",
-           "cache_info", "conv", "conv_transpose", "disabled", "finite_kernel", "linear",
-           "matmul", "matmul_mode", "max_pool", "native_info", "rmsprop_kernel", "softmax",
-           "switch"]
+__all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "available",
+           "background_creation", "bfloat16_native", "cache_info", "conv", "conv_transpose",
+           "disabled", "finite_kernel", "linear", "matmul", "matmul_mode", "max_pool",
+           "native_info", "rmsprop_kernel", "softmax", "switch", "wait_for_creations"]
 
 MATMUL_MODES = ("auto", "gemm", "reused", "primitive")
 
@@ -122,7 +122,8 @@ def disabled() -> Iterator[None]:
 
 def cache_info() -> dict | None:
     """The companion's primitive caches: sizes, capacity, hits, misses, creations and the time
-    spent creating primitives (``None`` where the companion is not in use).
+    spent creating primitives, and the creations ``pending`` on the worker thread (see
+    :func:`background_creation`); ``None`` where the companion is not in use.
 
     >>> from fluxlike import native
     >>> info = native.cache_info()
@@ -146,10 +147,10 @@ def matmul_mode(mode: str | None = None) -> str | None:
     - ``"reused"``: a shape's first use on that GEMM, a cached primitive from its second use;
     - ``"primitive"``: a cached primitive per shape from its first use (before 2026-12-04).
       It also governs the other ops: otherwise a float32 convolution's forward pass of at
-      most 2**23 multiply-adds, a small float32 max pooling and a softmax of at most
-      2**16 entries make no primitive on a shape's first use (MLX's convolution, loops),
-      only from its second, and a softmax of at most 2**14 entries none (its loops are as
-      fast);
+      most 2**23 multiply-adds, a small float32 max pooling and a softmax of at most 2**16
+      entries make no primitive on a shape's first use (MLX's convolution, loops), only from
+      its second (on a worker thread: :func:`background_creation`), and a softmax of at most
+      2**14 entries none (its loops are as fast);
     - ``"auto"`` (the default): ``"gemm"`` where oneDNN's float32 matmul primitive is that GEMM
       anyway (below AVX-512: the same results bit for bit), else ``"reused"``.
 
@@ -166,3 +167,48 @@ def matmul_mode(mode: str | None = None) -> str | None:
     if mode is not None:
         ext.set_matmul_mode(mode)
     return str(ext.matmul_mode())
+
+
+def background_creation(on: bool | None = None) -> bool | None:
+    """Whether a primitive that a call can do without is created on the companion's worker
+    thread (``True``, the default) or on the evaluating thread (``False``), process-wide;
+    sets it to ``on`` if given. Returns the setting in effect, ``None`` where the companion is
+    not in use.
+
+    It concerns the calls :func:`matmul_mode` lists, which can run without a primitive (MLX's
+    convolution, plain loops, oneDNN's GEMM). A shape's first use creates nothing; from its
+    second, its primitive is queued on the worker thread and the calls go on without it until
+    it is stored: no call waits for a creation (0.2-0.5 ms each on AVX2, several times a
+    small call). The worker runs at Linux's idle priority (``SCHED_IDLE``: only on a core
+    nothing else wants) and creates each primitive for the evaluating thread's OpenMP thread
+    count, so the results are the same either way. ``False``: the second use creates it and
+    waits (as before 2026-12-04).
+
+    >>> from fluxlike import native
+    >>> native.background_creation() in (None, True, False)
+    True
+    """
+    ext = switch.loaded
+    if ext is None:
+        return None
+    if on is not None:
+        if not isinstance(on, bool):
+            raise TypeError(f"fluxlike.native.background_creation: on must be True, False or "
+                            f"None (to read it), got {on!r}")
+        ext.set_background_creation(on)
+    return bool(ext.background_creation())
+
+
+def wait_for_creations() -> None:
+    """Blocks until the worker thread has created every primitive queued so far (see
+    :func:`background_creation`): before timing a steady state, for example. Does nothing
+    where the companion is not in use.
+
+    >>> from fluxlike import native
+    >>> native.wait_for_creations()
+    >>> (native.cache_info() or {"pending": 0})["pending"]
+    0
+    """
+    ext = switch.loaded
+    if ext is not None:
+        ext.wait_for_creations()

@@ -48,6 +48,7 @@ nb::dict cache_info() {
   auto info = fluxlike_native::primitive_cache().info();
   nb::dict d = counts_dict(info.total);
   d["capacity"] = info.capacity;
+  d["pending"] = fluxlike_native::creator().pending();
   nb::dict ops;
   for (int i = 0; i < fluxlike_native::OP_COUNT; ++i) {
     ops[fluxlike_native::op_name(static_cast<Op>(i))] = counts_dict(info.ops[i]);
@@ -111,6 +112,19 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
   m.def("clear_cache", []() { fluxlike_native::primitive_cache().clear(); },
         "Drop the cached oneDNN primitives (matmul, convolution, softmax and pooling) and "
         "zero the cache's counts.");
+  m.def("set_background_creation", &fluxlike_native::set_background_creation, "on"_a,
+        "Whether a shape's primitive, from its second use, is created on a worker thread while "
+        "that call runs without it (True, the default) or on the evaluating thread; returns "
+        "the old setting.");
+  m.def("background_creation", &fluxlike_native::background_creation,
+        "Whether primitives are created on a worker thread (set_background_creation).");
+  m.def(
+      "wait_for_creations",
+      []() {
+        nb::gil_scoped_release release;
+        fluxlike_native::creator().wait();
+      },
+      "Block until the worker thread has created every primitive queued so far.");
   m.def("cache_size", []() { return op_size(Op::Matmul); }, "Cached oneDNN matmul primitives.");
   m.def("cache_impls", []() { return fluxlike_native::primitive_cache().impls(Op::Matmul); },
         "(oneDNN implementation name, count) of the cached matmul primitives.");

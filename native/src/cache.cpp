@@ -2,7 +2,12 @@
 
 #include "cache.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <map>
 
 namespace fluxlike_native {
@@ -36,15 +41,22 @@ CacheCounts& CacheCounts::operator+=(const CacheCounts& o) {
   return *this;
 }
 
+namespace {
+
+// False on the creator's thread: its lookups (before each creation) are not the calls'.
+thread_local bool g_counted = true;
+
+} // namespace
+
 std::shared_ptr<const Prepared> PrimitiveCache::find(Op op, const CacheKey& key) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto& counts = counts_[static_cast<int>(op)];
   auto it = index_.find(key);
   if (it == index_.end()) {
-    counts.misses += 1;
+    counts.misses += g_counted ? 1 : 0;
     return nullptr;
   }
-  counts.hits += 1;
+  counts.hits += g_counted ? 1 : 0;
   lru_.splice(lru_.begin(), lru_, it->second);
   return it->second->value;
 }
@@ -112,6 +124,7 @@ size_t PrimitiveCache::set_capacity(size_t capacity) {
 }
 
 void PrimitiveCache::clear() {
+  creator().clear();  // (first: a pending creation would store its entry after the clear)
   Lru dropped;
   std::lock_guard<std::mutex> lock(mutex_);
   index_.clear();
@@ -147,6 +160,125 @@ std::vector<std::pair<std::string, int>> PrimitiveCache::impls(Op op) {
 PrimitiveCache& primitive_cache() {
   static PrimitiveCache cache(4096);
   return cache;
+}
+
+Creator::Creator() = default;
+
+Creator::~Creator() {
+  stop();
+}
+
+void Creator::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) {
+    thread_.join();  // (after the job it runs; the queued ones are dropped)
+  }
+}
+
+void Creator::submit(const CacheKey& key, std::function<void()> job) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stop_ || !pending_.insert(key).second) {
+    return;
+  }
+  queue_.emplace_back(key, [threads = omp_max_threads(), job = std::move(job)] {
+    OmpThreads same(threads);
+    job();
+  });
+  if (!thread_.joinable()) {
+    thread_ = std::thread([this] { work(); });
+  }
+  wake_.notify_one();
+}
+
+void Creator::work() {
+  // Scheduled only where a core is idle (Linux's SCHED_IDLE; where refused, as any thread): a
+  // creation never takes a core from the kernels the evaluating thread runs meanwhile.
+  sched_param none{};
+  pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
+  g_counted = false;
+  for (;;) {
+    std::pair<CacheKey, std::function<void()>> job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (stop_) {
+        queue_.clear();
+        pending_.clear();
+        idle_.notify_all();
+        return;
+      }
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;
+    }
+    bool ok = true;
+    try {
+      job.second();
+    } catch (...) {  // (raised again where the evaluating thread creates it)
+      ok = false;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending_.erase(job.first);
+      if (!ok) {
+        failed_.insert(job.first);
+      }
+      running_ = false;
+    }
+    idle_.notify_all();
+  }
+}
+
+bool Creator::failed(const CacheKey& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failed_.count(key) != 0;
+}
+
+void Creator::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  idle_.wait(lock, [this] { return stop_ || (queue_.empty() && !running_); });
+}
+
+size_t Creator::pending() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return queue_.size() + (running_ ? 1 : 0);
+}
+
+void Creator::clear() {
+  wait();
+  std::lock_guard<std::mutex> lock(mutex_);
+  failed_.clear();
+}
+
+namespace {
+
+std::atomic<bool> g_background{true};
+Creator* g_creator = nullptr;
+
+} // namespace
+
+Creator& creator() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    engine();  // (made first, so that it outlives the worker at exit)
+    g_creator = new Creator();
+    // At exit the worker finishes its job and stops before oneDNN's statics go. (Not made
+    // for fork(): MLX itself does not evaluate in a child forked after it ran.)
+    std::atexit([] { g_creator->stop(); });
+  });
+  return *g_creator;
+}
+
+bool background_creation() {
+  return g_background.load(std::memory_order_relaxed);
+}
+
+bool set_background_creation(bool on) {
+  return g_background.exchange(on);
 }
 
 } // namespace fluxlike_native

@@ -3,24 +3,30 @@
 // Keyed by the op and a vector of integers (its kind, dtypes, shapes, strides and
 // parameters). Least recently used entries are evicted when it is full (a sweep over many
 // shapes does not grow it without bound, and a training loop's few shapes stay). Guarded by
-// a mutex; a primitive is created outside the lock, on the evaluating thread: two threads
+// a mutex; a primitive is created outside the lock, on the evaluating thread or (for a shape
+// whose call can be computed another way, see cached()) on the creator's thread: two threads
 // may both create one for a key, and the first stored wins. An evicted entry lives on while
 // an execution still holds it.
 #pragma once
 
 #include <array>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
+#include "cpu.h"
 #include "engine.h"
 
 namespace fluxlike_native {
@@ -40,7 +46,7 @@ struct CacheCounts {
   uint64_t size = 0;       // entries held
   uint64_t hits = 0;       // lookups that found their entry
   uint64_t misses = 0;     // lookups that did not (each then creates a primitive, unless
-                           // deferred: see cached())
+                           // deferred: see cached()); the creator's own are not counted
   uint64_t creations = 0;  // primitives created (a thread that lost a race counts too)
   uint64_t evictions = 0;  // entries dropped to keep within the capacity
   uint64_t create_ns = 0;  // time spent creating primitives
@@ -105,19 +111,77 @@ class PrimitiveCache {
 // The cache every op uses (4096 entries unless set_capacity says otherwise).
 PrimitiveCache& primitive_cache();
 
+// Creation off the critical path: one worker thread, started on first use, that runs the jobs
+// cached() queues (each creates a primitive and stores it in the cache) one at a time, in
+// order, with the OpenMP thread count the evaluating thread had (the thread count a primitive
+// is created for decides how it splits, and so its results, see cpu.h). A key is queued once
+// while its job is pending; a job that throws marks its key failed (the next miss creates on
+// the evaluating thread, which raises the error there). Stopped at exit.
+class Creator {
+ public:
+  Creator();
+  ~Creator();
+  Creator(const Creator&) = delete;
+  Creator& operator=(const Creator&) = delete;
+
+  // Queues `job` for `key` unless a job for it is pending.
+  void submit(const CacheKey& key, std::function<void()> job);
+  // Whether a job for `key` threw (remembered until clear()).
+  bool failed(const CacheKey& key);
+  // Blocks until no job is queued or running.
+  void wait();
+  // Jobs queued or running.
+  size_t pending();
+  // Waits, then forgets the failed keys.
+  void clear();
+  // Ends the worker after the job it runs (the queued ones dropped; later ones refused).
+  void stop();
+
+ private:
+  void work();
+
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  std::deque<std::pair<CacheKey, std::function<void()>>> queue_;
+  std::unordered_set<CacheKey, CacheKeyHash> pending_, failed_;
+  bool running_ = false, stop_ = false;
+  std::thread thread_;
+};
+
+Creator& creator();
+
+// Whether a key missed a second time is created on the creator's thread (the default) or on
+// the evaluating thread; set_background_creation returns the old setting.
+bool background_creation();
+bool set_background_creation(bool on);
+
 // The cached primitive of `op` for `key`, or the one `create()` makes (a shared_ptr to a
 // Prepared or a struct derived from it), timed and stored. oneDNN's refusal becomes
-// "<fn>: oneDNN has no <what> for these operands (...)". With `defer_first`, nullptr the
-// first time `key` is missed (the caller computes that call another way, see matmul.cpp).
+// "<fn>: oneDNN has no <what> for these operands (...)".
 template <class T, class Create>
 std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char* what,
-                                Create&& create, bool defer_first = false) {
+                                Create&& create);
+
+// The same, for a call that can be computed without the primitive (MLX's kernel, plain
+// loops, oneDNN's GEMM): where `defer`, a miss returns nullptr (the caller computes the call
+// that other way) instead of waiting for a creation (0.2-0.5 ms on AVX2, more than such a
+// call costs): the first time `key` misses nothing more, so that a shape seen once creates
+// nothing; from its second miss, `later()` (a std::function<void()> that makes and stores the
+// primitive, holding copies of what it needs) is queued on the creator's thread, unless
+// background creation is off or failed for the key (then created here, as without `defer`).
+template <class T, class Create, class Later>
+std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char* what,
+                                Create&& create, bool defer, Later&& later) {
   auto& cache = primitive_cache();
   key.insert(key.begin(), static_cast<int64_t>(op));  // one map for all ops
   if (auto hit = cache.find(op, key)) {
     return std::static_pointer_cast<const T>(hit);
   }
-  if (defer_first && !cache.missed_before(key)) {
+  if (defer && !cache.missed_before(key)) {
+    return nullptr;
+  }
+  if (defer && background_creation() && !creator().failed(key)) {
+    creator().submit(key, later());
     return nullptr;
   }
   auto start = std::chrono::steady_clock::now();
@@ -132,6 +196,13 @@ std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char*
                 std::chrono::steady_clock::now() - start).count();
   return std::static_pointer_cast<const T>(
       cache.insert(op, std::move(key), std::move(made), static_cast<uint64_t>(ns)));
+}
+
+template <class T, class Create>
+std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char* what,
+                                Create&& create) {
+  return cached<T>(op, std::move(key), fn, what, std::forward<Create>(create), false,
+                   [] { return std::function<void()>(); });
 }
 
 } // namespace fluxlike_native

@@ -150,7 +150,11 @@ std::shared_ptr<const ConvPrepared> lookup(
       e->work_bytes += e->weights_bytes;
     }
     return std::shared_ptr<const ConvPrepared>(std::move(e));
-  }, defer_first);
+  }, defer_first, [&] {
+    return std::function<void()>([kind, p, xs, ws, ys, dt, bias_dt] {
+      lookup(kind, p, xs, ws, ys, dt, bias_dt);
+    });
+  });
 }
 
 // in0/in1/out as the primitive's inputs and output; see Conv's comment.

@@ -51,14 +51,14 @@ int omp_max_threads() {
   return omp().get_max_threads != nullptr ? omp().get_max_threads() : 1;
 }
 
-OneThread::OneThread(bool on) {
-  if (on && omp().set_num_threads != nullptr) {
+OmpThreads::OmpThreads(int threads) {
+  if (threads > 0 && omp().set_num_threads != nullptr) {
     saved_ = omp().get_max_threads();
-    omp().set_num_threads(1);
+    omp().set_num_threads(threads);
   }
 }
 
-OneThread::~OneThread() {
+OmpThreads::~OmpThreads() {
   if (saved_ > 0) {
     omp().set_num_threads(saved_);
   }

@@ -32,17 +32,23 @@ double set_single_thread_macs(double macs);
 // OpenMP's thread count for a parallel region started on this thread now (1 without libgomp).
 int omp_max_threads();
 
-// While alive (and `on`), OpenMP regions started on this thread, and oneDNN primitives
-// created on it, use one thread.
-class OneThread {
+// While alive, OpenMP regions started on this thread, and oneDNN primitives created on it,
+// use `threads` threads (0: unchanged).
+class OmpThreads {
  public:
-  explicit OneThread(bool on);
-  ~OneThread();
-  OneThread(const OneThread&) = delete;
-  OneThread& operator=(const OneThread&) = delete;
+  explicit OmpThreads(int threads);
+  ~OmpThreads();
+  OmpThreads(const OmpThreads&) = delete;
+  OmpThreads& operator=(const OmpThreads&) = delete;
 
  private:
   int saved_ = -1;
+};
+
+// While alive (and `on`), one thread (as OmpThreads(1)).
+class OneThread : public OmpThreads {
+ public:
+  explicit OneThread(bool on) : OmpThreads(on ? 1 : 0) {}
 };
 
 } // namespace fluxlike_native

@@ -215,7 +215,11 @@ std::shared_ptr<const Prepared> lookup(
     // (Without a bias, its description is empty and no buffer is passed for it.)
     return std::make_shared<const Prepared>(
         prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_BIAS, DNNL_ARG_DST}));
-  }, defer_first);
+  }, defer_first, [&] {
+    return std::function<void()>([a, b, dst_dims, in_dt, out_dt, bias_dt] {
+      lookup(a, b, dst_dims, in_dt, out_dt, bias_dt);
+    });
+  });
 }
 
 // ---- float32 products on oneDNN's GEMM, without a primitive ----------------------------------

@@ -85,7 +85,9 @@ std::shared_ptr<const Prepared> lookup(bool backward, const PoolParams& p, const
         eng, dnnl::algorithm::pooling_max, x_md, y_md, strides, kernel, dil, pl, pr, fwd, attr);
     return std::make_shared<const Prepared>(
         prepare(pd, {DNNL_ARG_DIFF_DST, DNNL_ARG_DIFF_SRC, DNNL_ARG_WORKSPACE}));
-  }, defer_first);
+  }, defer_first, [&] {
+    return std::function<void()>([backward, p, xs, ys, dt] { lookup(backward, p, xs, ys, dt); });
+  });
 }
 
 

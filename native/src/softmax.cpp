@@ -33,9 +33,10 @@ const char* FN = "fluxlike_native.softmax";
 constexpr int64_t LOOPS_MAX_ELEMENTS = int64_t{1} << 14;
 constexpr int64_t FIRST_USE_LOOPS_MAX_ELEMENTS = int64_t{1} << 16;
 
-// The primitive for the shape, or nullptr where the loops run.
-std::shared_ptr<const Prepared> lookup(bool backward, int64_t rows, int64_t cols) {
-  bool deferred = first_use_deferred();
+// The primitive for the shape, or nullptr where the loops run (never without `may_defer`).
+std::shared_ptr<const Prepared> lookup(bool backward, int64_t rows, int64_t cols,
+                                       bool may_defer = true) {
+  bool deferred = may_defer && first_use_deferred();
   if (deferred && rows * cols <= LOOPS_MAX_ELEMENTS) {
     return nullptr;
   }
@@ -54,7 +55,9 @@ std::shared_ptr<const Prepared> lookup(bool backward, int64_t rows, int64_t cols
         eng, dnnl::algorithm::softmax_accurate, md, md, md, 1, fwd, attr);
     return std::make_shared<const Prepared>(
         prepare(bwd, {DNNL_ARG_DIFF_DST, DNNL_ARG_DST, DNNL_ARG_DIFF_SRC}));
-  }, defer_first);
+  }, defer_first, [&] {
+    return std::function<void()>([backward, rows, cols] { lookup(backward, rows, cols, false); });
+  });
 }
 
 // The primitive's algorithms as plain loops, float32 throughout (see lookup for where they

@@ -38,14 +38,18 @@ SHAPES = [(1, 1, 1), (1, 64, 128), (2, 64, 128), (3, 7, 5), (7, 128, 512), (64, 
 
 @pytest.fixture(autouse=True)
 def _fresh() -> Iterator[None]:
-    """Each test starts from an empty cache in mode ``auto`` and leaves mode and capacity as
-    it found them."""
+    """Each test starts from an empty cache in mode ``auto``, primitives created on the
+    evaluating thread (a shape's second use creates its primitive then; the worker thread's
+    creations are tested in test_background.py), and leaves mode, capacity and that setting
+    as it found them."""
     mode = _ext.set_matmul_mode("auto")
     capacity = _ext.set_cache_capacity(4096)
+    background = _ext.set_background_creation(False)
     _ext.clear_cache()
     yield
     _ext.set_matmul_mode(mode)
     _ext.set_cache_capacity(capacity)
+    _ext.set_background_creation(background)
     _ext.clear_cache()
 
 
