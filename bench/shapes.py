@@ -114,6 +114,22 @@ def cnn_forward() -> Callable[[int], None]:
     return step
 
 
+def cnn_gradient() -> Callable[[int], None]:
+    """The same small CNN's float32 gradient (a training step's) on a new image size per call:
+    the convolutions' backward passes and the pooling's too."""
+    mx.random.seed(4)
+    model = fluxlike.Chain(fluxlike.Conv((3, 3), 3, 16, fluxlike.relu),
+                           fluxlike.MaxPool((2, 2)), fluxlike.Conv((3, 3), 16, 32, fluxlike.relu))
+    mx.eval(model.parameters())
+
+    def step(size: int) -> None:
+        x = mx.random.normal((2, size, size, 3))
+        loss, grads = withgradient(lambda m: (m(x) ** 2).mean(), model)
+        mx.eval(loss, grads)
+
+    return step
+
+
 def first_calls(rounds: int, max_length: int) -> None:
     """Each call's time with the kernels on against off, first calls only: the companion's
     cache is emptied before every round, and every length is new to it. A length runs three
@@ -128,7 +144,8 @@ def first_calls(rounds: int, max_length: int) -> None:
         return
     loops = (("mlp f32 grad", mlp_gradient, list(range(1, max_length + 1, 7))),
              ("generation", generator, list(range(1, 65))),
-             ("cnn forward", cnn_forward, list(range(8, 40))))
+             ("cnn forward", cnn_forward, list(range(8, 40))),
+             ("cnn f32 grad", cnn_gradient, list(range(8, 40))))
     policies = {"worker": True, "evaluating": False}
     print(f"\n{'loop (first calls)':<20} {'creation':<11} {'calls':>6} {'on/off: median':>15} "
           f"{'p90':>5} {'> 1.10':>7} {'| off/off: p90':>15} {'> 1.10':>7} {'ms on':>6} "

@@ -118,6 +118,13 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
         "the old setting.");
   m.def("background_creation", &fluxlike_native::background_creation,
         "Whether primitives are created on a worker thread (set_background_creation).");
+  // The worker stopped (after the creation it runs) when Python exits, before anything is
+  // torn down: a C atexit handler comes after MLX's and oneDNN's later statics are gone.
+  m.def("_stop_creator", []() {
+    nb::gil_scoped_release release;
+    fluxlike_native::stop_creator();
+  });
+  nb::module_::import_("atexit").attr("register")(m.attr("_stop_creator"));
   m.def(
       "wait_for_creations",
       []() {

@@ -257,7 +257,7 @@ void Creator::clear() {
 namespace {
 
 std::atomic<bool> g_background{true};
-Creator* g_creator = nullptr;
+std::atomic<Creator*> g_creator{nullptr};
 
 } // namespace
 
@@ -266,11 +266,18 @@ Creator& creator() {
   std::call_once(once, [] {
     engine();  // (made first, so that it outlives the worker at exit)
     g_creator = new Creator();
-    // At exit the worker finishes its job and stops before oneDNN's statics go. (Not made
-    // for fork(): MLX itself does not evaluate in a child forked after it ran.)
-    std::atexit([] { g_creator->stop(); });
+    // At exit the worker finishes its job and stops (stop_creator, which Python's atexit
+    // calls first; this handler where the process exits without Python's). Not made for
+    // fork(): MLX itself does not evaluate in a child forked after it ran.
+    std::atexit(stop_creator);
   });
   return *g_creator;
+}
+
+void stop_creator() {
+  if (Creator* c = g_creator.load()) {
+    c->stop();
+  }
 }
 
 bool background_creation() {

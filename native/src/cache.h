@@ -149,6 +149,8 @@ class Creator {
 };
 
 Creator& creator();
+// Stops the worker if it was started (see Creator::stop); for exit.
+void stop_creator();
 
 // Whether a key missed a second time is created on the creator's thread (the default) or on
 // the evaluating thread; set_background_creation returns the old setting.

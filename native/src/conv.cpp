@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "bias.h"
+#include "conv_gemm.h"
 #include "cache.h"
 #include "common.h"
 #include "cpu.h"
@@ -425,6 +426,14 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
 // only, and what MLX's conv_general takes (groups only in one or two spatial axes).
 constexpr double FIRST_USE_MAX_MACS = 1 << 23;
 
+// A convolution's multiply-adds: its output's size times each output's kernel volume.
+double macs_of(const mx::Shape& ws, const mx::Shape& ys) {
+  double macs = 1;
+  for (auto d : ys) macs *= static_cast<double>(d);
+  for (size_t i = 1; i < ws.size(); ++i) macs *= static_cast<double>(ws[i]);
+  return macs;
+}
+
 bool Conv::first_use_fits(const std::vector<mx::array>& inputs, const mx::array& out) const {
   auto& x = inputs[0];
   auto& w = inputs[1];
@@ -432,9 +441,7 @@ bool Conv::first_use_fits(const std::vector<mx::array>& inputs, const mx::array&
       (has_bias_ && inputs[2].dtype() != mx::float32) || (p_.groups != 1 && x.ndim() > 4)) {
     return false;
   }
-  double macs = static_cast<double>(out.size());
-  for (int i = 1; i < w.ndim(); ++i) macs *= static_cast<double>(w.shape(i));
-  return macs <= FIRST_USE_MAX_MACS;
+  return macs_of(w.shape(), out.shape()) <= FIRST_USE_MAX_MACS;
 }
 
 bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -499,7 +506,13 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
     xs = &in0.shape(), ws = &out.shape(), ys = &in1.shape();
   }
   if (!entry) {
-    entry = lookup(kind_, p_, *xs, *ws, *ys, dt, bias_dt);
+    // A backward pass's first uses in float32 kernels (one group, up to FIRST_USE_MAX_MACS)
+    // run oneDNN's GEMM over the input's patches (conv_gemm.h) while its primitive is made
+    // (from its second use, on the creator's thread): as cheap as the primitive's call, where
+    // a creation costs several of them.
+    bool gemm_first = kind_ != ConvKind::Forward && dt == mx::float32 && p_.groups == 1 &&
+        first_use_deferred() && macs_of(*ws, *ys) <= FIRST_USE_MAX_MACS;
+    entry = lookup(kind_, p_, *xs, *ws, *ys, dt, bias_dt, gemm_first);
   }
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
   if (upcast_) {
@@ -526,7 +539,13 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
           widen_all(from->data, from->dtype, static_cast<float*>(to), from->size);
         }
       }
-      run(*entry, kind, a32.p, b32.p, bias32.p, y32.p);
+      if (entry) {
+        run(*entry, kind, a32.p, b32.p, bias32.p, y32.p);
+      } else {
+        conv_backward_gemm(kind, static_cast<const float*>(a32.p),
+                           static_cast<const float*>(b32.p), static_cast<float*>(y32.p), xs, ws,
+                           ys, p);
+      }
       if (padded) {
         padding_as_mlx({a32.p, b32.p, bias32.p, y32.p, false, false}, xs, ws, ys, p);
       }
@@ -543,7 +562,12 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
                     relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size(),
                     padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
                     ys = *ys, p = p_, bias_bf16 = has_bias_ && bias_dt == mx::bfloat16]() {
-    run(*entry, kind, p0, p1, pbias, po);
+    if (entry) {
+      run(*entry, kind, p0, p1, pbias, po);
+    } else {
+      conv_backward_gemm(kind, static_cast<const float*>(p0), static_cast<const float*>(p1),
+                         static_cast<float*>(po), xs, ws, ys, p);
+    }
     if (padded) {
       padding_as_mlx({p0, p1, pbias, po, bf16, bias_bf16}, xs, ws, ys, p);
     }

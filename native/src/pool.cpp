@@ -118,6 +118,9 @@ struct Workspace {
       static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(offset);
     }
   }
+  int64_t get(size_t i) const {
+    return wide ? static_cast<const int32_t*>(p)[i] : static_cast<const uint8_t*>(p)[i];
+  }
   // Entries first .. first + n from `offsets`.
   void set_all(size_t first, const int32_t* offsets, size_t n) const {
     if (wide) {
@@ -291,6 +294,52 @@ void max_pool_loops(const float* x, float* y, Workspace ws, const mx::Shape& xs,
   }
 }
 
+// The float32 backward pass's first use at a shape, without a primitive (as the forward's):
+// dx = 0, then each output's cotangent added to the entry its workspace names, outputs in
+// row-major order (an entry its window recorded in the padding, which only a held-back
+// window can have, is skipped). Where windows do not overlap each dx entry gets one term, the
+// primitive's result bit for bit; where they do, the same terms summed in another order than
+// oneDNN's (neither output order reversed matches it): float32 rounding apart.
+void max_pool_backward_loops(const float* dy, Workspace ws, float* dx, const mx::Shape& xs,
+                             const mx::Shape& ys, const PoolParams& p) {
+  int k = static_cast<int>(xs.size()) - 2;
+  int64_t channels = xs.back(), outputs = 1, entries = 1;
+  for (int a = 0; a < k; ++a) {
+    outputs *= ys[a + 1];
+    entries *= p.kernel[a];
+  }
+  size_t size = 1;
+  for (auto d : xs) size *= static_cast<size_t>(d);
+  std::fill(dx, dx + size, 0.0f);
+  std::vector<int64_t> window(static_cast<size_t>(entries * k));
+  for (int64_t e = 0; e < entries; ++e) {
+    int64_t r = e;
+    for (int a = k - 1; a >= 0; --a) {
+      window[static_cast<size_t>(e * k + a)] = r % p.kernel[a];
+      r /= p.kernel[a];
+    }
+  }
+  std::vector<int64_t> o(k, 0);
+  size_t i = 0;
+  for (int64_t n = 0; n < xs[0]; ++n) {
+    for (int64_t out = 0; out < outputs; ++out) {
+      for (int64_t c = 0; c < channels; ++c, ++i) {
+        int64_t e = ws.get(i), off = n;
+        bool pad = e < 0 || e >= entries;
+        for (int a = 0; a < k && !pad; ++a) {
+          int64_t at = o[a] * p.stride[a] - p.pad_lo[a] + window[static_cast<size_t>(e * k + a)];
+          pad = at < 0 || at >= xs[a + 1];
+          off = off * xs[a + 1] + at;
+        }
+        if (!pad) dx[off * channels + c] += dy[i];
+      }
+      for (int a = k - 1; a >= 0 && ++o[a] == ys[a + 1]; --a) {
+        o[a] = 0;
+      }
+    }
+  }
+}
+
 void keep_nan(const void* x, void* y, Workspace ws, const mx::Shape& xs, const mx::Shape& ys,
               const PoolParams& p, bool bf16, size_t n) {
   if (bf16) {
@@ -350,11 +399,21 @@ bool special_window(U y, U g) {
       (sizeof(U) == 4 && y == static_cast<U>(0xFF7F0000u)) || (g & B::magnitude) >= B::inf;
 }
 
+// (e: the primitive, or nullptr for max_pool_backward_loops, float32 only.)
 template <typename U>
-void backward_sharing(const Prepared& e, const void* pd, void* pw, const void* px,
+void backward_sharing(const Prepared* e, const void* pd, void* pw, const void* px,
                       const void* py, void* po, const mx::Shape& xs, const mx::Shape& ys,
                       const PoolParams& p) {
   using B = Bits<U>;
+  auto pass = [&](const void* g) {
+    if (e != nullptr) {
+      execute(*e, {{DNNL_ARG_DIFF_DST, const_cast<void*>(g)}, {DNNL_ARG_DIFF_SRC, po},
+                   {DNNL_ARG_WORKSPACE, pw}}, FN);
+    } else {
+      max_pool_backward_loops(static_cast<const float*>(g), Workspace{pw, workspace_dtype(p) !=
+                              mx::uint8}, static_cast<float*>(po), xs, ys, p);
+    }
+  };
   auto* dy = static_cast<const U*>(pd);
   auto* y = static_cast<const U*>(py);
   size_t m = 1;
@@ -365,16 +424,14 @@ void backward_sharing(const Prepared& e, const void* pd, void* pw, const void* p
   bool any = false;
   for (size_t i = 0; i < m && entries > 1; ++i) any = any || special_window<U>(y[i], dy[i]);
   if (!any) {
-    execute(e, {{DNNL_ARG_DIFF_DST, const_cast<void*>(pd)}, {DNNL_ARG_DIFF_SRC, po},
-                {DNNL_ARG_WORKSPACE, pw}}, FN);
+    pass(pd);
     return;
   }
   std::vector<U> held(dy, dy + m);
   for (size_t i = 0; i < m; ++i) {
     if (special_window<U>(y[i], dy[i])) held[i] = 0;
   }
-  execute(e, {{DNNL_ARG_DIFF_DST, held.data()}, {DNNL_ARG_DIFF_SRC, po},
-              {DNNL_ARG_WORKSPACE, pw}}, FN);
+  pass(held.data());
   auto* x = static_cast<const U*>(px);
   auto* dx = static_cast<U*>(po);
   int k = static_cast<int>(xs.size()) - 2;
@@ -523,6 +580,16 @@ mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
   return outs[0];
 }
 
+// Whether a pooling (or its backward pass) with output (or cotangent) `y` runs the loops above
+// on a shape's first uses: float32, up to 2**17 window entries visited (above, the primitive's
+// creation is the smaller cost), not in matmul_mode "primitive" (first_use_deferred); its
+// primitive is made from the second use (on the creator's thread, cache.h).
+bool loops_first(const mx::array& y, const PoolParams& p) {
+  double visits = static_cast<double>(y.size());
+  for (int k : p.kernel) visits *= k;
+  return y.dtype() == mx::float32 && visits <= (1 << 17) && first_use_deferred();
+}
+
 void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& y = outputs[0];
   auto& ws = outputs[1];
@@ -531,13 +598,7 @@ void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   if (y.size() == 0) return;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   auto x = row_contiguous_all(inputs, encoder)[0];
-  // float32: a shape's first use on the loops above (first_use_deferred: not in mode
-  // "primitive"), its primitive from the second.
-  // (Up to 2**17 window entries visited: above, the primitive's creation is the smaller cost.)
-  double visits = static_cast<double>(y.size());
-  for (int k : p_.kernel) visits *= k;
-  bool loops_first = x.dtype() == mx::float32 && visits <= (1 << 17) && first_use_deferred();
-  auto entry = lookup(false, p_, x.shape(), y.shape(), x.dtype(), loops_first);
+  auto entry = lookup(false, p_, x.shape(), y.shape(), x.dtype(), loops_first(y, p_));
   encoder.dispatch([entry, px = const_cast<void*>(x.data<void>()), py = y.data<void>(),
                     pw = ws.data<void>(), xs = x.shape(), ys = y.shape(), p = p_,
                     bf16 = x.dtype() == mx::bfloat16, n = x.size()]() {
@@ -625,15 +686,15 @@ void MaxPoolBackward::eval_cpu(const std::vector<mx::array>& operands, mx::array
   auto inputs = row_contiguous_all(operands, encoder);
   auto& dy = inputs[0];
   auto& ws = inputs[1];
-  auto entry = lookup(true, p_, out.shape(), dy.shape(), dy.dtype());
+  auto entry = lookup(true, p_, out.shape(), dy.shape(), dy.dtype(), loops_first(dy, p_));
   encoder.dispatch([entry, pd = dy.data<void>(), pw = const_cast<void*>(ws.data<void>()),
                     px = inputs[2].data<void>(), py = inputs[3].data<void>(),
                     po = out.data<void>(), xs = out.shape(), ys = dy.shape(), p = p_,
                     bf16 = dy.dtype() == mx::bfloat16]() {
     if (bf16) {
-      backward_sharing<uint16_t>(*entry, pd, pw, px, py, po, xs, ys, p);
+      backward_sharing<uint16_t>(entry.get(), pd, pw, px, py, po, xs, ys, p);
     } else {
-      backward_sharing<uint32_t>(*entry, pd, pw, px, py, po, xs, ys, p);
+      backward_sharing<uint32_t>(entry.get(), pd, pw, px, py, po, xs, ys, p);
     }
   });
 }

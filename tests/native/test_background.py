@@ -54,12 +54,21 @@ def pool(x: mx.array) -> mx.array:
     return _ext.max_pool(x, [2, 2], [2, 2], [0, 0], [0, 0], False)
 
 
+def conv_grads(x: mx.array, w: mx.array, g: mx.array) -> mx.array:
+    """A convolution's input and weight gradients (its two backward kinds), flat, joined."""
+    dx, dw = mx.vjp(lambda x, w: _ext.conv(x, w, None, [1, 1], [1, 1], [1, 1], [1, 1], 1,
+                                           False), [x, w], [g])[1]
+    return mx.concatenate([dx.reshape(-1), dw.reshape(-1)])
+
+
 # (op, the call, its operands): a convolution of (2, 9, 11, 4) with 6 3x3 kernels, one big
 # enough for two OpenMP threads (2**22-2**23 multiply-adds: the thread count changes how
-# oneDNN splits it), a pooling and a softmax of 2**15 entries (loops on a first use only).
+# oneDNN splits it), its gradients (two primitives), a pooling and a softmax of 2**15 entries
+# (loops on a first use only).
 CASES: dict[str, tuple[str, Callable[..., mx.array], tuple[tuple[int, ...], ...]]] = {
     "conv": ("conv", conv, ((2, 9, 11, 4), (6, 3, 3, 4), (6,))),
     "conv two threads": ("conv", conv, ((2, 30, 30, 16), (32, 3, 3, 16), (32,))),
+    "conv gradients": ("conv", conv_grads, ((2, 9, 11, 4), (6, 3, 3, 4), (2, 9, 11, 6))),
     "max_pool": ("max_pool", pool, ((2, 10, 12, 8),)),
     "softmax": ("softmax", _ext.softmax, ((64, 512),)),
 }
@@ -76,19 +85,20 @@ def test_a_second_use_queues_the_primitive_and_later_calls_use_it(case):
     op, call, shapes = CASES[case]
     xs = operands(shapes)
     first = np.array(call(*xs))
-    assert counts(op) == (1, 0, 0)  # a first use creates nothing
-    second = np.array(call(*xs))  # queued: this call runs without it too
+    n = counts(op)[0]  # the primitives the call needs (2 for the gradients)
+    assert counts(op) == (n, 0, 0)  # a first use creates nothing
+    second = np.array(call(*xs))  # queued: this call runs without them too
     native.wait_for_creations()
-    assert counts(op)[:2] == (2, 1) and _ext.cache_info()["pending"] == 0
+    assert counts(op)[:2] == (2 * n, n) and _ext.cache_info()["pending"] == 0
     third = np.array(call(*xs))
-    assert counts(op) == (2, 1, 1)  # the worker's primitive
+    assert counts(op) == (2 * n, n, n)  # the worker's primitives
     np.testing.assert_array_equal(first, second)
     # the same primitive as the evaluating thread makes (for the same thread count)
     _ext.clear_cache()
     _ext.set_background_creation(False)
     mx.eval(call(*xs))
     want = np.array(call(*xs))
-    assert counts(op)[1] == 1
+    assert counts(op)[1] == n
     np.testing.assert_array_equal(third, want)
 
 

@@ -350,8 +350,10 @@ POOLS = [  # (x shape, kernel, stride, pad_lo, pad_hi)
 @pytest.mark.parametrize("case", range(len(POOLS)))
 @pytest.mark.parametrize("values", ["normal", "ties", "special"])
 def test_a_max_pools_first_use_writes_what_its_primitive_writes(case, values):
-    # the loops that spare a shape's first use its primitive: the output and the workspace
-    # (where each maximum is: the gradient goes there) are the primitive's, bit for bit
+    # the loops that spare a shape's first use its primitives: the output and the workspace
+    # (where each maximum is: the gradient goes there) are the primitive's, bit for bit, and
+    # so is the gradient where windows do not overlap (one cotangent per entry; where they do,
+    # the same terms in another order than oneDNN's)
     shape, kernel, stride, lo, hi = POOLS[case]
     x = mx.random.normal(shape)
     if values == "ties":  # the first maximum of a window is the one the gradient reaches
@@ -370,11 +372,14 @@ def test_a_max_pools_first_use_writes_what_its_primitive_writes(case, values):
         return [np.array(y[0]), np.array(dx)]
 
     first = run()
-    assert pool_counts() == (2, 1)  # the forward missed and ran the loops; the backward made
+    assert pool_counts() == (2, 0)  # the forward and the backward missed and ran the loops
     second = run()
-    assert pool_counts() == (3, 2)  # the forward's primitive, from its second use
-    for a, b in zip(first, second, strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert pool_counts() == (4, 2)  # their primitives, from the second use
+    np.testing.assert_array_equal(first[0], second[0])
+    if all(s >= q for s, q in zip(stride, kernel, strict=True)):
+        np.testing.assert_array_equal(first[1], second[1])
+    else:
+        np.testing.assert_allclose(first[1], second[1], rtol=1e-6, atol=1e-6)
 
 
 def test_a_bfloat16_or_mode_primitive_pooling_makes_its_primitive_on_first_use():
@@ -434,3 +439,58 @@ def test_shapes_cycling_through_a_cache_smaller_than_them_still_get_primitives()
         for x in images:
             mx.eval(conv(x, w))
     assert conv_counts()[1] >= 6  # each made from its second use (then evicted and remade)
+
+
+BACKWARDS = [  # (x shape, w shape, stride, pad_lo, pad_hi, dilation)
+    ((2, 9, 11, 4), (6, 3, 3, 4), [1, 1], [1, 1], [1, 1], [1, 1]),
+    ((2, 9, 11, 4), (6, 3, 3, 4), [2, 2], [0, 1], [1, 0], [1, 1]),
+    ((2, 12, 10, 4), (6, 3, 2, 4), [1, 2], [2, 0], [1, 1], [2, 1]),
+    ((3, 17, 5), (7, 5, 5), [2], [2], [2], [1]),
+    ((2, 6, 7, 5, 3), (4, 3, 3, 2, 3), [1, 2, 1], [1, 0, 1], [1, 1, 0], [1, 1, 2]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BACKWARDS)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_convolutions_backward_passes_run_a_gemm_on_a_shapes_first_use(case, dtype):
+    # the input and weight gradients without their primitives (two creations a new image
+    # size would pay in training): oneDNN's GEMM over the input's patches; from the second
+    # use the primitives. Both are the convolution's gradient to float32 rounding.
+    xs, ws, stride, lo, hi, dilation = BACKWARDS[case]
+    x, w = mx.random.normal(xs).astype(dtype), mx.random.normal(ws).astype(dtype)
+
+    def f(x: mx.array, w: mx.array) -> mx.array:
+        return _ext.conv(x, w, None, stride, lo, hi, dilation, 1, False)
+
+    g = mx.random.normal(f(x, w).shape).astype(dtype)
+    _ext.clear_cache()
+
+    def grads() -> list[np.ndarray]:
+        return [np.array(a.astype(mx.float32)) for a in mx.vjp(f, [x, w], [g])[1]]
+
+    first = grads()
+    upcast = dtype == mx.float32 or not _ext.isa_has_bf16()  # (in float32 kernels)
+    assert conv_counts() == ((2, 0, 0) if upcast else (2, 2, 0))  # (the forward: not traced)
+    second = grads()
+    assert conv_counts()[1] == 2
+    want = mx.vjp(lambda x, w: mx.conv_general(x.astype(mx.float32), w.astype(mx.float32),
+                                               stride, (lo, hi), dilation), [x, w],
+                  [g.astype(mx.float32)])[1]
+    tol = 2e-6 if dtype == mx.float32 else 1e-2  # (bfloat16: the result's one rounding)
+    for a, b, c in zip(first, second, want, strict=True):
+        c = np.array(c.astype(mx.float32))
+        scale = np.abs(c).max()
+        np.testing.assert_allclose(a, c, rtol=0, atol=tol * scale)
+        np.testing.assert_allclose(b, c, rtol=0, atol=tol * scale)
+
+
+def test_a_grouped_convolutions_backward_passes_make_their_primitives_on_first_use():
+    x, w = mx.random.normal((2, 7, 7, 4)), mx.random.normal((6, 3, 3, 2))
+    g = mx.random.normal((2, 5, 5, 6))
+    dx, dw = mx.vjp(lambda x, w: _ext.conv(x, w, None, [1, 1], [0, 0], [0, 0], [1, 1], 2,
+                                           False), [x, w], [g])[1]
+    mx.eval(dx, dw)
+    assert conv_counts()[1] == 2  # (the GEMM path takes one group)
+    want = mx.vjp(lambda x, w: mx.conv_general(x, w, groups=2), [x, w], [g])[1]
+    for a, b in zip((dx, dw), want, strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
