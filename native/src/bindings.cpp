@@ -101,6 +101,7 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
                   "number of multiply-adds >= 0 (0: every kernel on OpenMP's threads), got ",
                   macs);
         double old = fluxlike_native::set_single_thread_macs(macs);
+        nb::gil_scoped_release release;  // (clearing waits for the worker's creations)
         fluxlike_native::primitive_cache().clear();  // entries keep their creation's threads
         return old;
       },
@@ -109,7 +110,12 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
       "on one OpenMP thread; returns the old one. Clears the primitive cache.");
   m.def("single_thread_macs", &fluxlike_native::single_thread_macs,
         "The size (multiply-adds) below which a kernel runs on one OpenMP thread.");
-  m.def("clear_cache", []() { fluxlike_native::primitive_cache().clear(); },
+  m.def(
+      "clear_cache",
+      []() {
+        nb::gil_scoped_release release;  // (it waits for the worker's creations)
+        fluxlike_native::primitive_cache().clear();
+      },
         "Drop the cached oneDNN primitives (matmul, convolution, softmax and pooling) and "
         "zero the cache's counts.");
   m.def("set_background_creation", &fluxlike_native::set_background_creation, "on"_a,

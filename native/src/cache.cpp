@@ -48,15 +48,16 @@ thread_local bool g_counted = true;
 
 } // namespace
 
-std::shared_ptr<const Prepared> PrimitiveCache::find(Op op, const CacheKey& key) {
+std::shared_ptr<const Prepared> PrimitiveCache::find(Op op, const CacheKey& key, bool counted) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto& counts = counts_[static_cast<int>(op)];
+  counted = counted && g_counted;
   auto it = index_.find(key);
   if (it == index_.end()) {
-    counts.misses += g_counted ? 1 : 0;
+    counts.misses += counted ? 1 : 0;
     return nullptr;
   }
-  counts.hits += g_counted ? 1 : 0;
+  counts.hits += counted ? 1 : 0;
   lru_.splice(lru_.begin(), lru_, it->second);
   return it->second->value;
 }
@@ -100,18 +101,25 @@ void PrimitiveCache::evict(std::vector<std::shared_ptr<const Prepared>>& dropped
   }
 }
 
-bool PrimitiveCache::missed_before(const CacheKey& key) {
+int PrimitiveCache::misses_before(const CacheKey& key) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (missed_.count(key) != 0) {
-    return true;
+  if (auto it = missed_.find(key); it != missed_.end()) {
+    int before = it->second;
+    it->second = std::min(before + 1, 2);
+    return before;
   }
   // Bounded: a sweep over many shapes forgets them all. Four times the capacity, so that a
   // cycle of more shapes than a small cache holds still meets each a second time.
   if (missed_.size() >= std::max<size_t>(4 * capacity_, 64)) {
     missed_.clear();
   }
-  missed_.insert(key);
-  return false;
+  missed_.emplace(key, 1);
+  return 0;
+}
+
+size_t PrimitiveCache::capacity() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return capacity_;
 }
 
 size_t PrimitiveCache::set_capacity(size_t capacity) {
@@ -240,12 +248,41 @@ bool Creator::failed(const CacheKey& key) {
 
 void Creator::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
-  idle_.wait(lock, [this] { return stop_ || (queue_.empty() && !running_); });
+  idle_.wait(lock, [this] { return stop_ || pending_.empty(); });
+}
+
+void Creator::finish(const CacheKey& key) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = std::find_if(queue_.begin(), queue_.end(),
+                         [&](const auto& job) { return job.first == key; });
+  if (it == queue_.end()) {
+    idle_.wait(lock, [&] { return stop_ || pending_.count(key) == 0; });
+    return;
+  }
+  auto job = std::move(it->second);
+  queue_.erase(it);
+  lock.unlock();
+  bool ok = true;
+  bool counted = g_counted;
+  g_counted = false;  // (its lookup is not a call's)
+  try {
+    job();
+  } catch (...) {
+    ok = false;
+  }
+  g_counted = counted;
+  lock.lock();
+  pending_.erase(key);
+  if (!ok) {
+    failed_.insert(key);
+  }
+  lock.unlock();
+  idle_.notify_all();
 }
 
 size_t Creator::pending() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return queue_.size() + (running_ ? 1 : 0);
+  return pending_.size();
 }
 
 void Creator::clear() {

@@ -66,18 +66,19 @@ class PrimitiveCache {
   explicit PrimitiveCache(size_t capacity) : capacity_(capacity) {}
 
   // The entry for `key` (whose first element is the op, see cached()), made the most
-  // recently used; nullptr (a miss) if there is none.
-  std::shared_ptr<const Prepared> find(Op op, const CacheKey& key);
+  // recently used; nullptr (a miss) if there is none. Counted unless `counted` is false.
+  std::shared_ptr<const Prepared> find(Op op, const CacheKey& key, bool counted = true);
 
   // Stores `made` (created in `ns` nanoseconds) unless another thread stored an entry for
   // the key first; returns the stored one. Evicts the least recently used beyond capacity.
   std::shared_ptr<const Prepared> insert(Op op, CacheKey key,
                                          std::shared_ptr<const Prepared> made, uint64_t ns);
 
-  // Whether `key` missed before (since the last clear); remembers it if not. At most
-  // 4 x `capacity` keys (at least 64) are remembered (all forgotten when more come). A miss is
-  // not counted.
-  bool missed_before(const CacheKey& key);
+  // How many times `key` missed before (since the last clear: 0, 1 or 2, for 2 or more);
+  // remembers this miss. At most 4 x `capacity` keys (at least 64) are remembered (all
+  // forgotten when more come). A miss is not counted.
+  int misses_before(const CacheKey& key);
+  size_t capacity();
 
   // Sets the capacity (0: nothing is kept), evicting down to it; returns the old one.
   size_t set_capacity(size_t capacity);
@@ -104,7 +105,7 @@ class PrimitiveCache {
   std::mutex mutex_;
   Lru lru_;
   std::unordered_map<CacheKey, Lru::iterator, CacheKeyHash> index_;
-  std::unordered_set<CacheKey, CacheKeyHash> missed_;
+  std::unordered_map<CacheKey, int, CacheKeyHash> missed_;
   std::array<CacheCounts, OP_COUNT> counts_{};
 };
 
@@ -130,7 +131,10 @@ class Creator {
   bool failed(const CacheKey& key);
   // Blocks until no job is queued or running.
   void wait();
-  // Jobs queued or running.
+  // The job for `key` done: run here if still queued (at this thread's priority: the worker's
+  // is the lowest), else waited for if running; nothing if none is pending.
+  void finish(const CacheKey& key);
+  // Jobs queued or running (here or in finish()).
   size_t pending();
   // Waits, then forgets the failed keys.
   void clear();
@@ -167,10 +171,15 @@ std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char*
 // The same, for a call that can be computed without the primitive (MLX's kernel, plain
 // loops, oneDNN's GEMM): where `defer`, a miss returns nullptr (the caller computes the call
 // that other way) instead of waiting for a creation (0.2-0.5 ms on AVX2, more than such a
-// call costs): the first time `key` misses nothing more, so that a shape seen once creates
-// nothing; from its second miss, `later()` (a std::function<void()> that makes and stores the
-// primitive, holding copies of what it needs) is queued on the creator's thread, unless
-// background creation is off or failed for the key (then created here, as without `defer`).
+// call costs). The first time `key` misses, nothing more: a shape seen once creates nothing.
+// At its second miss, `later()` (a std::function<void()> that makes and stores the primitive,
+// holding copies of what it needs) is queued on the creator's thread and the call runs the
+// other way too; from the third, the call waits for that creation if it is not done yet (so
+// that a shape's first two calls run the other way and the later ones its primitive, whatever
+// the worker's timing: seeded runs repeat bit for bit; a creation still queued then is made
+// on this thread). Background creation off, or failed
+// for the key: created here from the second miss (as without `defer`, which raises the error).
+// A cache of capacity 0 keeps nothing: never created then.
 template <class T, class Create, class Later>
 std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char* what,
                                 Create&& create, bool defer, Later&& later) {
@@ -179,12 +188,24 @@ std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char*
   if (auto hit = cache.find(op, key)) {
     return std::static_pointer_cast<const T>(hit);
   }
-  if (defer && !cache.missed_before(key)) {
-    return nullptr;
-  }
-  if (defer && background_creation() && !creator().failed(key)) {
-    creator().submit(key, later());
-    return nullptr;
+  if (defer) {
+    if (cache.capacity() == 0) {
+      return nullptr;
+    }
+    int before = cache.misses_before(key);
+    if (before == 0) {
+      return nullptr;
+    }
+    if (background_creation() && !creator().failed(key)) {
+      if (before == 1) {
+        creator().submit(key, later());
+        return nullptr;
+      }
+      creator().finish(key);
+      if (auto made = cache.find(op, key, /*counted=*/false)) {
+        return std::static_pointer_cast<const T>(made);
+      }  // (failed, evicted meanwhile, or never queued: made here)
+    }
   }
   auto start = std::chrono::steady_clock::now();
   std::shared_ptr<const T> made;

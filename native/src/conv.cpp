@@ -419,12 +419,15 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
 // through the primitive of the graph node mx::conv_general builds on the same inputs (never
 // evaluated as a node: its eval_cpu runs here, on this stream), so that call is what the
 // kernels-off path computes, bit for bit, bias and ReLU after it as MLX adds them.
-// Up to FIRST_USE_MAX_MACS multiply-adds (to there MLX's kernel cost less than a creation
-// and oneDNN's call over 1-3 spatial axes, 1x1 to 5x5 kernels, strides 1-2, AMD EPYC Zen 3:
-// bench/results/2026-12-04-first-uses.md; above, it can cost several times more, 70 against
-// 14 ms at 2**29, and its im2col temporary is the kernel's volume times the input), float32
-// only, and what MLX's conv_general takes (groups only in one or two spatial axes).
+// Up to FIRST_USE_MAX_MACS multiply-adds where MLX runs its explicit GEMM (no dilation, one
+// group: to there it cost less than a creation and oneDNN's call over 1-3 spatial axes, 1x1
+// to 5x5 kernels, strides 1-2, AMD EPYC Zen 3, bench/results/2026-12-04-first-uses.md;
+// above, it can cost several times more, 70 against 14 ms at 2**29, and its im2col temporary
+// is the kernel's volume times the input), up to FIRST_USE_MAX_MACS_LOOPS where it runs its
+// direct loops (dilated, grouped, depthwise: 10-25 ms against 1 ms at 2**22), float32 only,
+// and what MLX's conv_general takes (groups only in one or two spatial axes).
 constexpr double FIRST_USE_MAX_MACS = 1 << 23;
+constexpr double FIRST_USE_MAX_MACS_LOOPS = 1 << 18;
 
 // A convolution's multiply-adds: its output's size times each output's kernel volume.
 double macs_of(const mx::Shape& ws, const mx::Shape& ys) {
@@ -441,7 +444,9 @@ bool Conv::first_use_fits(const std::vector<mx::array>& inputs, const mx::array&
       (has_bias_ && inputs[2].dtype() != mx::float32) || (p_.groups != 1 && x.ndim() > 4)) {
     return false;
   }
-  return macs_of(w.shape(), out.shape()) <= FIRST_USE_MAX_MACS;
+  bool gemm = p_.groups == 1;
+  for (int d : p_.dilation) gemm = gemm && d == 1;
+  return macs_of(w.shape(), out.shape()) <= (gemm ? FIRST_USE_MAX_MACS : FIRST_USE_MAX_MACS_LOOPS);
 }
 
 bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out) {
