@@ -14,7 +14,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from .. import workarounds
 from ..activations import resolve, tanh
 from ..checks import check_features, check_flag, check_size, checked_init, initialise
 from ..init import glorot_uniform
@@ -190,8 +189,8 @@ class LSTMCell(_Cell):
     def step(self, xp: mx.array, state: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
         h, c = state
         i, f, g, o = mx.split(xp + self.recur(h), 4, axis=-1)
-        c = workarounds.sigmoid(f) * c + workarounds.sigmoid(i) * mx.tanh(g)
-        return workarounds.sigmoid(o) * mx.tanh(c), c
+        c = kernels.sigmoid(f) * c + kernels.sigmoid(i) * kernels.tanh(g)
+        return kernels.sigmoid(o) * kernels.tanh(c), c
 
     def output(self, state: tuple[mx.array, mx.array]) -> mx.array:
         return state[0]
@@ -250,9 +249,9 @@ class GRUCell(_Cell):
     def step(self, xp: mx.array, h: mx.array) -> mx.array:
         xr, xz, xn = mx.split(xp, 3, axis=-1)
         hr, hz, hn = mx.split(self.recur(h), 3, axis=-1)
-        r = workarounds.sigmoid(xr + hr)
-        z = workarounds.sigmoid(xz + hz)
-        n = mx.tanh(xn + r * hn)
+        r = kernels.sigmoid(xr + hr)
+        z = kernels.sigmoid(xz + hz)
+        n = kernels.tanh(xn + r * hn)
         return n + z * (h - n)
 
 

@@ -19,6 +19,7 @@
 #include "bias.h"
 #include "cast.h"
 #include "gelu.h"
+#include "logistic.h"
 #include "softmax.h"
 #include "updates.h"
 
@@ -234,6 +235,20 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
   m.def("gelu", &fluxlike_native::gelu, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         R"(x * Phi(x) (GELU, exact form) in one vectorised pass, float32, bfloat16 or float16
 (see gelu.h): MLX's erf approximation, without its cancellation for negative x.)");
+  m.def(
+      "sigmoid",
+      [](const mx::array& x, mx::StreamOrDevice s) {
+        return fluxlike_native::logistic(x, fluxlike_native::Logistic::Sigmoid, s);
+      },
+      "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "sigmoid(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h).");
+  m.def(
+      "tanh",
+      [](const mx::array& x, mx::StreamOrDevice s) {
+        return fluxlike_native::logistic(x, fluxlike_native::Logistic::Tanh, s);
+      },
+      "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "tanh(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h).");
   m.def("gelu_grad", &fluxlike_native::gelu_grad, "g"_a, "x"_a, nb::kw_only(),
         "stream"_a = nb::none(), R"(g * gelu'(x), GELU's backward pass (see gelu.h).)");
   m.def(
