@@ -131,6 +131,8 @@ def swish(x: mx.array) -> mx.array:
     >>> swish(mx.ones(2, dtype=mx.float16)).dtype
     mlx.core.float16
     """
+    if type(x) is not mx.array:
+        return nn.silu(x)  # (a Python scalar, a NumPy array)
     return x * kernels.sigmoid(x)
 
 

@@ -144,14 +144,16 @@ def matmul_mode(mode: str | None = None) -> str | None:
     resolved), ``None`` where the companion is not in use.
 
     - ``"gemm"``: on oneDNN's GEMM without a primitive: nothing to create for a new row count;
-    - ``"reused"``: a shape's first use on that GEMM, a cached primitive from its second use;
+    - ``"reused"``: a shape's first uses on that GEMM, a cached primitive from its third use
+      (queued on a worker thread at the second, :func:`background_creation`; from the second
+      where that is off);
     - ``"primitive"``: a cached primitive per shape from its first use (before 2026-12-04).
       It also governs the other ops: otherwise a float32 convolution of at most 2**23
-      multiply-adds (2**18 dilated or grouped; its backward passes on oneDNN's GEMM), a
-      small float32 max pooling and a softmax of at most 2**16 entries make no primitive on
-      a shape's first use (MLX's convolution, loops), only from its second (on a worker
-      thread: :func:`background_creation`), and a softmax of at most 2**14 entries none (its
-      loops are as fast);
+      multiply-adds (2**18 dilated or grouped; its backward passes, one group, on oneDNN's
+      GEMM), a small float32 max pooling (and its backward pass) and a softmax of at most
+      2**16 entries make no primitive on a shape's first uses (MLX's convolution, loops),
+      only from the third (as ``"reused"``), and a softmax of at most 2**14 entries none
+      (its loops are as fast);
     - ``"auto"`` (the default): ``"gemm"`` where oneDNN's float32 matmul primitive is that GEMM
       anyway (below AVX-512: the same results bit for bit), else ``"reused"``.
 
@@ -180,13 +182,14 @@ def background_creation(on: bool | None = None) -> bool | None:
     convolution, plain loops, oneDNN's GEMM). A shape's first use creates nothing; its second
     queues the primitive on the worker thread and runs without it too, so that neither waits
     for a creation (0.2-0.5 ms each on AVX2, several times a small call); from the third, a
-    call uses the primitive, waiting for it if the worker has not stored it yet (or making it
-    itself if the worker has not started it). The worker runs at Linux's idle priority
-    (``SCHED_IDLE``: only on a core nothing else wants) and creates each primitive for the
-    evaluating thread's OpenMP thread count. So, either way, a shape's first two calls run
-    the other way and the later ones its primitive, whatever the timing (the two differ in
-    float32 rounding for a convolution or a softmax; a seeded run repeats bit for bit).
-    ``False``: the second use creates it and waits, and uses it (as before 2026-12-04).
+    call uses the primitive, creating it itself if the worker has not stored it yet (it never
+    waits on the worker). The worker runs at Linux's idle priority (``SCHED_IDLE``: only on a
+    core nothing else wants) and creates each primitive for the evaluating thread's OpenMP
+    thread count, as the evaluating thread would. So a shape's first two calls run the other
+    way and the later ones its primitive, whatever the timing (the two differ in float32
+    rounding for a convolution or a softmax; a seeded run repeats bit for bit). ``False``: the
+    second use creates the primitive on the evaluating thread, waits for it and uses it (as
+    before 2026-12-04).
 
     >>> from fluxlike import native
     >>> native.background_creation() in (None, True, False)

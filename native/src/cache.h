@@ -131,8 +131,8 @@ class Creator {
   bool failed(const CacheKey& key);
   // Blocks until no job is queued or running.
   void wait();
-  // The job for `key` done: run here if still queued (at this thread's priority: the worker's
-  // is the lowest), else waited for if running; nothing if none is pending.
+  // The job for `key` run here if it is still queued (at this thread's priority: the worker's
+  // is the lowest); nothing else (a job the worker runs is not waited for).
   void finish(const CacheKey& key);
   // Jobs queued or running (here or in finish()).
   size_t pending();
@@ -174,10 +174,11 @@ std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char*
 // call costs). The first time `key` misses, nothing more: a shape seen once creates nothing.
 // At its second miss, `later()` (a std::function<void()> that makes and stores the primitive,
 // holding copies of what it needs) is queued on the creator's thread and the call runs the
-// other way too; from the third, the call waits for that creation if it is not done yet (so
-// that a shape's first two calls run the other way and the later ones its primitive, whatever
-// the worker's timing: seeded runs repeat bit for bit; a creation still queued then is made
-// on this thread). Background creation off, or failed
+// other way too; from the third, the call uses the primitive: a creation still queued then
+// is made on this thread, one the worker is running is made here too (the first stored wins;
+// the same primitive: the same thread count), so that a shape's first two calls run the other
+// way and the later ones its primitive, whatever the worker's timing (seeded runs repeat bit
+// for bit), and no call waits on the idle-priority worker. Background creation off, or failed
 // for the key: created here from the second miss (as without `defer`, which raises the error).
 // A cache of capacity 0 keeps nothing: never created then.
 template <class T, class Create, class Later>

@@ -10,12 +10,13 @@ namespace fluxlike_native {
 enum class Logistic { Sigmoid, Tanh };
 
 // sigmoid(x) = 1 / (1 + exp(-x)) or tanh(x), for float32, bfloat16 or float16 x (computed in
-// float32, rounded once), within 3 ulp of the exact function in float32. Both from
+// float32, rounded once), within 3 ulp of the exact function in float32 (dense sweeps: sigmoid
+// 2.9, tanh 1.6). Both from
 // t = exp(-|x|) (sigmoid) or exp(-2|x|) (tanh) with exp_nonpositive (common.h), which never
 // overflows: sigmoid = 1 / (1 + t) or t / (1 + t) by x's sign; tanh = sign(x) (1 - t) / (1 + t)
 // from |x| = 0.625, below it Cephes' odd polynomial (no cancellation in 1 - t). Special values
 // as MLX's: sigmoid(inf) = 1, sigmoid(-inf) = 0, tanh(+-inf) = +-1, tanh(-0) = -0, NaN stays
-// NaN. (sigmoid below -87.3: 0, where the exact value is subnormal.)
+// NaN. (sigmoid below -87.3365: 0, where the exact value is subnormal or just above.)
 mx::array logistic(const mx::array& x, Logistic kind, mx::StreamOrDevice s = {});
 
 // The backward pass from the output y = f(x): g * y (1 - y) (sigmoid) or g * (1 - y^2) (tanh),

@@ -104,8 +104,8 @@ def test_a_second_use_queues_the_primitive_and_later_calls_use_it(case):
 
 @pytest.mark.parametrize("case", ["conv", "softmax", "conv gradients"])
 def test_the_first_two_calls_run_the_other_way_and_the_later_ones_the_primitive(case):
-    # whatever the worker's timing (the third call waits for the creation if it is not done,
-    # or makes it itself if the worker has not started it): a seeded run repeats bit for bit
+    # whatever the worker's timing (the third call makes the primitive itself if the worker
+    # has not stored it): a seeded run repeats bit for bit
     op, call, shapes = CASES[case]
     xs = operands(shapes)
     _ext.set_background_creation(False)
@@ -120,7 +120,9 @@ def test_the_first_two_calls_run_the_other_way_and_the_later_ones_the_primitive(
         for i, y in enumerate(got):
             np.testing.assert_array_equal(y, other_way if i < 2 else primitive)
         misses, creations, hits = counts(op)
-        assert creations == n and misses + hits == 6 * n
+        # (a creation the worker is running when the third call comes is made by that call
+        # too: the first stored wins)
+        assert n <= creations <= 2 * n and misses + hits == 6 * n
 
 
 def test_a_cache_of_capacity_zero_creates_nothing_for_calls_that_run_without():
@@ -158,7 +160,7 @@ def test_threads_meeting_shapes_together_get_the_same_results():
 
     in_threads(work, 4, rounds=2)
     native.wait_for_creations()
-    assert counts("conv")[1] == 1
+    assert counts("conv")[0] >= 1 and _ext.cache_info()["ops"]["conv"]["size"] == 1
     for y in ys:  # MLX's kernel or the primitive: the same to float32 rounding
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
