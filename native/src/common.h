@@ -197,6 +197,68 @@ void convert_all(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_
 // as astype to it and back rounds them.
 void round_all(float* x, mx::Dtype dt, size_t n);
 
+// An elementwise pass over n values of dtype `dt` (float32, bfloat16 or float16): `loop`
+// (const float* in, float* out, size_t n) on float32 data directly; half precision widened
+// into float32 chunks on the stack, the loop, and rounded once (the result in `dt`).
+template <class Loop>
+void unary_in_float32(Loop&& loop, const void* x, void* y, mx::Dtype dt, size_t n) {
+  if (dt == mx::float32) {
+    loop(static_cast<const float*>(x), static_cast<float*>(y), n);
+    return;
+  }
+  constexpr size_t chunk = 512;
+  float buf[chunk];
+  auto src = static_cast<const uint16_t*>(x);
+  auto dst = static_cast<uint16_t*>(y);
+  for (size_t i = 0; i < n; i += chunk) {
+    size_t c = std::min(chunk, n - i);
+    widen_all(src + i, dt, buf, c);
+    loop(buf, buf, c);
+    narrow_all(buf, dt, dst + i, c);
+  }
+}
+
+// The same over two inputs of one dtype: `loop`(const float* a, const float* b, float* out,
+// size_t n) (a backward pass: the cotangent and x or y).
+template <class Loop>
+void binary_in_float32(Loop&& loop, const void* a, const void* b, void* y, mx::Dtype dt,
+                       size_t n) {
+  if (dt == mx::float32) {
+    loop(static_cast<const float*>(a), static_cast<const float*>(b), static_cast<float*>(y), n);
+    return;
+  }
+  constexpr size_t chunk = 512;
+  float ab[chunk], bb[chunk];
+  auto as = static_cast<const uint16_t*>(a);
+  auto bs = static_cast<const uint16_t*>(b);
+  auto dst = static_cast<uint16_t*>(y);
+  for (size_t i = 0; i < n; i += chunk) {
+    size_t c = std::min(chunk, n - i);
+    widen_all(as + i, dt, ab, c);
+    widen_all(bs + i, dt, bb, c);
+    loop(ab, bb, ab, c);
+    narrow_all(ab, dt, dst + i, c);
+  }
+}
+
+// A window's positions (row-major over its k axes) as one offset per axis, each times its
+// `step` (a convolution's dilation; 1 for pooling): result[e * k + a].
+inline std::vector<int64_t> window_positions(const std::vector<int64_t>& extent,
+                                             const std::vector<int64_t>& step) {
+  int k = static_cast<int>(extent.size());
+  int64_t entries = 1;
+  for (auto d : extent) entries *= d;
+  std::vector<int64_t> positions(static_cast<size_t>(entries * k));
+  for (int64_t e = 0; e < entries; ++e) {
+    int64_t r = e;
+    for (int a = k - 1; a >= 0; --a) {
+      positions[static_cast<size_t>(e * k + a)] = (r % extent[a]) * step[a];
+      r /= extent[a];
+    }
+  }
+  return positions;
+}
+
 // x's elements in a new row-contiguous array, copied by a task queued on the encoder before
 // the kernel that reads it (and kept alive until then as a temporary); any 1-, 2-, 4- or
 // 8-byte dtype.

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common.h"
 #include "cpu.h"
 #include "engine.h"
 #include "oneapi/dnnl/dnnl.h"
@@ -32,14 +33,8 @@ void patches(const mx::Shape& xs, const mx::Shape& ws, const mx::Shape& ys, cons
     kernel *= ws[a + 1];
   }
   // Each kernel position's offset along each axis (dilated), row-major.
-  std::vector<int64_t> kpos(static_cast<size_t>(kernel * k));
-  for (int64_t e = 0; e < kernel; ++e) {
-    int64_t r = e;
-    for (int a = k - 1; a >= 0; --a) {
-      kpos[static_cast<size_t>(e * k + a)] = (r % ws[a + 1]) * p.dilation[a];
-      r /= ws[a + 1];
-    }
-  }
+  auto kpos = window_positions(std::vector<int64_t>(ws.begin() + 1, ws.end() - 1),
+                               std::vector<int64_t>(p.dilation.begin(), p.dilation.end()));
   std::vector<int64_t> o(k, 0), origin(k);
   int64_t row = 0;
   for (int64_t n = 0; n < xs[0]; ++n) {

@@ -51,40 +51,11 @@ FLN_VECTOR_CLONES void gelu_grad_loop(const float* g, const float* x, float* out
 // The passes over any of the three dtypes: half precision through float32 chunks on the
 // stack, rounded once.
 void gelu_pass(const void* x, void* y, mx::Dtype dt, size_t n) {
-  if (dt == mx::float32) {
-    gelu_loop(static_cast<const float*>(x), static_cast<float*>(y), n);
-    return;
-  }
-  constexpr size_t chunk = 512;
-  float buf[chunk];
-  auto src = static_cast<const uint16_t*>(x);
-  auto dst = static_cast<uint16_t*>(y);
-  for (size_t i = 0; i < n; i += chunk) {
-    size_t c = std::min(chunk, n - i);
-    widen_all(src + i, dt, buf, c);
-    gelu_loop(buf, buf, c);
-    narrow_all(buf, dt, dst + i, c);
-  }
+  unary_in_float32(gelu_loop, x, y, dt, n);
 }
 
 void gelu_grad_pass(const void* g, const void* x, void* out, mx::Dtype dt, size_t n) {
-  if (dt == mx::float32) {
-    gelu_grad_loop(static_cast<const float*>(g), static_cast<const float*>(x),
-                   static_cast<float*>(out), n);
-    return;
-  }
-  constexpr size_t chunk = 512;
-  float gb[chunk], xb[chunk];
-  auto gs = static_cast<const uint16_t*>(g);
-  auto xs = static_cast<const uint16_t*>(x);
-  auto dst = static_cast<uint16_t*>(out);
-  for (size_t i = 0; i < n; i += chunk) {
-    size_t c = std::min(chunk, n - i);
-    widen_all(gs + i, dt, gb, c);
-    widen_all(xs + i, dt, xb, c);
-    gelu_grad_loop(gb, xb, gb, c);
-    narrow_all(gb, dt, dst + i, c);
-  }
+  binary_in_float32(gelu_grad_loop, g, x, out, dt, n);
 }
 
 // gelu'(x) in MLX's ops (float32, rounded to x's dtype): for the derivatives of gelu_grad.

@@ -60,41 +60,12 @@ FLN_VECTOR_CLONES void tanh_grad_loop(const float* g, const float* y, float* out
 }
 
 void forward_pass(Logistic kind, const void* x, void* y, mx::Dtype dt, size_t n) {
-  auto loop = kind == Logistic::Sigmoid ? sigmoid_loop : tanh_loop;
-  if (dt == mx::float32) {
-    loop(static_cast<const float*>(x), static_cast<float*>(y), n);
-    return;
-  }
-  constexpr size_t chunk = 512;  // half precision: widened, computed, rounded once
-  float buf[chunk];
-  auto src = static_cast<const uint16_t*>(x);
-  auto dst = static_cast<uint16_t*>(y);
-  for (size_t i = 0; i < n; i += chunk) {
-    size_t c = std::min(chunk, n - i);
-    widen_all(src + i, dt, buf, c);
-    loop(buf, buf, c);
-    narrow_all(buf, dt, dst + i, c);
-  }
+  unary_in_float32(kind == Logistic::Sigmoid ? sigmoid_loop : tanh_loop, x, y, dt, n);
 }
 
 void grad_pass(Logistic kind, const void* g, const void* y, void* out, mx::Dtype dt, size_t n) {
-  auto loop = kind == Logistic::Sigmoid ? sigmoid_grad_loop : tanh_grad_loop;
-  if (dt == mx::float32) {
-    loop(static_cast<const float*>(g), static_cast<const float*>(y), static_cast<float*>(out), n);
-    return;
-  }
-  constexpr size_t chunk = 512;
-  float gb[chunk], yb[chunk];
-  auto gs = static_cast<const uint16_t*>(g);
-  auto ys = static_cast<const uint16_t*>(y);
-  auto dst = static_cast<uint16_t*>(out);
-  for (size_t i = 0; i < n; i += chunk) {
-    size_t c = std::min(chunk, n - i);
-    widen_all(gs + i, dt, gb, c);
-    widen_all(ys + i, dt, yb, c);
-    loop(gb, yb, gb, c);
-    narrow_all(gb, dt, dst + i, c);
-  }
+  binary_in_float32(kind == Logistic::Sigmoid ? sigmoid_grad_loop : tanh_grad_loop, g, y, out,
+                    dt, n);
 }
 
 // f'(x) from y in MLX's ops (float32): the derivatives of LogisticGrad.

@@ -248,14 +248,8 @@ void max_pool_loops(const float* x, float* y, Workspace ws, const mx::Shape& xs,
     entries *= p.kernel[a];
   }
   // Each window offset's position along each axis, row-major (no division in the loops).
-  std::vector<int64_t> window(static_cast<size_t>(entries * k));
-  for (int64_t e = 0; e < entries; ++e) {
-    int64_t r = e;
-    for (int a = k - 1; a >= 0; --a) {
-      window[static_cast<size_t>(e * k + a)] = r % p.kernel[a];
-      r /= p.kernel[a];
-    }
-  }
+  auto window = window_positions(std::vector<int64_t>(p.kernel.begin(), p.kernel.end()),
+                                 std::vector<int64_t>(p.kernel.size(), 1));
   std::vector<int64_t> o(k, 0);  // the output's position, advanced as an odometer
   std::vector<int32_t> best_at(static_cast<size_t>(channels));
   for (int64_t n = 0; n < xs[0]; ++n) {
@@ -311,14 +305,8 @@ void max_pool_backward_loops(const float* dy, Workspace ws, float* dx, const mx:
   size_t size = 1;
   for (auto d : xs) size *= static_cast<size_t>(d);
   std::fill(dx, dx + size, 0.0f);
-  std::vector<int64_t> window(static_cast<size_t>(entries * k));
-  for (int64_t e = 0; e < entries; ++e) {
-    int64_t r = e;
-    for (int a = k - 1; a >= 0; --a) {
-      window[static_cast<size_t>(e * k + a)] = r % p.kernel[a];
-      r /= p.kernel[a];
-    }
-  }
+  auto window = window_positions(std::vector<int64_t>(p.kernel.begin(), p.kernel.end()),
+                                 std::vector<int64_t>(p.kernel.size(), 1));
   std::vector<int64_t> o(k, 0);
   size_t i = 0;
   for (int64_t n = 0; n < xs[0]; ++n) {
