@@ -195,9 +195,10 @@ compute_dtype fuses casts of float32 operands to it into the product.)");
       "mode"_a,
       R"(How unbatched float32 products run, process-wide; returns the old mode. 'gemm': on
 oneDNN's GEMM without a primitive, any row count; 'reused': a shape's first uses on that GEMM,
-a cached primitive from its third (queued on the creator's thread at its second, cache.h); 'primitive': a cached primitive per shape from its first
-use; 'auto' (the default): 'gemm' where the float32 matmul primitive is that GEMM anyway
-(below AVX-512), else 'reused' (see matmul.h).)");
+a cached primitive from its third (queued on the creator's thread at its second, cache.h);
+'primitive': a cached primitive per shape from its first use; 'auto' (the default): 'gemm'
+where the float32 matmul primitive is that GEMM anyway (below AVX-512), else 'reused' (see
+matmul.h).)");
   m.def(
       "matmul_mode",
       []() -> std::string {

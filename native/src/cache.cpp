@@ -207,7 +207,6 @@ void Creator::work() {
   // creation never takes a core from the kernels the evaluating thread runs meanwhile.
   sched_param none{};
   pthread_setschedparam(pthread_self(), SCHED_IDLE, &none);
-  g_counted = false;
   for (;;) {
     std::pair<CacheKey, std::function<void()>> job;
     {
@@ -221,24 +220,29 @@ void Creator::work() {
       }
       job = std::move(queue_.front());
       queue_.pop_front();
-      running_ = true;
     }
-    bool ok = true;
-    try {
-      job.second();
-    } catch (...) {  // (raised again where the evaluating thread creates it)
-      ok = false;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      pending_.erase(job.first);
-      if (!ok) {
-        failed_.insert(job.first);
-      }
-      running_ = false;
-    }
-    idle_.notify_all();
+    run(job.first, job.second);
   }
+}
+
+void Creator::run(const CacheKey& key, const std::function<void()>& job) {
+  bool counted = g_counted;
+  g_counted = false;  // (its lookup is not a call's)
+  bool ok = true;
+  try {
+    job();
+  } catch (...) {  // (raised again where the evaluating thread creates it)
+    ok = false;
+  }
+  g_counted = counted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.erase(key);
+    if (!ok) {
+      failed_.insert(key);
+    }
+  }
+  idle_.notify_all();
 }
 
 bool Creator::failed(const CacheKey& key) {
@@ -262,22 +266,7 @@ void Creator::finish(const CacheKey& key) {
   auto job = std::move(it->second);
   queue_.erase(it);
   lock.unlock();
-  bool ok = true;
-  bool counted = g_counted;
-  g_counted = false;  // (its lookup is not a call's)
-  try {
-    job();
-  } catch (...) {
-    ok = false;
-  }
-  g_counted = counted;
-  lock.lock();
-  pending_.erase(key);
-  if (!ok) {
-    failed_.insert(key);
-  }
-  lock.unlock();
-  idle_.notify_all();
+  run(key, job);
 }
 
 size_t Creator::pending() {

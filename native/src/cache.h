@@ -143,12 +143,14 @@ class Creator {
 
  private:
   void work();
+  // Runs `job` (uncounted lookups), then marks `key` done (or failed, if it threw).
+  void run(const CacheKey& key, const std::function<void()>& job);
 
   std::mutex mutex_;
   std::condition_variable wake_, idle_;
   std::deque<std::pair<CacheKey, std::function<void()>>> queue_;
   std::unordered_set<CacheKey, CacheKeyHash> pending_, failed_;
-  bool running_ = false, stop_ = false;
+  bool stop_ = false;
   std::thread thread_;
 };
 

@@ -446,7 +446,8 @@ bool Conv::first_use_fits(const std::vector<mx::array>& inputs, const mx::array&
   }
   bool gemm = p_.groups == 1;
   for (int d : p_.dilation) gemm = gemm && d == 1;
-  return macs_of(w.shape(), out.shape()) <= (gemm ? FIRST_USE_MAX_MACS : FIRST_USE_MAX_MACS_LOOPS);
+  double bound = gemm ? FIRST_USE_MAX_MACS : FIRST_USE_MAX_MACS_LOOPS;
+  return macs_of(w.shape(), out.shape()) <= bound;
 }
 
 bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out) {
