@@ -432,8 +432,8 @@ struct Plan {
 };
 
 // The plan for operands seen as `va` and `vb`: an unbatched float32 product (`gemm_ok`) on
-// the GEMM always (Gemm), or for a shape's first use (Reused: its primitive from its second
-// use), where the GEMM can read both operands; else the primitive for the description.
+// the GEMM always (Gemm), or for a shape's first uses (Reused: its primitive from its third
+// use, cache.h: cached()), where the GEMM can read both operands; else the primitive for the description.
 Plan plan(const View& va, const View& vb, const mx::array& out, bool batched, bool gemm_ok,
           mx::Dtype in_dt, mx::Dtype out_dt, std::optional<mx::Dtype> bias_dt) {
   Plan p;

@@ -29,7 +29,8 @@ const char* FN = "fluxlike_native.softmax";
 // AVX2, costs more than a small softmax): up to 2**14 entries always (the loops are as fast
 // there as the primitive, measured: 62 against 63 us at 2**14, 25 against 46 at 2**10), so
 // that generation's scores, a column longer per token, create nothing; up to 2**16 a shape's
-// first use (its primitive from the second); in matmul_mode "primitive", none.
+// first uses (its primitive from the third, cache.h: cached()); in matmul_mode "primitive",
+// none.
 constexpr int64_t LOOPS_MAX_ELEMENTS = int64_t{1} << 14;
 constexpr int64_t FIRST_USE_LOOPS_MAX_ELEMENTS = int64_t{1} << 16;
 
