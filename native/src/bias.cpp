@@ -93,10 +93,10 @@ bool BiasGrad::is_equivalent(const mx::Primitive& other) const {
 
 void BiasGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  const auto& g = inputs[0].flags().row_contiguous ? inputs[0]
-                                                   : row_contiguous_copy(inputs[0], encoder);
+  RowMajor dense(inputs[0], encoder);
+  const mx::array& g = *dense;
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  encoder.set_input_array(g);
+  encoder.set_input_array(inputs[0]);
   encoder.set_output_array(out);
   int64_t cols = g.shape(-1);
   int64_t rows = static_cast<int64_t>(g.size()) / cols;

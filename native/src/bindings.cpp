@@ -120,9 +120,9 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
         "Drop the cached oneDNN primitives (matmul, convolution, softmax and pooling) and "
         "zero the cache's counts.");
   m.def("set_background_creation", &fluxlike_native::set_background_creation, "on"_a,
-        "Whether a shape's primitive, from its second use, is created on a worker thread while "
-        "that call runs without it (True, the default) or on the evaluating thread; returns "
-        "the old setting.");
+        "Whether a deferrable shape's primitive is queued on a worker thread at its second use "
+        "(that call and the first run without it; the third uses it) (True, the default) or "
+        "created on the evaluating thread at the second use; returns the old setting.");
   m.def("background_creation", &fluxlike_native::background_creation,
         "Whether primitives are created on a worker thread (set_background_creation).");
   // The worker stopped (after the creation it runs) when Python exits, before anything is

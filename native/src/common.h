@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -284,6 +285,27 @@ inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder
   });
   return copy;
 }
+
+// `x` as a kernel reading a dense row-major buffer needs it: `x` itself where it is
+// row-contiguous, else its row_contiguous_copy. A reference to `x` (which must outlive the
+// view: the node's input), not a copied handle: an input held twice is never donatable, so an
+// elementwise pass could not write its output over it (reuse_or_allocate).
+class RowMajor {
+ public:
+  RowMajor(const mx::array& x, mx::cpu::CommandEncoder& encoder) : x_(&x) {
+    if (!x.flags().row_contiguous) copy_ = row_contiguous_copy(x, encoder);
+  }
+  RowMajor(const mx::array&&, mx::cpu::CommandEncoder&) = delete;  // (would dangle)
+
+  const mx::array& operator*() const { return copy_ ? *copy_ : *x_; }
+  const mx::array* operator->() const { return &**this; }
+  // Whether the view is a copy (whose buffer the pass may not write its output over).
+  bool copied() const { return copy_.has_value(); }
+
+ private:
+  const mx::array* x_;
+  std::optional<mx::array> copy_;
+};
 
 // `inputs` as a kernel reading dense row-major buffers needs them: each one that is not
 // row-contiguous replaced by its row_contiguous_copy (the originals stay the node's inputs,

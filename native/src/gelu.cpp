@@ -99,34 +99,22 @@ mx::array gelu_grad(const mx::array& g, const mx::array& x, mx::StreamOrDevice s
 
 void Gelu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::optional<mx::array> copy;
-  if (!inputs[0].flags().row_contiguous) {
-    copy = row_contiguous_copy(inputs[0], encoder);
-  }
-  const mx::array& x = copy ? *copy : inputs[0];
-  reuse_or_allocate(out, x, copy.has_value());
+  RowMajor x(inputs[0], encoder);
+  reuse_or_allocate(out, *x, x.copied());
   encoder.set_input_array(inputs[0]);
   encoder.set_output_array(out);
-  encoder.dispatch([px = x.data<void>(), py = out.data<void>(), dt = out.dtype(),
+  encoder.dispatch([px = x->data<void>(), py = out.data<void>(), dt = out.dtype(),
                     n = out.size()]() { gelu_pass(px, py, dt, n); });
 }
 
 void GeluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::optional<mx::array> g_copy, x_copy;
-  if (!inputs[0].flags().row_contiguous) {
-    g_copy = row_contiguous_copy(inputs[0], encoder);
-  }
-  if (!inputs[1].flags().row_contiguous) {
-    x_copy = row_contiguous_copy(inputs[1], encoder);
-  }
-  const mx::array& g = g_copy ? *g_copy : inputs[0];
-  const mx::array& x = x_copy ? *x_copy : inputs[1];
-  reuse_or_allocate(out, g, g_copy.has_value());
+  RowMajor g(inputs[0], encoder), x(inputs[1], encoder);
+  reuse_or_allocate(out, *g, g.copied());
   encoder.set_input_array(inputs[0]);
   encoder.set_input_array(inputs[1]);
   encoder.set_output_array(out);
-  encoder.dispatch([pg = g.data<void>(), px = x.data<void>(), po = out.data<void>(),
+  encoder.dispatch([pg = g->data<void>(), px = x->data<void>(), po = out.data<void>(),
                     dt = out.dtype(), n = out.size()]() {
     gelu_grad_pass(pg, px, po, dt, n);
   });

@@ -135,25 +135,17 @@ void LogisticPrimitive::eval_cpu(const std::vector<mx::array>& inputs, mx::array
     });
     return;
   }
-  // (a reference where no copy is needed: a handle copied would make the input never
-  // donatable, and its buffer never reused for the output)
-  std::optional<mx::array> copy;
-  if (!in.flags().row_contiguous) copy = row_contiguous_copy(in, encoder);
-  const mx::array& x = copy ? *copy : in;
-  reuse_or_allocate(out, x, copy.has_value());
-  encoder.dispatch([kind = kind_, px = x.data<void>(), py = out.data<void>(), dt = out.dtype(),
+  RowMajor x(in, encoder);
+  reuse_or_allocate(out, *x, x.copied());
+  encoder.dispatch([kind = kind_, px = x->data<void>(), py = out.data<void>(), dt = out.dtype(),
                     n = out.size()]() { forward_pass(kind, px, py, dt, n); });
 }
 
 void LogisticGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::optional<mx::array> g_copy, y_copy;  // (references otherwise: see eval_cpu above)
-  if (!inputs[0].flags().row_contiguous) g_copy = row_contiguous_copy(inputs[0], encoder);
-  if (!inputs[1].flags().row_contiguous) y_copy = row_contiguous_copy(inputs[1], encoder);
-  const mx::array& g = g_copy ? *g_copy : inputs[0];
-  const mx::array& y = y_copy ? *y_copy : inputs[1];
-  reuse_or_allocate(out, g, g_copy.has_value());
-  encoder.dispatch([kind = kind_, pg = g.data<void>(), py = y.data<void>(),
+  RowMajor g(inputs[0], encoder), y(inputs[1], encoder);
+  reuse_or_allocate(out, *g, g.copied());
+  encoder.dispatch([kind = kind_, pg = g->data<void>(), py = y->data<void>(),
                     po = out.data<void>(), dt = out.dtype(), n = out.size()]() {
     grad_pass(kind, pg, py, po, dt, n);
   });

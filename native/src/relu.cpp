@@ -75,25 +75,17 @@ void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   // A flat pass: operands not row-contiguous are copied first (references otherwise, so that
   // the cotangent stays donatable).
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::optional<mx::array> g_copy, y_copy;
-  if (!inputs[0].flags().row_contiguous) {
-    g_copy = row_contiguous_copy(inputs[0], encoder);
-  }
-  if (!inputs[1].flags().row_contiguous) {
-    y_copy = row_contiguous_copy(inputs[1], encoder);
-  }
-  const mx::array& g = g_copy ? *g_copy : inputs[0];
-  const mx::array& y = y_copy ? *y_copy : inputs[1];
-  reuse_or_allocate(out, g, g_copy.has_value());  // (the cotangent's buffer, if free)
+  RowMajor g(inputs[0], encoder), y(inputs[1], encoder);
+  reuse_or_allocate(out, *g, g.copied());  // (the cotangent's buffer, if free)
   encoder.set_input_array(inputs[0]);
   encoder.set_input_array(inputs[1]);
   encoder.set_output_array(out);
   size_t n = out.size();
-  const void* pg = g.data<void>();
-  const void* py = y.data<void>();
+  const void* pg = g->data<void>();
+  const void* py = y->data<void>();
   void* po = out.data<void>();
-  bool g16 = g.itemsize() == 2, y16 = y.itemsize() == 2;
-  encoder.dispatch([pg, py, po, n, g16, y16, inf = inf_bits(y.dtype())]() {
+  bool g16 = g->itemsize() == 2, y16 = y->itemsize() == 2;
+  encoder.dispatch([pg, py, po, n, g16, y16, inf = inf_bits(y->dtype())]() {
     auto loop = [&](auto* gt, auto* yt) {
       using G = std::remove_pointer_t<decltype(gt)>;
       using Y = std::remove_pointer_t<decltype(yt)>;
