@@ -651,7 +651,7 @@ std::vector<mx::array> Conv::vjp(
     }
   }
   if (kind_ == ConvKind::Forward) {
-    order_input_grad(grads, argnums, s);
+    order_input_grad(grads, argnums, c.nbytes() + a.nbytes(), s);
   }
   return grads;
 }

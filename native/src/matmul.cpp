@@ -744,7 +744,7 @@ std::vector<mx::array> Matmul::vjp(
       grads.push_back(bias_grad(g, primals[2].dtype(), s));
     }
   }
-  order_input_grad(grads, argnums, s);
+  order_input_grad(grads, argnums, gc.nbytes() + a.nbytes(), s);
   return grads;
 }
 

@@ -18,17 +18,22 @@ mx::array order_after(const mx::array& x, const std::vector<mx::array>& deps,
 }
 
 void order_input_grad(std::vector<mx::array>& grads, const std::vector<int>& argnums,
-                      mx::StreamOrDevice s) {
+                      size_t freed, mx::StreamOrDevice s) {
   auto zero = std::find(argnums.begin(), argnums.end(), 0);
   if (zero == argnums.end() || grads.size() < 2) {
     return;
   }
   auto first = static_cast<size_t>(zero - argnums.begin());
   std::vector<mx::array> others;
+  size_t held = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
     if (i != first) {
       others.push_back(grads[i]);
+      held += grads[i].nbytes();
     }
+  }
+  if (held > freed) {
+    return;
   }
   grads[first] = order_after(grads[first], others, s);
 }
