@@ -272,6 +272,9 @@ float32, bfloat16 and float16 on the CPU (mx.astype itself elsewhere; see cast.h
 
   m.def("softmax", &fluxlike_native::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         R"(softmax over the last axis of a float32 array on oneDNN (see softmax.h).)");
+  m.def("softmax_backward_is_reference", &fluxlike_native::softmax_backward_is_reference,
+        "Whether oneDNN's softmax backward pass is its scalar reference implementation here "
+        "(below AVX-512): then softmax_grad runs vectorised loops and makes no primitive.");
   m.def("softmax_grad", &fluxlike_native::softmax_grad, "g"_a, "y"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         R"(y * (g - sum(g * y, -1)): the softmax's backward pass on oneDNN (see softmax.h).)");

@@ -25,6 +25,20 @@ namespace {
 
 const char* FN = "fluxlike_native.softmax";
 
+dnnl::softmax_forward::primitive_desc forward_desc(const dnnl::memory::desc& md,
+                                                   const dnnl::primitive_attr& attr = {}) {
+  return dnnl::softmax_forward::primitive_desc(engine(), dnnl::prop_kind::forward_training,
+                                               dnnl::algorithm::softmax_accurate, md, md, 1,
+                                               attr);
+}
+
+dnnl::softmax_backward::primitive_desc backward_desc(
+    const dnnl::memory::desc& md, const dnnl::softmax_forward::primitive_desc& fwd,
+    const dnnl::primitive_attr& attr = {}) {
+  return dnnl::softmax_backward::primitive_desc(engine(), dnnl::algorithm::softmax_accurate, md,
+                                                md, md, 1, fwd, attr);
+}
+
 // Which softmaxes run the loops below instead of a primitive (whose creation, about 0.2 ms on
 // AVX2, costs more than a small softmax): up to 2**14 entries always (the loops are as fast
 // there as the primitive, measured: 62 against 63 us at 2**14, 25 against 46 at 2**10), so
@@ -37,23 +51,22 @@ constexpr int64_t FIRST_USE_LOOPS_MAX_ELEMENTS = int64_t{1} << 16;
 // The primitive for the shape, or nullptr where the loops run (never without `may_defer`).
 std::shared_ptr<const Prepared> lookup(bool backward, int64_t rows, int64_t cols,
                                        bool may_defer = true) {
+  if (backward && softmax_backward_is_reference()) {
+    return nullptr;
+  }
   bool deferred = may_defer && first_use_deferred();
   if (deferred && rows * cols <= LOOPS_MAX_ELEMENTS) {
     return nullptr;
   }
   bool defer_first = deferred && rows * cols <= FIRST_USE_LOOPS_MAX_ELEMENTS;
   return cached<Prepared>(Op::Softmax, {backward, rows, cols}, FN, "softmax", [&] {
-    auto& eng = engine();
     dnnl::memory::desc md({rows, cols}, dnnl::memory::data_type::f32, {cols, 1});
     auto attr = user_scratchpad();
-    auto fwd = dnnl::softmax_forward::primitive_desc(
-        eng, dnnl::prop_kind::forward_training, dnnl::algorithm::softmax_accurate, md, md, 1,
-        attr);
+    auto fwd = forward_desc(md, attr);
     if (!backward) {
       return std::make_shared<const Prepared>(prepare(fwd, {DNNL_ARG_SRC, DNNL_ARG_DST}));
     }
-    auto bwd = dnnl::softmax_backward::primitive_desc(
-        eng, dnnl::algorithm::softmax_accurate, md, md, md, 1, fwd, attr);
+    auto bwd = backward_desc(md, fwd, attr);
     return std::make_shared<const Prepared>(
         prepare(bwd, {DNNL_ARG_DIFF_DST, DNNL_ARG_DST, DNNL_ARG_DIFF_SRC}));
   }, defer_first, [&] {
@@ -159,6 +172,19 @@ void on_the_cpu(const mx::Stream& stream) {
 }
 
 } // namespace
+
+bool softmax_backward_is_reference() {
+  static const bool reference = [] {
+    try {
+      dnnl::memory::desc md({8, 128}, dnnl::memory::data_type::f32, {128, 1});
+      auto bwd = backward_desc(md, forward_desc(md));
+      return std::string(bwd.impl_info_str()).rfind("ref", 0) == 0;
+    } catch (const dnnl::error&) {
+      return false;  // (then the lookup's creation raises, with its message)
+    }
+  }();
+  return reference;
+}
 
 mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
   check(x, "x");

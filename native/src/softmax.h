@@ -16,6 +16,12 @@ mx::array softmax(const mx::array& x, mx::StreamOrDevice s = {});
 // The softmax's backward pass, y * (g - sum(g * y, last axis)) for y = softmax(x), float32.
 mx::array softmax_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevice s = {});
 
+// Whether oneDNN's softmax backward pass is its reference implementation on this CPU (oneDNN
+// 3.2 below AVX-512: `ref:any`, scalar, 3.6 ms at 4096x128 on AMD EPYC Zen 3 against 0.4 for
+// the forward pass). Then the backward pass always runs the vectorised loops of softmax.cpp,
+// whatever the shape or matmul mode, and makes no primitive.
+bool softmax_backward_is_reference();
+
 // inputs: {x} (forward) or {g, y} (backward).
 class Softmax : public mx::UnaryPrimitive {
  public:
