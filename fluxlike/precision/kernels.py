@@ -116,8 +116,8 @@ def _takes_conv(dtype: mx.Dtype, x: mx.array, w: mx.array, geometry: tuple) -> b
 
 
 def _takes_softmax(dtype: mx.Dtype, x: mx.array, w: Any, geometry: Any) -> bool:
-    """float32 scores (attention's under CPU half precision): MLX's CPU softmax runs a scalar
-    ``exp`` on the Linux wheel."""
+    """float32 scores (attention's on the CPU, in float32 and under half precision): MLX's
+    CPU softmax runs a scalar ``exp`` on the Linux wheel."""
     return dtype == _F32 and x.ndim >= 1 and x.size > 0
 
 
@@ -352,10 +352,10 @@ def tanh(x: mx.array) -> mx.array:
 
 
 def softmax(x: mx.array) -> mx.array:
-    """Softmax over the last axis (:func:`fluxlike.workarounds.softmax`), for the float32
-    scores of half-precision attention: oneDNN's vectorised float32 softmax, forward and
-    backward, where the native companion is in use (MLX's CPU softmax runs a scalar ``exp``;
-    the numerics are float32's either way).
+    """Softmax over the last axis (:func:`fluxlike.workarounds.softmax`), for attention's
+    float32 scores: oneDNN's vectorised float32 softmax, forward and backward, where the
+    native companion is in use (MLX's CPU softmax runs a scalar ``exp``; the numerics are
+    float32's either way).
 
     >>> import mlx.core as mx
     >>> softmax(mx.zeros((1, 4))).tolist()

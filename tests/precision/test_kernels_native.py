@@ -428,8 +428,10 @@ def test_half_attention_softmax_runs_native_in_float32(monkeypatch):
         np.testing.assert_allclose(np64(weights), exact_weights, atol=2e-2)
     assert seen == [mx.float32, mx.float32]  # the float32 scores of both half dtypes
     q, k, v = _qkv(dtype=mx.float32)
-    attend(q, k, v, SCALE, "causal", return_weights=True)  # float32: MLX's softmax, as before
-    assert len(seen) == 2
+    out, _ = attend(q, k, v, SCALE, "causal")  # float32 scores: native too (MLX's exp is scalar)
+    assert seen == [mx.float32] * 3
+    exact, _ = _np_attention(q, k, v, SCALE, "causal")
+    np.testing.assert_allclose(np64(out), exact, rtol=1e-5, atol=1e-6)
 
 
 def test_a_float32_layer_under_vmap_and_per_sample_gradients(calls):
