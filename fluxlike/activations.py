@@ -335,7 +335,15 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
     ...     softmax(half).dtype
     mlx.core.float32
     """
-    return _in_float32(lambda v: mx.softmax(v, axis=axis, precise=True), x)
+    return _in_float32(lambda v: _softmax(v, axis), x)
+
+
+def _softmax(v: mx.array, axis: int) -> mx.array:
+    """``mx.softmax(v, axis, precise=True)``; float32 over the last axis on the native
+    companion's where it is in use (MLX's CPU ``exp`` is scalar)."""
+    if v.dtype == mx.float32 and axis in (-1, v.ndim - 1):
+        return kernels.softmax(v)
+    return mx.softmax(v, axis=axis, precise=True)
 
 
 def max_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple[mx.array, mx.array]:
@@ -360,7 +368,7 @@ def _logsumexp_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple
                                                                                  mx.array]:
     """``(log(sum(exp(v - max))), max)`` along ``axis`` (kept)."""
     shifted, top = max_shifted(v, axis)
-    return mx.log(mx.sum(mx.exp(shifted), axis=axis, keepdims=True)), top
+    return mx.log(mx.sum(kernels.exp(shifted), axis=axis, keepdims=True)), top
 
 
 def stable_logsoftmax(v: mx.array, axis: int = -1) -> mx.array:
@@ -373,7 +381,7 @@ def stable_logsoftmax(v: mx.array, axis: int = -1) -> mx.array:
     [-0.6931471824645996, -0.6931471824645996]
     """
     shifted, _ = max_shifted(v, axis)
-    return shifted - mx.log(mx.sum(mx.exp(shifted), axis=axis, keepdims=True))
+    return shifted - mx.log(mx.sum(kernels.exp(shifted), axis=axis, keepdims=True))
 
 
 def stable_logsumexp(v: mx.array, axis: int | None = -1, keepdims: bool = False) -> mx.array:

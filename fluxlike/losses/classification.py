@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn.losses as mlx_losses
 
 from ..activations import max_shifted, stable_logsoftmax
+from ..precision import kernels
 from ._common import (
     Agg,
     _eps,
@@ -70,7 +71,7 @@ def logitcrossentropy(
     yhat, y, indices, axis, reduce = _prepare_classes(yhat, y, "logitcrossentropy", agg, axis)
     if indices:  # max-shifted: logsumexp(ŷ) - ŷ[y] = log(sum(exp(ŷ - m))) - (ŷ[y] - m)
         shifted, _ = max_shifted(yhat, axis)
-        lse = mx.log(mx.sum(mx.exp(shifted), axis=axis))
+        lse = mx.log(mx.sum(kernels.exp(shifted), axis=axis))
         return reduce(lse - _pick(shifted, y, axis))
     return reduce(-mx.sum(y * stable_logsoftmax(yhat, axis), axis=axis))
 

@@ -47,7 +47,7 @@ _HALF = frozenset(HALF)
 # The ops whose native kernels take float16, in float32 kernels (oneDNN has no float16 kernel
 # that pays on these CPUs): products upcast inside the primitive, max pooling through casts
 # (MLX's own float16 pooling is ten times slower).
-_UPCAST_F16 = frozenset(("linear", "conv", "max_pool", "gelu", "sigmoid", "tanh"))
+_UPCAST_F16 = frozenset(("linear", "conv", "max_pool", "gelu", "sigmoid", "tanh", "exp"))
 _EMULABLE = frozenset(("linear", "conv", "conv_transpose", "matmul", "quantized_linear"))
 _switch = _loader.switch  # .ext read per call: the companion's module, or None
 _state = context.get  # bound once: read on every call of every layer
@@ -133,7 +133,7 @@ def _takes_gelu(dtype: mx.Dtype, x: mx.array, w: Any, geometry: Any) -> bool:
 
 def _takes_elementwise(dtype: mx.Dtype, x: mx.array, w: Any, geometry: Any) -> bool:
     """Every floating dtype but float64, every size: MLX's CPU ``exp`` and ``tanh`` are scalar
-    on the Linux wheel (sigmoid and tanh 14-16x the native passes)."""
+    on the Linux wheel (sigmoid, tanh and exp 13-16x the native passes)."""
     return True
 
 
@@ -144,7 +144,7 @@ def _never(*args: Any) -> bool:
 _TAKES: dict[str, Callable[..., bool]] = {
     "linear": _takes_linear, "matmul": _takes_matmul, "conv": _takes_conv,
     "softmax": _takes_softmax, "max_pool": _takes_max_pool, "gelu": _takes_gelu,
-    "sigmoid": _takes_elementwise, "tanh": _takes_elementwise,
+    "sigmoid": _takes_elementwise, "tanh": _takes_elementwise, "exp": _takes_elementwise,
     "conv_transpose": _never, "quantized_linear": _never,
 }
 
@@ -349,6 +349,21 @@ def tanh(x: mx.array) -> mx.array:
     if type(x) is mx.array and choose("tanh", x.dtype, x) == NATIVE:
         return _switch.ext.tanh(x)  # type: ignore[union-attr]  # NATIVE: in use
     return mx.tanh(x)
+
+
+def exp(x: mx.array) -> mx.array:
+    """``exp(x)`` in ``x``'s dtype: the native pass where :func:`choose` takes it (as
+    :func:`sigmoid`: 13x faster than MLX's scalar one on the CPU, within 1 ulp in float32
+    where the result is normal; for the losses' and ``logsumexp``'s exponentials), else
+    ``mx.exp``.
+
+    >>> import mlx.core as mx
+    >>> [round(v, 5) for v in exp(mx.array([-1.0, 0.0, 2.0])).tolist()]
+    [0.36788, 1.0, 7.38906]
+    """
+    if type(x) is mx.array and choose("exp", x.dtype, x) == NATIVE:
+        return _switch.ext.exp(x)  # type: ignore[union-attr]  # NATIVE: in use
+    return mx.exp(x)
 
 
 def softmax(x: mx.array) -> mx.array:

@@ -250,6 +250,13 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
       },
       "x"_a, nb::kw_only(), "stream"_a = nb::none(),
       "tanh(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h).");
+  m.def(
+      "exp",
+      [](const mx::array& x, mx::StreamOrDevice s) {
+        return fluxlike_native::logistic(x, fluxlike_native::Logistic::Exp, s);
+      },
+      "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "exp(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h).");
   m.def("gelu_grad", &fluxlike_native::gelu_grad, "g"_a, "x"_a, nb::kw_only(),
         "stream"_a = nb::none(), R"(g * gelu'(x), GELU's backward pass (see gelu.h).)");
   m.def(

@@ -1,4 +1,4 @@
-// fluxlike-native: sigmoid and tanh as vectorised passes (see logistic.h).
+// fluxlike-native: sigmoid, tanh and exp as vectorised passes (see logistic.h).
 
 #include "logistic.h"
 #include "common.h"
@@ -17,7 +17,7 @@ namespace fluxlike_native {
 
 namespace {
 
-const char* FN = "fluxlike_native.sigmoid/tanh";
+const char* FN = "fluxlike_native.sigmoid/tanh/exp";
 
 // Branch-free (both sides computed, one selected), so that the loops vectorise.
 inline float sigmoid_one(float x) {
@@ -50,6 +50,10 @@ FLN_VECTOR_CLONES void tanh_loop(const float* x, float* y, size_t n) {
   for (size_t i = 0; i < n; ++i) y[i] = tanh_one(x[i]);
 }
 
+FLN_VECTOR_CLONES void exp_loop(const float* x, float* y, size_t n) {
+  for (size_t i = 0; i < n; ++i) y[i] = exp_float32(x[i]);
+}
+
 // out = g * f'(x) from y = f(x).
 FLN_VECTOR_CLONES void sigmoid_grad_loop(const float* g, const float* y, float* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = g[i] * (y[i] * (1.0f - y[i]));
@@ -59,21 +63,32 @@ FLN_VECTOR_CLONES void tanh_grad_loop(const float* g, const float* y, float* out
   for (size_t i = 0; i < n; ++i) out[i] = g[i] * (1.0f - y[i] * y[i]);
 }
 
+FLN_VECTOR_CLONES void exp_grad_loop(const float* g, const float* y, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = g[i] * y[i];
+}
+
 void forward_pass(Logistic kind, const void* x, void* y, mx::Dtype dt, size_t n) {
-  unary_in_float32(kind == Logistic::Sigmoid ? sigmoid_loop : tanh_loop, x, y, dt, n);
+  unary_in_float32(kind == Logistic::Sigmoid ? sigmoid_loop
+                       : kind == Logistic::Tanh ? tanh_loop
+                                                : exp_loop,
+                   x, y, dt, n);
 }
 
 void grad_pass(Logistic kind, const void* g, const void* y, void* out, mx::Dtype dt, size_t n) {
-  binary_in_float32(kind == Logistic::Sigmoid ? sigmoid_grad_loop : tanh_grad_loop, g, y, out,
-                    dt, n);
+  binary_in_float32(kind == Logistic::Sigmoid ? sigmoid_grad_loop
+                        : kind == Logistic::Tanh ? tanh_grad_loop
+                                                 : exp_grad_loop,
+                    g, y, out, dt, n);
 }
 
 // f'(x) from y in MLX's ops (float32): the derivatives of LogisticGrad.
 mx::array derivative_ops(const mx::array& y, Logistic kind, mx::StreamOrDevice s) {
   auto yf = mx::astype(y, mx::float32, s);
-  return kind == Logistic::Sigmoid
-      ? mx::multiply(yf, mx::subtract(mx::array(1.0f), yf, s), s)
-      : mx::subtract(mx::array(1.0f), mx::square(yf, s), s);
+  switch (kind) {
+    case Logistic::Sigmoid: return mx::multiply(yf, mx::subtract(mx::array(1.0f), yf, s), s);
+    case Logistic::Tanh: return mx::subtract(mx::array(1.0f), mx::square(yf, s), s);
+    default: return yf;
+  }
 }
 
 std::vector<mx::array> grad_ops(const std::vector<mx::array>& in, Logistic kind, mx::Stream s) {
@@ -87,9 +102,9 @@ std::vector<mx::array> grad_ops(const std::vector<mx::array>& in, Logistic kind,
 mx::array logistic(const mx::array& x, Logistic kind, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   FLN_CHECK(stream.device == mx::Device::cpu, FN, ": the kernel runs on the CPU, the stream "
-            "is on the GPU; use mx.sigmoid or mx.tanh there");
+            "is on the GPU; use mx.sigmoid, mx.tanh or mx.exp there");
   FLN_CHECK(float_or_half(x.dtype()), FN, ": x must be float32, bfloat16 or float16, got ",
-            dtype_str(x.dtype()), "; use mx.sigmoid or mx.tanh");
+            dtype_str(x.dtype()), "; use mx.sigmoid, mx.tanh or mx.exp");
   return mx::array(x.shape(), x.dtype(), std::make_shared<LogisticPrimitive>(stream, kind), {x});
 }
 
