@@ -35,7 +35,8 @@ import sysconfig
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import FrameType
+
+from ._stack import outside_stacklevel
 
 __all__ = ["BlasInfo", "BlasWarning", "blas_info"]
 
@@ -226,24 +227,7 @@ def _warn(message: str) -> None:
     if _warned:
         return
     _warned = True
-    warnings.warn(message, BlasWarning, stacklevel=_outside_level())
-
-
-def _outside_level() -> int:
-    """The ``stacklevel`` of the first caller outside fluxlike and the import machinery
-    (the user's ``import fluxlike``), counted from ``_warn``."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame: FrameType | None = sys._getframe(2)
-    level = 2
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if "importlib" in name and "_bootstrap" in name:  # warnings skips these itself
-            frame = frame.f_back
-            continue
-        if not name.startswith(package):
-            break
-        frame, level = frame.f_back, level + 1
-    return level
+    warnings.warn(message, BlasWarning, stacklevel=outside_stacklevel())
 
 
 # --- reading the process: where does a symbol resolve? ------------------------------------

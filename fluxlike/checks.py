@@ -59,8 +59,23 @@ def check_flag(value: Any, layer: str, name: str) -> bool:
     Traceback (most recent call last):
     TypeError: [Dense] bias must be True or False, got 'no'
     """
+    return _bool(value, f"[{layer}]", name)
+
+
+def check_bool_argument(value: Any, function: str, name: str) -> bool:
+    """``value`` as a Python bool, as :func:`check_flag`, for a function's keyword argument:
+    the ``TypeError`` names the function.
+
+    >>> check_bool_argument("no", "train", "progress")
+    Traceback (most recent call last):
+    TypeError: train: progress must be True or False, got 'no'
+    """
+    return _bool(value, f"{function}:", name)
+
+
+def _bool(value: Any, prefix: str, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"[{layer}] {name} must be True or False, got {value!r}")
+        raise TypeError(f"{prefix} {name} must be True or False, got {value!r}")
     return bool(value)
 
 

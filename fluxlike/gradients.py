@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_map, tree_map_with_path
 
 from ._mlxtyping import tree_flatten
@@ -35,14 +36,19 @@ def _check_autocast(value: Any, where: str) -> mx.Dtype | None:
     )
 
 
-def _split_output(out: Any, where: str) -> tuple[mx.array, Any]:
+def _split_output(out: Any, where: str, args: tuple = ()) -> tuple[mx.array, Any]:
     """``(loss, rest)`` of what the loss function returned; ``rest`` is ``None`` for a bare
-    loss, else the other elements of a tuple ``(loss, aux...)``."""
+    loss, else the other elements of a tuple ``(loss, aux...)``. ``args``: the arguments it
+    was given, for the error's hint (a number or NumPy array passed is not differentiated)."""
     loss, rest = (out[0], out[1:]) if isinstance(out, tuple) and out else (out, None)
     if not isinstance(loss, mx.array):
+        plain = [f"argument {i + 1} is a {type(a).__name__}" for i, a in enumerate(args)
+                 if isinstance(a, (float, np.floating, np.ndarray))]
+        hint = (f" ({', '.join(plain)}, passed as it is and not differentiated: wrap it in "
+                f"mx.array)" if plain else "")
         raise TypeError(
             f"{where}: the function must return a scalar mx.array (the loss), "
-            f"got {type(loss).__name__}"
+            f"got {type(loss).__name__}{hint}"
         )
     if loss.size != 1 or not mx.issubdtype(loss.dtype, mx.floating):
         raise ValueError(
@@ -226,7 +232,7 @@ def _value_and_grad(
         for i, x in zip(arrays, xs, strict=True):
             call[i] = x if isinstance(x, mx.array) else _refill(args[i], x)
         out = f(*call)
-        loss, rest = _split_output(out, where)
+        loss, rest = _split_output(out, where, args)
         # Running statistics (BatchNorm) are frozen parameters: return them as outputs so
         # they come out of the transform as ordinary arrays.
         state = [frozen(*entry) for entry in zip(modules, trainable_keys, has_frozen,

@@ -18,6 +18,7 @@ import inspect
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sized
 from typing import Any, cast
 
@@ -28,6 +29,7 @@ from . import (
     eagerstep,
     workarounds,  # noqa: F401  (registers the exit guard for worker threads)
 )
+from .checks import check_bool_argument
 from .compiledstep import compiled_step
 from .gradients import _check_autocast, _value_and_grad
 from .optimisers.compiled import INTERRUPTS, put_back
@@ -251,8 +253,9 @@ def trainstep(
     """
     where = "trainstep"
     dtype = _check_args(model, opt_state, autocast, where)
+    compile = check_bool_argument(compile, where, "compile")
     _choose_scale(opt_state, loss_scale, dtype, where)
-    return _step(loss, model, _batch_args(batch), opt_state, dtype, bool(compile), where)[0]
+    return _step(loss, model, _batch_args(batch), opt_state, dtype, compile, where)[0]
 
 
 def trainstep_withgradient(
@@ -284,8 +287,9 @@ def trainstep_withgradient(
     """
     where = "trainstep_withgradient"
     dtype = _check_args(model, opt_state, autocast, where)
+    compile = check_bool_argument(compile, where, "compile")
     _choose_scale(opt_state, loss_scale, dtype, where)
-    value, _, grads = _step(loss, model, _batch_args(batch), opt_state, dtype, bool(compile),
+    value, _, grads = _step(loss, model, _batch_args(batch), opt_state, dtype, compile,
                             where, with_grads=True)
     return value, cast(dict, grads)
 
@@ -302,7 +306,7 @@ def train(
     compile: bool = False,
 ) -> float:
     """One pass over ``data``: :func:`trainstep` for each batch. Returns the mean loss over
-    the batches as a float (nan for no batches).
+    the batches as a float (nan, with a warning, for no batches).
 
     The arguments are :func:`trainstep`'s. A loss that is inf or nan stops training with
     ``FloatingPointError`` naming the batch (0-based); the step was not taken, so the model
@@ -332,6 +336,8 @@ def train(
     """
     where = "train"
     dtype = _check_args(model, opt_state, autocast, where)
+    compile = check_bool_argument(compile, where, "compile")
+    progress = check_bool_argument(progress, where, "progress")
     if data is None or isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
         raise TypeError(
             f"{where}: data must be an iterable of batches (a DataLoader, or a list of "
@@ -350,7 +356,7 @@ def train(
         args = _batch_args(batch)
         if i == 0:
             _check_call(loss, model, args, data, where)
-        loss_value, taken, _ = _step(loss, model, args, opt_state, dtype, bool(compile), where)
+        loss_value, taken, _ = _step(loss, model, args, opt_state, dtype, compile, where)
         problem = advice = ""
         if not math.isfinite(loss_value):
             problem = f"the loss is {loss_value} at batch {i} (counting from 0)"
@@ -369,4 +375,9 @@ def train(
             bar.show(count, total / count)
     if bar is not None and count:
         bar.show(count, total / count, final=True)
-    return total / count if count else math.nan
+    if not count:
+        warnings.warn(f"{where}: data gave no batches, so nothing was trained (the mean loss "
+                      "returned is nan); check the DataLoader's batch size and drop_last",
+                      stacklevel=2)
+        return math.nan
+    return total / count

@@ -184,3 +184,12 @@ def test_nothing_to_differentiate():
 def test_not_callable():
     with pytest.raises(TypeError, match="callable"):
         gradient(Dense(1, 1).weight, mx.ones(2))
+
+
+def test_a_number_passed_is_named_when_the_loss_is_not_an_array():
+    # (numbers and NumPy arrays are passed as they are, as constants: the loss then is one too)
+    with pytest.raises(TypeError, match=r"gradient: the function must return a scalar mx.array "
+                                        r"\(the loss\), got float \(argument 1 is a float, "
+                                        r"passed as it is and not differentiated: wrap it in "
+                                        r"mx.array\)"):
+        gradient(lambda a: a**2, 3.0)

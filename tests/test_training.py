@@ -13,6 +13,7 @@ import pytest
 from helpers import leaves, mse_of
 from mlx.utils import tree_flatten
 
+import fluxlike
 from fluxlike import (
     Adam,
     BatchNorm,
@@ -72,7 +73,24 @@ def test_train_splats_tuples_and_passes_other_batches_whole():
     train(loss, model, [(mx.ones((1, 2)), mx.ones(1)), mx.ones((1, 2))], opt_state,
           progress=False)
     assert seen == [2, 1]
-    assert math.isnan(train(loss, model, [], opt_state, progress=False))
+    with pytest.warns(UserWarning, match=r"train: data gave no batches, so nothing was trained"):
+        assert math.isnan(train(loss, model, [], opt_state, progress=False))
+
+
+@pytest.mark.parametrize(("call", "flag"), [
+    ("train", "compile"), ("train", "progress"), ("trainstep", "compile"),
+    ("trainstep_withgradient", "compile")])
+def test_flags_must_be_booleans(call, flag):
+    # "no" is truthy: taken by its truth, compile="no" would compile
+    model = Dense(2, 1)
+    opt_state = setup(Descent(0.1), model)
+    before = tree_flatten(model.parameters())
+    batch = (mx.ones((1, 2)),)
+    data = [batch] if call == "train" else batch
+    with pytest.raises(TypeError, match=rf"{call}: {flag} must be True or False, got 'no'"):
+        getattr(fluxlike, call)(lambda m, x: m(x).sum(), model, data, opt_state, **{flag: "no"})
+    after = tree_flatten(model.parameters())
+    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(before, after, strict=True))
 
 
 @pytest.mark.parametrize("compile", [False, True])

@@ -33,6 +33,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
+
 from ._loader import NativeInfo, switch
 from .ops import (
     NativeUnavailable,
@@ -195,14 +197,14 @@ def background_creation(on: bool | None = None) -> bool | None:
     >>> native.background_creation() in (None, True, False)
     True
     """
+    if on is not None and not isinstance(on, (bool, np.bool_)):
+        raise TypeError(f"fluxlike.native.background_creation: on must be True, False or "
+                        f"None (to read it), got {on!r}")
     ext = switch.loaded
     if ext is None:
         return None
     if on is not None:
-        if not isinstance(on, bool):
-            raise TypeError(f"fluxlike.native.background_creation: on must be True, False or "
-                            f"None (to read it), got {on!r}")
-        ext.set_background_creation(on)
+        ext.set_background_creation(bool(on))
     return bool(ext.background_creation())
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..checks import check_bool_argument
 from .state import context, device_index, enter, mode_fixes
 
 
@@ -60,6 +61,9 @@ def compile(
     ...     forward(mx.ones((1, 3))).dtype
     mlx.core.float16
     """
+    if not callable(fn):
+        raise TypeError(f"fluxlike.compile: fn must be a function, got {type(fn).__name__}")
+    shapeless = check_bool_argument(shapeless, "fluxlike.compile", "shapeless")
     traces: dict[tuple, Callable] = {}
     modes = [mode_fixes.value]
 

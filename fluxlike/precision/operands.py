@@ -16,6 +16,7 @@ from typing import cast, overload
 
 import mlx.core as mx
 
+from .._stack import outside_stacklevel
 from . import castcache
 from .castcache import convert
 from .state import CASTABLE, HALF, PLAIN, context, device_index
@@ -46,9 +47,9 @@ def match_input(x: mx.array, weight: mx.array, layer: str,
     if x.dtype == mx.float64 and weight.dtype != mx.float64 and layer not in _warned_float64:
         _warned_float64.add(layer)
         warnings.warn(
-            f"[{layer}] float64 input converted to the layer's {weight.dtype}; "
-            f"use f64(model) to compute in float64",
-            stacklevel=3,
+            f"[{layer}] float64 input converted to {target}, the dtype the layer computes "
+            f"in; use f64(model) to compute in float64",
+            stacklevel=outside_stacklevel(),
         )
     return convert(x, target)
 

@@ -68,8 +68,16 @@ class TestDense:
         layer = Dense(2, 2)
         x = mx.ones((1, 2), dtype=mx.float64)
         with mx.stream(mx.cpu):
-            with pytest.warns(UserWarning, match="float64 input converted"):
+            with pytest.warns(UserWarning, match="float64 input converted") as seen:
                 assert layer(x).dtype == mx.float32
+        assert seen[0].filename == __file__  # the user's line, not fluxlike's
+
+    def test_float64_input_under_autocast_says_the_dtype_it_computes_in(self):
+        from fluxlike.precision import operands
+        operands._warned_float64.discard("Dense")
+        with autocast(mx.bfloat16), pytest.warns(
+                UserWarning, match=r"\[Dense\] float64 input converted to mlx.core.bfloat16"):
+            assert Dense(2, 2)(mx.ones((1, 2), dtype=mx.float64)).dtype == mx.bfloat16
 
 
 class TestChain:

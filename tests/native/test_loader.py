@@ -8,12 +8,15 @@ as if it were absent: ``FLUXLIKE_NATIVE=0 python -m pytest -q tests/native``.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from native_helpers import (
     INFO,
     _subprocess,
     needs_native,
 )
+
+from fluxlike import native
 
 
 def test_fluxlike_works_without_native():
@@ -121,3 +124,14 @@ def test_openmp_threads_wait_passively_unless_the_environment_says(env, policy):
     assert result.returncode == 0, result.stderr
     assert f"OMP_WAIT_POLICY = '{policy}'" in result.stderr + result.stdout
     assert f"inherited: {env.get('OMP_WAIT_POLICY')}" in result.stdout
+
+
+def test_the_switches_check_their_arguments_without_the_companion_too(monkeypatch):
+    # (the same errors whether or not the companion is in use)
+    monkeypatch.setattr(native.switch, "loaded", None)
+    with pytest.raises(TypeError, match="background_creation: on must be True, False or None"):
+        native.background_creation(5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="matmul_mode: mode must be one of"):
+        native.matmul_mode("bogus")
+    assert native.background_creation(np.bool_(True)) is None
+    assert native.background_creation() is None and native.matmul_mode() is None

@@ -377,6 +377,13 @@ class TestIsolation:
 
 
 class TestCompile:
+    def test_compile_refuses_what_is_not_a_function_or_a_flag(self):
+        with pytest.raises(TypeError, match=r"fluxlike.compile: shapeless must be True or "
+                                            r"False, got 'no'"):
+            fl_compile(lambda x: x, shapeless="no")
+        with pytest.raises(TypeError, match=r"fluxlike.compile: fn must be a function, got int"):
+            fl_compile(3)
+
     def test_one_trace_per_autocast_state(self):
         layer = Dense(3, 2)
         forward = fl_compile(lambda x: layer(x))
