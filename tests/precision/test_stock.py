@@ -319,3 +319,97 @@ def test_a_converter_routes_stock_layers_in_a_fresh_interpreter():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "converted ok"
+
+
+# ---------------------------------------------------------------- mx.fast's attention
+
+def test_importing_fluxlike_leaves_mlxs_attention_until_routing_starts():
+    import subprocess
+    import sys
+    code = ("import mlx.core as mx; mlx_sdpa = mx.fast.scaled_dot_product_attention\n"
+            "import fluxlike\n"
+            "assert mx.fast.scaled_dot_product_attention is mlx_sdpa\n"
+            "with fluxlike.autocast(mx.bfloat16): pass\n"
+            "from fluxlike.precision import stock\n"
+            "assert mx.fast.scaled_dot_product_attention is stock.scaled_dot_product_attention\n"
+            "assert stock._mlx_sdpa is mlx_sdpa\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _qkv(heads=4, kv_heads=2, lq=5, lk=5, seed=0):
+    keys = mx.random.split(mx.random.key(seed), 3)
+    return (mx.random.normal((2, heads, lq, 8), key=keys[0]),
+            mx.random.normal((2, kv_heads, lk, 8), key=keys[1]),
+            mx.random.normal((2, kv_heads, lk, 8), key=keys[2]))
+
+
+def _counting_attend(monkeypatch):
+    """Counts the calls of attend from the routed mx.fast function (installed here: another
+    test's monkeypatch of mx.fast may have put MLX's back, routing being on already)."""
+    from fluxlike.precision import stock
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        stock.scaled_dot_product_attention)
+    calls = []
+    real = stock.attend
+    monkeypatch.setattr(stock, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "bool", "additive"])
+@pytest.mark.parametrize(("heads", "kv_heads", "lq", "lk"), [(4, 4, 5, 5), (4, 2, 5, 5),
+                                                             (4, 1, 1, 6), (2, 2, 3, 7)])
+def test_upstream_attention_under_autocast_runs_fluxlikes_core(monkeypatch, mask, heads,
+                                                               kv_heads, lq, lk):
+    from fluxlike.precision import stock
+    with autocast(mx.bfloat16):  # (routing on)
+        pass
+    q, k, v = _qkv(heads, kv_heads, lq, lk)
+    if mask == "bool":
+        mask = mx.random.uniform(shape=(lq, lk), key=mx.random.key(9)) < 0.7
+    elif mask == "additive":
+        mask = mx.random.normal((lq, lk), key=mx.random.key(9))
+    reference = stock._mlx_sdpa(q, k, v, scale=0.3, mask=mask)  # float32, MLX's
+    calls = _counting_attend(monkeypatch)
+    half = [a.astype(mx.bfloat16) for a in (q, k, v)]
+    with mx.stream(mx.cpu), autocast(mx.bfloat16, device="cpu"):
+        out = mx.fast.scaled_dot_product_attention(*half, scale=0.3, mask=mask)
+    assert calls == [1] and out.dtype == mx.bfloat16 and out.shape == reference.shape
+    np.testing.assert_allclose(np64(out), np64(reference), atol=5e-2)
+
+    def loss(q, k, v, sdpa):
+        return sdpa(q, k, v, scale=0.3, mask=mask).astype(mx.float32).sum()
+
+    with mx.stream(mx.cpu), autocast(mx.bfloat16, device="cpu"):
+        grads = mx.grad(lambda *a: loss(*a, mx.fast.scaled_dot_product_attention),
+                        argnums=(0, 1, 2))(*half)
+    want = mx.grad(lambda *a: loss(*a, stock._mlx_sdpa), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want, strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np64(g), np64(w), atol=0.1 * float(mx.abs(w).max()) + 1e-2)
+
+
+def test_float32_upstream_attention_is_routed_only_inside_fluxlikes_scopes(monkeypatch):
+    import fluxlike
+    from fluxlike.precision import stock
+    with autocast(mx.bfloat16):
+        pass
+    q, k, v = _qkv()
+    calls = _counting_attend(monkeypatch)
+    with mx.stream(mx.cpu):
+        outside = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal")
+        assert calls == []  # plain MLX code keeps MLX's kernel
+        value, grads = fluxlike.withgradient(
+            lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3,
+                                                           mask="causal").sum(), q)
+    native_softmax = kernels.choose("softmax", mx.float32, q) == kernels.NATIVE
+    assert calls == ([1] if native_softmax else [])
+    want = mx.grad(lambda q: stock._mlx_sdpa(q, k, v, scale=0.3, mask="causal").sum())(q)
+    np.testing.assert_allclose(np64(value), np64(outside.sum()), rtol=1e-5)
+    np.testing.assert_allclose(np64(grads[0]), np64(want), rtol=1e-4, atol=1e-5)
+    sinks = mx.zeros((4,))
+    with mx.stream(mx.cpu), autocast(mx.bfloat16, device="cpu"):  # sinks: MLX's
+        mx.fast.scaled_dot_product_attention(*(a.astype(mx.bfloat16) for a in (q, k, v)),
+                                             scale=0.3, sinks=sinks.astype(mx.bfloat16))
+    assert len(calls) == (1 if native_softmax else 0)
