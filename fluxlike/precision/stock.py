@@ -226,8 +226,66 @@ def _routed(q: object, k: object, v: object) -> bool:
             and kernels.choose("softmax", mx.float32, q) == kernels.NATIVE)
 
 
-def _install_sdpa() -> None:
+# ---------------------------------------------------------------- mlx.nn's activations
+
+_mlx_activations = {name: getattr(nn, name) for name in ("silu", "gelu", "gelu_approx")}
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+
+def _native(op: str, x: object) -> bool:
+    return type(x) is mx.array and kernels.choose(op, x.dtype, x) == kernels.NATIVE
+
+
+def silu(x: mx.array) -> mx.array:
+    """``mlx.nn.silu`` once routing is on: ``x * sigmoid(x)`` with the native sigmoid on the
+    CPU (MLX's ``exp`` is scalar there: 13x), else MLX's. Upstream models call it themselves
+    (mlx-lm's SwiGLU).
+
+    >>> import mlx.core as mx
+    >>> [round(v, 5) for v in silu(mx.array([-1.0, 0.0, 2.0])).tolist()]
+    [-0.26894, 0.0, 1.7616]
+    """
+    if _native("sigmoid", x):
+        return x * kernels.sigmoid(x)
+    return _mlx_activations["silu"](x)
+
+
+def gelu(x: mx.array) -> mx.array:
+    """``mlx.nn.gelu`` once routing is on: the native GELU on the CPU (the same exact form,
+    ``x * Φ(x)``, within 5e-7: :func:`.kernels.gelu`), else MLX's.
+
+    >>> import mlx.core as mx
+    >>> [round(v, 5) for v in gelu(mx.array([-1.0, 0.0, 2.0])).tolist()]
+    [-0.15866, 0.0, 1.9545]
+    """
+    if _native("gelu", x):
+        return kernels.gelu(x)
+    return _mlx_activations["gelu"](x)
+
+
+def gelu_approx(x: mx.array) -> mx.array:
+    """``mlx.nn.gelu_approx`` once routing is on: its formula, ``0.5 x (1 + tanh(sqrt(2/pi)
+    (x + 0.044715 x^3)))``, with the native tanh on the CPU (and ``x^3`` as products: MLX's
+    ``power`` and ``tanh`` are scalar there), else MLX's.
+
+    >>> import mlx.core as mx
+    >>> [round(v, 4) for v in gelu_approx(mx.array([-1.0, 0.0, 2.0])).tolist()]
+    [-0.1588, 0.0, 1.9546]
+    """
+    if _native("tanh", x):
+        inner = _SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))
+        return 0.5 * x * (1 + kernels.tanh(inner))
+    return _mlx_activations["gelu_approx"](x)
+
+
+def _install() -> None:
+    """Route MLX's functions that upstream models call themselves (see each)."""
+    import mlx.nn.layers.activations as activations
+
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
+    for name, fn in (("silu", silu), ("gelu", gelu), ("gelu_approx", gelu_approx)):
+        setattr(nn, name, fn)
+        setattr(activations, name, fn)  # (nn.GELU's forward calls these by name)
 
 
-on_activate(_install_sdpa)
+on_activate(_install)

@@ -323,16 +323,18 @@ def test_a_converter_routes_stock_layers_in_a_fresh_interpreter():
 
 # ---------------------------------------------------------------- mx.fast's attention
 
-def test_importing_fluxlike_leaves_mlxs_attention_until_routing_starts():
+def test_importing_fluxlike_leaves_mlxs_functions_until_routing_starts():
     import subprocess
     import sys
-    code = ("import mlx.core as mx; mlx_sdpa = mx.fast.scaled_dot_product_attention\n"
+    code = ("import mlx.core as mx, mlx.nn as nn\n"
+            "mlx_sdpa, mlx_silu = mx.fast.scaled_dot_product_attention, nn.silu\n"
             "import fluxlike\n"
-            "assert mx.fast.scaled_dot_product_attention is mlx_sdpa\n"
+            "assert mx.fast.scaled_dot_product_attention is mlx_sdpa and nn.silu is mlx_silu\n"
             "with fluxlike.autocast(mx.bfloat16): pass\n"
             "from fluxlike.precision import stock\n"
             "assert mx.fast.scaled_dot_product_attention is stock.scaled_dot_product_attention\n"
-            "assert stock._mlx_sdpa is mlx_sdpa\n")
+            "assert nn.silu is stock.silu and nn.gelu is stock.gelu\n"
+            "assert stock._mlx_sdpa is mlx_sdpa and stock._mlx_activations['silu'] is mlx_silu\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -413,3 +415,46 @@ def test_float32_upstream_attention_is_routed_only_inside_fluxlikes_scopes(monke
         mx.fast.scaled_dot_product_attention(*(a.astype(mx.bfloat16) for a in (q, k, v)),
                                              scale=0.3, sinks=sinks.astype(mx.bfloat16))
     assert len(calls) == (1 if native_softmax else 0)
+
+
+# ---------------------------------------------------------------- mlx.nn's activations
+
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_approx"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
+def test_upstream_activations_run_native_and_agree_with_mlxs(monkeypatch, name, dtype):
+    import mlx.nn.layers.activations as activations
+
+    from fluxlike import native
+    from fluxlike.precision import stock
+    with autocast(mx.bfloat16):  # (routing on)
+        pass
+    mlx_fn = stock._mlx_activations[name]
+    # (installed here: another test's monkeypatch may have put MLX's back, routing being on)
+    monkeypatch.setattr(nn, name, getattr(stock, name))
+    monkeypatch.setattr(activations, name, getattr(stock, name))
+    x = (mx.random.normal((3, 257), key=mx.random.key(4)) * 4).astype(dtype)
+    swiglu = mx.compile(lambda g, u: getattr(nn, name)(g) * u, shapeless=True)  # (mlx-lm's)
+    with mx.stream(mx.cpu):
+        got, grad = getattr(nn, name)(x), mx.grad(lambda v: getattr(nn, name)(v).sum())(x)
+        compiled = swiglu(x, x)
+        want, want_grad = mlx_fn(x), mx.grad(lambda v: mlx_fn(v).sum())(x)
+        nn_module = nn.GELU()(x) if name == "gelu" else None
+    assert got.dtype == grad.dtype == compiled.dtype == dtype
+    tol = {mx.float32: 2e-6, mx.bfloat16: 1e-2, mx.float16: 2e-3}[dtype]
+    np.testing.assert_allclose(np64(got), np64(want), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np64(compiled), np64(want * x), rtol=4 * tol, atol=4 * tol)
+    np.testing.assert_allclose(np64(grad), np64(want_grad), rtol=4 * tol, atol=4 * tol)
+    if nn_module is not None:  # nn.GELU's forward calls gelu by name
+        np.testing.assert_allclose(np64(nn_module), np64(want), rtol=tol, atol=tol)
+    calls = []
+    ext = native.switch.loaded
+    if ext is not None:
+        op = {"silu": "sigmoid", "gelu": "gelu", "gelu_approx": "tanh"}[name]
+        real = getattr(ext, op)
+        monkeypatch.setattr(ext, op, lambda v: calls.append(1) or real(v))
+        with mx.stream(mx.cpu):
+            getattr(nn, name)(x)
+        assert calls == [1]
+        with native.disabled(), mx.stream(mx.cpu):  # without the companion: MLX's own
+            np.testing.assert_array_equal(np64(getattr(nn, name)(x)), np64(mlx_fn(x)))
+        assert calls == [1]
