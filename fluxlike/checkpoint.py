@@ -15,8 +15,12 @@ names, shapes and dtypes), before the model is changed.
 File layout: model arrays are stored under ``"model."`` + their flattened name (e.g.
 ``"model.layers.0.weight"``), optimiser state under ``"opt."``; non-array leaves (Python
 numbers, strings, ``None``) go, as JSON, into the file's metadata, and so do the class
-names of the optimiser, which :func:`loadcheckpoint` compares with those of the state it
-loads into. The file is a plain safetensors file: ``mx.load(path)`` reads its arrays.
+names of the optimiser (``"optimizer"``), which :func:`loadcheckpoint` compares with those
+of the state it loads into, and the rule with every hyperparameter it had at the save
+(``"rule"``, as :func:`fluxlike.optimisers.hyperparameters.recorded` writes it), which
+:func:`loadcheckpoint` restores. Each of those entries came in a later version than the
+layout: a file without one loads as before it. The file is a plain safetensors file:
+``mx.load(path)`` reads its arrays.
 
 Faults: a save writes a temporary file beside the target (named after the host, process and
 thread, so that concurrent saves to one path never share one: the last to finish wins, each
@@ -46,6 +50,7 @@ import struct
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,6 +62,15 @@ from mlx.utils import tree_map_with_path, tree_unflatten
 
 from . import distributed as _distributed
 from ._mlxtyping import tree_flatten
+from ._stack import outside_stacklevel
+from .optimisers.hyperparameters import (
+    ScheduleNotStored,
+    follow,
+    recorded,
+    restored,
+    saved_rule,
+)
+from .optimisers.rules import Rule
 
 FORMAT = "fluxlike"
 _MODEL, _OPT = "model.", "opt."
@@ -173,6 +187,9 @@ def savemodel(
     kind = None if opt_state is None else _optimizer_kind(opt_state)
     if kind is not None:
         metadata["optimizer"] = json.dumps(kind)
+    rule = None if opt_state is None else _recorded_rule(opt_state)
+    if rule is not None:
+        metadata["rule"] = json.dumps(rule)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"[savemodel] no directory {str(path.parent)!r} to write into")
     if path.is_dir():
@@ -277,16 +294,36 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
     (MLX's own layout, no prefixes; ``.safetensors`` or ``.npz``) loads as model weights.
     The format is read from the file's content, whatever its name.
 
+    The rule's hyperparameters come back too, as PyTorch's ``load_state_dict`` and
+    Optimisers.jl's state tree bring them: where ``opt_state``'s rule is the saved one
+    (the same rules, chained and wrapped alike, whatever their values), every
+    hyperparameter becomes the saved value (betas, eps, ``ClipNorm``'s max_norm,
+    ``WeightDecay``'s decay, ``AccumGrad``'s n...), as :func:`~fluxlike.adjust` would set
+    it, so the run goes on exactly as it would have. A learning-rate schedule is a function,
+    which a file cannot hold: give ``setup`` the same schedule (it goes on from the saved
+    step count); a state whose rule has a number there gets the state alone (the learning
+    rate with it: the schedule's last value), with a ``UserWarning``. A rule of
+    another structure whose state fits all the same (Adam's state into ``AdamW``, a
+    gradient transform added in front, an ``mlx.optimizers`` optimiser) gets the state
+    alone, keeping the hyperparameters it was set up with, with a ``UserWarning`` saying
+    so. A file saved before checkpoints recorded the rule (no ``"rule"`` metadata entry)
+    restores the state alone, as then: the learning rate (an array of the state) comes
+    back, the other hyperparameters stay those given to ``setup``.
+
     >>> import tempfile, os
-    >>> from fluxlike import Adam, Dense, loadcheckpoint, savemodel, setup
+    >>> from fluxlike import Adam, Dense, adjust, loadcheckpoint, savemodel, setup
     >>> path = os.path.join(tempfile.mkdtemp(), "run.safetensors")
     >>> model = Dense(3, 2)
-    >>> savemodel(path, model, setup(Adam(), model))
+    >>> saved = setup(Adam(), model)
+    >>> adjust(saved, 0.05, betas=(0.5, 0.6), eps=1e-3)
+    >>> savemodel(path, model, saved)
     >>> resumed, opt_state = Dense(3, 2), setup(Adam(), Dense(3, 2))
     >>> loadcheckpoint(path, resumed, opt_state)
     Dense(3 => 2)  # 8 parameters
     >>> opt_state.state["optimizer"]["step"]
     array(0, dtype=uint64)
+    >>> opt_state.rule
+    Adam(lr=0.05, betas=(0.5, 0.6), eps=0.001)
     """
     _check_module(model, "loadcheckpoint")
     if opt_state is not None:
@@ -319,6 +356,8 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
                 f"call loadcheckpoint(path, model) to load the model alone"
             )
         _check_optimizer_kind(metadata.get("optimizer"), opt_state, path)
+        rule, other = _restored_rule(metadata.get("rule"), opt_state, path,
+                                     opt_entries.get("optimizer.learning_rate"))
         # OptState.load_state validates everything and changes nothing on a mismatch; it
         # also makes the loss scale a float16 run saved if this state has none yet.
         # float64 entries (another writer's; MLX writes none) take the state's own dtype
@@ -333,6 +372,10 @@ def loadcheckpoint(path: str | os.PathLike, model: nn.Module, opt_state: Any = N
             opt_state.load_state(tree_unflatten(list(opt_entries.items())))
         except ValueError as e:
             raise ValueError(f"[loadcheckpoint] optimiser state in {str(path)!r}: {e}") from e
+        if rule is not None:  # (checked above: setting it cannot fail)
+            follow(opt_state, rule)
+        if other is not None:
+            warnings.warn(other, UserWarning, stacklevel=outside_stacklevel())
     model.update(new_model)
     return model
 
@@ -499,6 +542,85 @@ def _check_optimizer_kind(recorded: str | None, opt_state: Any, path: Path) -> N
         f"{shown(saved)}, this opt_state is for {shown(current)}; setup() the same rule to "
         f"resume"
     )
+
+
+def _recorded_rule(opt_state: Any) -> dict[str, Any] | None:
+    """What the checkpoint records of ``opt_state``'s rule: its live hyperparameters (see
+    :func:`~fluxlike.optimisers.hyperparameters.recorded`); ``None`` for an mlx optimizer
+    given to ``setup`` as it is, a rule of the user's own or a duck-typed state."""
+    rule = getattr(opt_state, "rule", None)
+    return recorded(rule) if isinstance(rule, Rule) else None
+
+
+def _restored_rule(entry: str | None, opt_state: Any, path: Path,
+                   learning_rate: Any) -> tuple[Any, str | None]:
+    """``(rule, warning)``: the rule ``opt_state`` follows once the file's state is loaded
+    (its own, with the hyperparameters the file records, the learning rate the state's
+    ``learning_rate``; ``None``: nothing to set), and what to warn of once it is (the file's
+    rule is not ``opt_state``'s, so its hyperparameters stay as they are). Raises
+    ``ValueError`` for a record that cannot be read or restored; changes nothing."""
+    if entry is None:  # a file from before checkpoints recorded the rule
+        return None, None
+    try:
+        record = json.loads(entry)
+    except (ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict):
+        raise ValueError(f"[loadcheckpoint] {str(path)!r} has an unreadable 'rule' metadata "
+                         f"entry: {entry[:200]!r}")
+    if not hasattr(opt_state, "optimizer"):  # a duck-typed state: no rule to restore
+        return None, None
+    current = getattr(opt_state, "rule", None)
+    new = None
+    if isinstance(current, Rule):
+        try:
+            new = restored(current, record, learning_rate)
+        except ScheduleNotStored as e:  # (fine-tuning from a run's end, evaluating it...)
+            return None, (
+                f"[loadcheckpoint] the optimiser in {str(path)!r} was saved with a schedule "
+                f"for {e.field} ({e.schedule}), a function, which a checkpoint cannot hold, "
+                f"and this opt_state's rule has {e.field}={e.value!r} there ({current!r}): "
+                f"the state is loaded (the learning rate with it: the schedule's last "
+                f"value), the other hyperparameters stay those it was set up with. To "
+                f"resume the run, setup() the rule with the same schedule"
+            )
+        except (ValueError, TypeError, RecursionError) as e:
+            raise ValueError(f"[loadcheckpoint] {str(path)!r} has an unreadable 'rule' "
+                             f"metadata entry: {e}") from None
+    if new is not None:
+        return new, None
+    try:
+        saved = saved_rule(record)  # (checked: for a state of an mlx optimizer too)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ValueError(f"[loadcheckpoint] {str(path)!r} has an unreadable 'rule' "
+                         f"metadata entry: {e}") from None
+    shown = f"another rule, {current!r}" if isinstance(current, Rule) else (
+        f"an mlx optimizer, {type(current).__name__}")
+    was = _shown(record) if saved is None else repr(saved)
+    return None, (
+        f"[loadcheckpoint] the optimiser state in {str(path)!r} was saved from "
+        f"{was[:500]}; this opt_state follows {shown}, whose state fits: the state "
+        f"(the learning rate with it) is loaded, the other hyperparameters stay those it was "
+        f"set up with. To resume with the saved ones, setup() the saved rule"
+    )
+
+
+def _shown(record: Any) -> str:
+    """A rule's record (``recorded``) written as the rule's repr."""
+    def value(v: Any) -> str:
+        if isinstance(v, dict) and "type" in v:
+            return _shown(v)
+        if isinstance(v, dict) and "schedule" in v:
+            return f"<schedule {v['schedule']}>"
+        return repr(tuple(v)) if isinstance(v, list) else repr(v)
+
+    try:
+        if "parts" in record:
+            return f"{record['type']}({', '.join(map(_shown, record['parts']))})"
+        fields = ", ".join(f"{k}={value(v)}" for k, v in record["fields"].items())
+        return f"{record['type']}({fields})"
+    except (TypeError, KeyError, AttributeError, RecursionError):
+        return repr(record)[:200]
 
 
 def _strip(entries: dict[str, Any], prefix: str) -> dict[str, Any]:

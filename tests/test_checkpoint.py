@@ -7,19 +7,35 @@ import pytest
 from mlx.utils import tree_flatten
 
 from fluxlike import (
+    AccumGrad,
+    AdaBelief,
+    AdaDelta,
+    AdaGrad,
     Adam,
+    AdaMax,
     AdamW,
+    AMSGrad,
     BatchNorm,
     Chain,
     ClipNorm,
+    ClipValue,
     DataLoader,
     Dense,
     Descent,
     DynamicLossScale,
+    Lion,
     Momentum,
+    NAdam,
     Nesterov,
+    OAdam,
     OptimiserChain,
+    RAdam,
     RMSProp,
+    Rprop,
+    SignDecay,
+    Signum,
+    WeightDecay,
+    adjust,
     loadcheckpoint,
     loadmodel,
     relu,
@@ -28,6 +44,7 @@ from fluxlike import (
     state,
     train,
     trainmode,
+    update,
 )
 from fluxlike.losses import logitcrossentropy
 
@@ -348,6 +365,7 @@ class TestOptimiserState:
                                    r"from Descent \(mlx SGD\), this opt_state is for Adam "
                                    r"\(mlx Adam\); setup\(\) the same rule to resume$")
 
+    @pytest.mark.filterwarnings(r"ignore:\[loadcheckpoint\] the optimiser state in")
     def test_rules_with_the_same_state_names_are_told_apart(self, tmp_path):
         # Momentum's and RMSProp's states both hold one "v" per parameter
         path = tmp_path / "momentum.safetensors"
@@ -367,6 +385,7 @@ class TestOptimiserState:
         savemodel(path, model, setup(Adam(), model))
         loadcheckpoint(path, model, setup(AdamW(), model))
 
+    @pytest.mark.filterwarnings(r"ignore:\[loadcheckpoint\] the optimiser state in")
     def test_files_without_the_optimiser_kind_still_load(self, tmp_path):
         path = tmp_path / "old.safetensors"
         model = make_model()
@@ -388,3 +407,245 @@ class TestOptimiserState:
         path = tmp_path / "model.safetensors"
         savemodel(path, make_model())
         self.check_unchanged(path, r"holds no optimiser state; call loadcheckpoint\(path, model\)")
+
+
+# ---------------------------------------------------------------- the rule's hyperparameters
+
+BETAS = {"lr": 0.05, "betas": (0.5, 0.6), "eps": 1e-3}
+# every rule fluxlike has, and hyperparameters other than its defaults to adjust it to
+RULES = [
+    (Descent(), {"lr": 0.05}),
+    (Momentum(), {"lr": 0.05, "rho": 0.5}),
+    (Nesterov(), {"lr": 0.05, "rho": 0.5}),
+    (RMSProp(), {"lr": 0.05, "rho": 0.5, "eps": 1e-3}),
+    (Adam(), BETAS),
+    (AdamW(), {**BETAS, "weight_decay": 0.2}),
+    (Lion(), {"lr": 0.05, "betas": (0.5, 0.6), "weight_decay": 0.2}),
+    (AdaGrad(), {"lr": 0.05, "eps": 1e-3}),
+    (AdaDelta(), {"rho": 0.5, "eps": 1e-3}),
+    (AdaMax(), BETAS), (NAdam(), BETAS), (RAdam(), BETAS), (OAdam(), BETAS),
+    (AdaBelief(), BETAS), (AMSGrad(), BETAS),
+    (Rprop(), {"lr": 0.05, "etas": (0.3, 1.5), "step_sizes": (1e-4, 10.0)}),
+    (Signum(), {"lr": 0.05, "beta": 0.5}),
+    (OptimiserChain(ClipNorm(1.0), ClipValue(1.0), WeightDecay(), SignDecay(), Adam()),
+     {**BETAS, "max_norm": 0.5, "delta": 0.3, "decay": 0.01}),
+    (AccumGrad(2, OptimiserChain(ClipNorm(1.0), Momentum())),
+     {"n": 3, "lr": 0.05, "rho": 0.5, "max_norm": 0.5}),
+]
+
+
+def settings(optimizer: optim.Optimizer) -> dict:
+    """An mlx optimizer's Python settings (the inner optimizers' too), without its state."""
+    return {k: settings(v) if isinstance(v, optim.Optimizer) else v
+            for k, v in vars(optimizer).items() if k not in ("_state", "_initialized")}
+
+
+def steps(opt_state, model, grads) -> None:
+    for g in grads:
+        update(opt_state, model, {k: mx.array(v) for k, v in g.items()})
+
+
+def problem(steps: int = 3):
+    rng = np.random.default_rng(0)
+    model = Dense(3, 2)
+    grads = [{"weight": rng.normal(size=(2, 3)).astype(np.float32),
+              "bias": rng.normal(size=(2,)).astype(np.float32)} for _ in range(steps)]
+    return model, grads
+
+
+def adjusted(tmp_path, rule=None, changes=BETAS, name="run.safetensors"):
+    """A model and state of ``rule`` (``Adam()``) stepped once and adjusted by ``changes``,
+    saved."""
+    model, grads = problem(1)
+    opt_state = setup(Adam() if rule is None else rule, model)
+    steps(opt_state, model, grads)
+    adjust(opt_state, **changes)
+    path = tmp_path / name
+    savemodel(path, model, opt_state)
+    return path, model, opt_state
+
+
+def unchanged(opt_state, model):
+    """What a refused load must leave as it was: the rule, the optimiser's settings, the
+    state's and the model's arrays."""
+    return (repr(opt_state), opt_state.rule, settings(opt_state.optimizer),
+            snapshot(opt_state.state), snapshot(model.parameters()))
+
+
+def assert_unchanged(before, opt_state, model) -> None:
+    after = unchanged(opt_state, model)
+    assert after[:3] == before[:3]
+    assert_same(after[3], before[3])
+    assert_same(after[4], before[4])
+
+
+class TestHyperparameters:
+    @pytest.mark.parametrize(("rule", "changes"), RULES,
+                             ids=[type(r).__name__ for r, _ in RULES])
+    def test_every_hyperparameter_comes_back_and_training_goes_on_as_uninterrupted(
+            self, tmp_path, rule, changes):
+        path, model, opt_state = adjusted(tmp_path, rule, changes)
+        assert opt_state.rule != rule  # (the adjustment changed it)
+        resumed = Dense(3, 2)
+        resumed_opt = setup(rule, resumed)  # set up with the hyperparameters of the start
+        loadcheckpoint(path, resumed, resumed_opt)
+        assert resumed_opt.rule == opt_state.rule
+        assert repr(resumed_opt) == repr(opt_state)
+        assert repr(resumed_opt.optimizer) == repr(opt_state.optimizer)
+        assert settings(resumed_opt.optimizer) == settings(opt_state.optimizer)
+        _, grads = problem(3)
+        steps(opt_state, model, grads)  # the uninterrupted run
+        steps(resumed_opt, resumed, grads)
+        assert_same(snapshot(resumed.parameters()), snapshot(model.parameters()))
+        assert_same(snapshot(resumed_opt.state), snapshot(opt_state.state))
+
+    @pytest.mark.parametrize("autocast", [None, mx.float16])
+    def test_resumed_after_adjust_matches_uninterrupted(self, tmp_path, autocast):
+        model = make_model()
+        opt_state = setup(OptimiserChain(ClipNorm(1.0), Adam(1e-2)), model)
+        run(model, opt_state, 1, autocast)
+        adjust(opt_state, 5e-2, betas=(0.5, 0.6), eps=1e-3, max_norm=0.5)
+        run(model, opt_state, 1, autocast)
+        path = tmp_path / "run.safetensors"
+        savemodel(path, model, opt_state)
+        run(model, opt_state, 2, autocast)
+
+        resumed = make_model()
+        resumed_opt = setup(OptimiserChain(ClipNorm(1.0), Adam(1e-2)), resumed)
+        loadcheckpoint(path, resumed, resumed_opt)
+        assert resumed_opt.rule == OptimiserChain(ClipNorm(0.5), Adam(5e-2, (0.5, 0.6), 1e-3))
+        run(resumed, resumed_opt, 2, autocast)
+        assert_same(snapshot(resumed.parameters()), snapshot(model.parameters()))
+        assert_same(snapshot(resumed_opt.state), snapshot(opt_state.state))
+
+    def test_the_file_records_the_live_rule(self, tmp_path):
+        model = make_model()
+        opt_state = setup(Adam(1e-3), model)
+        opt_state.optimizer.learning_rate = 0.25  # as docs/training.md's loop does
+        path = tmp_path / "run.safetensors"
+        savemodel(path, model, opt_state)
+        assert json.loads(mx.load(str(path), return_metadata=True)[1]["rule"]) == {
+            "type": "Adam", "fields": {"lr": 0.25, "betas": [0.9, 0.999], "eps": 1e-8}}
+
+    def test_the_repr_after_a_load_shows_the_loaded_values(self, tmp_path):
+        path, _, _ = adjusted(tmp_path)
+        opt_state = setup(Adam(1e-3), Dense(3, 2))
+        loadcheckpoint(path, Dense(3, 2), opt_state)
+        shown = "Adam(lr=0.05, betas=(0.5, 0.6), eps=0.001)"
+        assert repr(opt_state) == f"OptState({shown}, loss_scale=NoOpLossScale())"
+        assert repr(opt_state.optimizer) == shown
+        assert opt_state.optimizer.betas == [0.5, 0.6] and opt_state.optimizer.eps == 1e-3
+
+    def test_a_learning_rate_comes_back_as_given(self, tmp_path):
+        path, _, _ = adjusted(tmp_path, changes={"lr": 0.1234567891})
+        opt_state = setup(Adam(), Dense(3, 2))
+        loadcheckpoint(path, Dense(3, 2), opt_state)
+        assert opt_state.rule.lr == 0.1234567891  # not its float32 value, 0.12345679104328156
+
+    def test_another_kind_of_rule_is_refused_changing_nothing(self, tmp_path):
+        path, _, _ = adjusted(tmp_path)
+        model, opt_state = Dense(3, 2), setup(Descent(0.3), Dense(3, 2))
+        before = unchanged(opt_state, model)
+        with pytest.raises(ValueError, match=r"^\[loadcheckpoint\] the optimiser state in "
+                           r"'.*run.safetensors' was saved from Adam \(mlx Adam\), this opt_state "
+                           r"is for Descent \(mlx SGD\); setup\(\) the same rule to resume$"):
+            loadcheckpoint(path, model, opt_state)
+        assert_unchanged(before, opt_state, model)
+
+    @pytest.mark.parametrize(("saved", "given", "shown"), [
+        (OptimiserChain(ClipNorm(1.0), Adam()), Adam(),
+         r"OptimiserChain\(ClipNorm\(max_norm=1.0\), Adam\(lr=0.05, betas=\(0.5, 0.6\), "
+         r"eps=0.001\)\); this opt_state follows another rule, Adam\(lr=0.001, "),
+        (Adam(), AdamW(), r"Adam\(lr=0.05, .*\); this opt_state follows another rule, AdamW\("),
+        (NAdam(), RAdam(), r"NAdam\(lr=0.05, .*\); this opt_state follows another rule, RAdam\("),
+        (Adam(), optim.Adam(1e-3), r"Adam\(lr=0.05, .*\); this opt_state follows an mlx "
+                                   r"optimizer, Adam, whose"),
+    ])
+    def test_a_related_rule_gets_the_state_alone_with_a_warning(self, tmp_path, saved, given,
+                                                                shown):
+        path, model, saved_state = adjusted(tmp_path, saved, BETAS)
+        target = setup(given, Dense(3, 2))
+        before = settings(target.optimizer)
+        with pytest.warns(UserWarning, match=r"^\[loadcheckpoint\] the optimiser state in "
+                          r"'.*run.safetensors' was saved from " + shown + r".*the state \(the "
+                          r"learning rate with it\) is loaded, the other hyperparameters stay "
+                          r"those it was set up with. To resume with the saved ones, setup\(\) "
+                          r"the saved rule$"):
+            loadcheckpoint(path, Dense(3, 2), target)
+        assert_same(snapshot(target.state), snapshot(saved_state.state))
+        assert settings(target.optimizer) == before
+        assert target.optimizer.learning_rate.item() == pytest.approx(0.05)
+
+    def test_files_without_the_rule_load_as_before(self, tmp_path):
+        # as earlier versions wrote them: the state and its learning rate come back, the
+        # other hyperparameters stay those given to setup
+        path, _, saved = adjusted(tmp_path)
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        del metadata["rule"]
+        mx.save_safetensors(str(path), arrays, metadata=metadata)
+        opt_state = setup(Adam(1e-3), Dense(3, 2))
+        loadcheckpoint(path, Dense(3, 2), opt_state)
+        assert opt_state.rule == Adam(0.05)
+        assert_same(snapshot(opt_state.state), snapshot(saved.state))
+
+    def test_a_schedule_given_again_goes_on_and_a_number_replaces_one(self, tmp_path):
+        schedule = optim.cosine_decay(1e-2, 100)
+        path, model, saved = adjusted(tmp_path, Adam(schedule), {"betas": (0.5, 0.6)})
+        resumed, opt_state = Dense(3, 2), setup(Adam(schedule), Dense(3, 2))
+        loadcheckpoint(path, resumed, opt_state)
+        assert opt_state.rule == Adam(schedule, (0.5, 0.6)) == saved.rule
+        _, grads = problem(2)
+        steps(saved, model, grads)
+        steps(opt_state, resumed, grads)
+        assert_same(snapshot(resumed.parameters()), snapshot(model.parameters()))
+        # a number saved, a schedule given: the number replaces it, as adjust would
+        path, _, _ = adjusted(tmp_path, Adam(), BETAS, "number.safetensors")
+        opt_state = setup(Adam(schedule), Dense(3, 2))
+        loadcheckpoint(path, Dense(3, 2), opt_state)
+        assert opt_state.rule == Adam(**BETAS) and opt_state.optimizer._schedulers == {}
+
+    def test_a_schedule_saved_a_number_given_loads_the_state_alone_with_a_warning(self,
+                                                                                  tmp_path):
+        # (fine-tuning from the end of a scheduled run, or evaluating it: the examples' demo)
+        path, _, _ = adjusted(tmp_path, Adam(optim.cosine_decay(1e-2, 100)), {"eps": 1e-3})
+        model, opt_state = Dense(3, 2), setup(Adam(1e-3), Dense(3, 2))
+        with pytest.warns(UserWarning, match=r"^\[loadcheckpoint\] the optimiser in "
+                          r"'.*run.safetensors' was saved with a schedule for lr "
+                          r"\(cosine_decay.<locals>.schedule\), a function, which a checkpoint "
+                          r"cannot hold, and this opt_state's rule has lr=0.001 there "
+                          r"\(Adam\(.*\)\): the state is loaded"):
+            loadcheckpoint(path, model, opt_state)
+        saved = mx.load(str(path))
+        assert opt_state.optimizer.eps == 1e-8  # as set up: the state alone
+        assert opt_state.state["optimizer"]["step"].item() == saved["opt.optimizer.step"].item()
+
+    @pytest.mark.parametrize(("record", "said"), [
+        ("{bad", "{bad"),
+        ("[1]", "[1]"),
+        (json.dumps({"fields": {}}), "a rule's record is an object with a 'type'"),
+        (json.dumps({"type": "Adam", "fields": {"lr": 0.05}}),
+         "Adam records the fields {'lr': 0.05}, its fields are lr, betas, eps"),
+        (json.dumps({"type": "Adam", "fields": {"lr": "fast", "betas": [0.9, 0.99],
+                                                "eps": 1e-8}}), "Adam records lr=fast, not a"),
+        (json.dumps({"type": "Adam", "fields": {"lr": 0.05, "betas": [0.9, 1.5],
+                                                "eps": 1e-8}}),
+         r"Adam refuses the recorded values: \[Adam\] betas\[1\] must be a number in \[0, 1\)"),
+        (json.dumps({"type": "Adam", "fields": {"lr": 0.05, "betas": [0.9, 0.99],
+                                                "eps": -1.0}}), "Adam refuses"),
+        (json.dumps({"type": "OptimiserChain", "parts": 3}), "OptimiserChain records no list"),
+    ])
+    def test_unreadable_records_are_refused_changing_nothing(self, tmp_path, record, said):
+        path, _, _ = adjusted(tmp_path)
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        mx.save_safetensors(str(path), arrays, metadata={**metadata, "rule": record})
+        model, opt_state = Dense(3, 2), setup(Adam(1e-3), Dense(3, 2))
+        before = unchanged(opt_state, model)
+        with pytest.raises(ValueError, match=r"^\[loadcheckpoint\] '.*run.safetensors' has an "
+                           r"unreadable 'rule' metadata entry: .*" + said):
+            loadcheckpoint(path, model, opt_state)
+        assert_unchanged(before, opt_state, model)
+
+    def test_a_load_without_the_optimiser_ignores_the_rule(self, tmp_path):
+        path, model, _ = adjusted(tmp_path)
+        assert_same(snapshot(loadcheckpoint(path, Dense(3, 2)).parameters()),
+                    snapshot(model.parameters()))

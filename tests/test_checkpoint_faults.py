@@ -226,6 +226,14 @@ def _corpus(valid: bytes) -> dict[str, tuple[bytes, str]]:
     def with_entry(name: str, **changes) -> bytes:
         return _pack({**header, name: {**header[name], **changes}}, body)
 
+    def with_rule(drop: str | None = None, **fields) -> bytes:
+        rule = json.loads(meta["rule"])
+        rule["fields"].update(fields)
+        rule["fields"].pop(drop, None)
+        return with_meta(rule=json.dumps(rule))
+
+    nested = '{"type": "AccumGrad", "fields": {"n": 2, "rule": ' * 400 + "1" + "}}" * 400
+
     def scalar(name: str, dtype: str, value) -> bytes:
         np_dtype = {"F32": np.float32, "I32": np.int32, "U64": np.uint64}[dtype]
         return _retyped(header, body, name, dtype, np.array(value, dtype=np_dtype))
@@ -252,6 +260,18 @@ def _corpus(valid: bytes) -> dict[str, tuple[bytes, str]]:
         "optimizer kind garbage": (with_meta(optimizer="{bad"), "unreadable 'optimizer'"),
         "optimizer kind bomb": (with_meta(optimizer=bomb), "unreadable 'optimizer'"),
         "optimizer kind a list": (with_meta(optimizer="[1]"), "unreadable 'optimizer'"),
+        "rule garbage": (with_meta(rule="{bad"), "unreadable 'rule'"),
+        "rule bomb": (with_meta(rule=bomb), "unreadable 'rule'"),
+        "rule a list": (with_meta(rule="[1]"), "unreadable 'rule'"),
+        "rule without fields": (with_meta(rule=json.dumps({"type": "Adam"})),
+                                "unreadable 'rule' metadata entry: Adam records no object"),
+        "rule of nested records": (with_meta(rule=nested), "unreadable 'rule'"),
+        "rule a field short": (with_rule(betas=None, drop="eps"), "its fields are lr, betas, eps"),
+        "rule betas refused": (with_rule(betas=[0.9, 2.0]), "Adam refuses the recorded values"),
+        "rule eps nan": (with_rule(eps=float("nan")), "Adam refuses the recorded values"),
+        "rule lr a list": (with_rule(lr=[0.1]), "Adam records lr=[0.1], not a number"),
+        "rule eps an object": (with_rule(eps={"a": 1}), "a rule's record is an object with a "
+                                                          "'type', got {'a': 1}"),
         "unknown dtype": (with_entry("model.weight", dtype="F8"), "header entry of "
                                                                    "'model.weight' is malformed"),
         "shape of strings": (with_entry("model.weight", shape=["2", "3"]), "is malformed"),

@@ -4,6 +4,7 @@ of the gradients given since its last step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -11,7 +12,7 @@ from mlx.utils import tree_map
 
 from .._mlxtyping import tree_flatten
 from .compiled import assign
-from .rules import Rule, Tree, _clear_keywords
+from .rules import Rule, Tree, _clear_keywords, _Follows, _unchecked, following
 
 
 def _per_parameter(optimizer: optim.Optimizer) -> optim.Optimizer:
@@ -20,7 +21,7 @@ def _per_parameter(optimizer: optim.Optimizer) -> optim.Optimizer:
     return _per_parameter(inner) if isinstance(inner, optim.Optimizer) else optimizer
 
 
-class _Accumulating(optim.Optimizer):
+class _Accumulating(optim.Optimizer, _Follows):
     """Sums the gradients in the state (``accumulated``, beside the rule's own entries for
     each parameter; ``accumulated_steps`` counts them) and applies ``rule_optimizer`` to
     their mean when the count reaches ``n``. No Python value changes from step to step, so
@@ -31,6 +32,17 @@ class _Accumulating(optim.Optimizer):
         super().__init__()
         self.n = n
         self.rule_optimizer = rule_optimizer  # (not `inner`: that is an OptimiserChain's)
+
+    def following(self, given: Any = None) -> Any:
+        inner = given.rule if isinstance(given, AccumGrad) else None
+        rule = following(self.rule_optimizer, inner)
+        if rule is None:  # an optimizer fluxlike did not build, and no rule given
+            return given
+        accumulating = _unchecked(AccumGrad, {"n": self.n, "rule": rule})
+        return given if accumulating == given else accumulating
+
+    def __repr__(self) -> str:
+        return f"AccumGrad(n={self.n!r}, rule={self.rule_optimizer!r})"
 
     @property
     def state(self) -> dict:

@@ -32,7 +32,9 @@ from .rules import (
     LearningRate,
     Rule,
     _betas,
+    _builds,
     _clear_keywords,
+    _Follows,
     _fraction,
     _HalfEps,
     _lr,
@@ -63,19 +65,19 @@ def _half_eps(cls: type) -> type:
                                                 "__module__": cls.__module__})
 
 
-class _AdaGrad(_HalfEps, optim.Adagrad):
+class _AdaGrad(_HalfEps, optim.Adagrad, _Follows):
     """MLX's Adagrad, its accumulator starting at ``eps`` as Optimisers.jl's."""
 
     def init_single(self, parameter: mx.array, state: dict) -> None:
         state["v"] = mx.full(parameter.shape, self.eps, parameter.dtype)
 
 
-class _AdaDelta(_HalfEps, optim.AdaDelta):
+class _AdaDelta(_HalfEps, optim.AdaDelta, _Follows):
     pass
 
 
 @_half_eps
-class _AdaMax(_Corrections, optim.Adamax):
+class _AdaMax(_Corrections, optim.Adamax, _Follows):
     """MLX's Adamax with Optimisers.jl's bias correction ``lr / (1 - beta1**t)``."""
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
@@ -89,7 +91,7 @@ class _AdaMax(_Corrections, optim.Adamax):
         return parameter - lr * m / (u + self.eps)
 
 
-class _Moments(_Corrections, optim.Optimizer):
+class _Moments(_Corrections, optim.Optimizer, _Follows):
     """An optimiser with Adam's first and second moments ``m`` and ``v``."""
 
     def __init__(self, learning_rate: LearningRate, betas: list[float], eps: float):
@@ -192,6 +194,7 @@ def _checked(rule: Rule, lr: bool = True, betas: bool = True, eps: str = "eps") 
 
 
 @_clear_keywords
+@_builds(_AdaGrad)
 @dataclass(frozen=True)
 class AdaGrad(Rule):
     """AdaGrad: ``a += g**2``, ``w -= lr * g / (sqrt(a) + eps)``, the accumulator ``a``
@@ -219,6 +222,7 @@ class AdaGrad(Rule):
 
 
 @_clear_keywords
+@_builds(_AdaDelta)
 @dataclass(frozen=True)
 class AdaDelta(Rule):
     """AdaDelta, which has no learning rate: ``a = rho * a + (1 - rho) * g**2``,
@@ -253,6 +257,7 @@ class _AdamLike(Rule):
 
 
 @_clear_keywords
+@_builds(_AdaMax)
 @dataclass(frozen=True)
 class AdaMax(_AdamLike):
     """AdaMax, Adam with the infinity norm: ``m = beta1 * m + (1 - beta1) * g``,
@@ -269,6 +274,7 @@ class AdaMax(_AdamLike):
 
 
 @_clear_keywords
+@_builds(_NAdam)
 @dataclass(frozen=True)
 class NAdam(_AdamLike):
     """NAdam, Adam with Nesterov momentum, as Optimisers.jl writes it: with Adam's ``m`` and
@@ -286,6 +292,7 @@ class NAdam(_AdamLike):
 
 
 @_clear_keywords
+@_builds(_RAdam)
 @dataclass(frozen=True)
 class RAdam(_AdamLike):
     """Rectified Adam: Adam's step times the rectification ``r`` while the variance of the
@@ -303,6 +310,7 @@ class RAdam(_AdamLike):
 
 
 @_clear_keywords
+@_builds(_OAdam)
 @dataclass(frozen=True)
 class OAdam(_AdamLike):
     """Optimistic Adam, for adversarial training: with Adam's bias-corrected step
@@ -322,6 +330,7 @@ class OAdam(_AdamLike):
 
 
 @_clear_keywords
+@_builds(_AdaBelief)
 @dataclass(frozen=True)
 class AdaBelief(_AdamLike):
     """AdaBelief: Adam whose second moment is the belief ``s = beta2 * s + (1 - beta2) *
@@ -340,6 +349,7 @@ class AdaBelief(_AdamLike):
 
 
 @_clear_keywords
+@_builds(_AMSGrad)
 @dataclass(frozen=True)
 class AMSGrad(_AdamLike):
     """AMSGrad: Adam's moments without bias correction, divided by the largest second moment

@@ -24,19 +24,25 @@ Gradient clipping goes in front of a rule with :class:`OptimiserChain`:
 ``OptimiserChain(ClipNorm(1.0), Adam(1e-3))``. Unlike Optimisers.jl's per-array
 ``ClipNorm``, :class:`ClipNorm` clips the *global* norm of all gradients together (as
 PyTorch's ``clip_grad_norm_`` and ``mlx.optimizers.clip_grad_norm`` do).
+
+The optimiser a rule builds knows the rule it follows (:func:`following`): its repr is that
+rule's, with the values it holds now (after :func:`~fluxlike.adjust`, an assignment to its
+``learning_rate`` or a checkpoint load), not those it was built with.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_map
 
 from .. import native
@@ -128,6 +134,109 @@ class GradientTransform:
         raise NotImplementedError
 
 
+class _Follows:
+    """For the mlx optimizers that fluxlike's rules build: :meth:`following` is the rule the
+    optimizer follows now, and its repr is that rule's (``Adam(lr=0.05, betas=(0.5, 0.6),
+    eps=0.001)``, not ``<..._Adam object at 0x...>``). For a dataclass rule's optimizer the
+    rule's fields are read back from the optimizer's live settings: ``learning_rate`` (its
+    schedule, if it has one) and the attributes :data:`_OPTIMIZER_NAMES` names."""
+
+    rule_type: ClassVar[type]  # the rule that builds it (set by @_builds on the rule)
+
+    def following(self, given: Any = None) -> Any:
+        """The rule this optimizer follows now; ``given`` is the rule it was built (or
+        adjusted) with, whose learning rate is kept where it is the one the optimizer holds
+        (``Adam(0.1234567891)`` keeps its lr, where the float32 value alone would show
+        0.12345679)."""
+        optimizer = cast(optim.Optimizer, self)
+        cls = self.rule_type
+        if given is not None and not isinstance(given, cls):  # built by another rule
+            return given
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name == "lr":
+                values["lr"] = _live_lr(optimizer, getattr(given, "lr", None))
+                continue
+            value = getattr(optimizer, _OPTIMIZER_NAMES.get((cls, field.name), field.name))
+            values[field.name] = tuple(value) if isinstance(value, list) else value
+        if given is None:
+            return _unchecked(cls, values)
+        if all(getattr(given, k) == v for k, v in values.items()):
+            return given
+        return _unchecked(given, values)  # (a subclass of the rule keeps its own fields)
+
+    def __repr__(self) -> str:
+        return repr(self.following())
+
+
+def following(optimizer: optim.Optimizer, given: Any = None) -> Any:
+    """The rule ``optimizer`` follows now (see :class:`_Follows`): ``given`` (the rule that
+    built it) with the values of its hyperparameters that ``optimizer`` holds now; ``given``
+    as it is for an optimizer fluxlike did not build.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike import Adam
+    >>> optimizer = Adam(1e-3).build()
+    >>> optimizer.learning_rate, optimizer.betas = mx.array(0.05), [0.5, 0.6]
+    >>> optimizer
+    Adam(lr=0.05, betas=(0.5, 0.6), eps=1e-08)
+    >>> following(optimizer, Adam(1e-3)) == Adam(0.05, betas=(0.5, 0.6))
+    True
+    """
+    return optimizer.following(given) if isinstance(optimizer, _Follows) else given
+
+
+def _live_lr(optimizer: optim.Optimizer, given: Any) -> Any:
+    """The learning rate ``optimizer`` uses now: its schedule if it has one, else the number
+    it holds, written as the shortest decimal of its float32 value (``given`` where that is
+    the same float32)."""
+    schedule = optimizer._schedulers.get("learning_rate")
+    if schedule is not None:
+        return schedule
+    value = optimizer.state.get("learning_rate")
+    if not isinstance(value, mx.array) or value.size != 1:  # not one number: as it is
+        return given if value is None else value
+    return _as_number(value, given)
+
+
+def _as_number(value: mx.array, given: Any = None) -> float:
+    """A one-element array (a learning rate) as a Python float: ``given`` where that is the
+    same float32 value, else the shortest decimal of the value as a float32."""
+    number = np.float32(cast(float, value.astype(mx.float32).item()))
+    if isinstance(given, (int, float)) and not isinstance(given, bool) and (
+        np.float32(given) == number
+    ):
+        return float(given)
+    return float(str(number))  # numpy writes a float32 with its shortest decimal
+
+
+def _unchecked(base: Any, values: dict[str, Any]) -> Any:
+    """A frozen dataclass rule holding ``values`` as they are (``base``: its class, or a rule
+    whose other fields it keeps): a rule read back from a live optimizer shows what it
+    holds, even a value its constructor would refuse."""
+    rule = object.__new__(base) if isinstance(base, type) else copy.copy(base)
+    for name, value in values.items():
+        object.__setattr__(rule, name, value)
+    return rule
+
+
+# The dataclass rules whose optimizers follow them (@_builds): their fields can be read back
+# from a live optimizer and set on it, so checkpoints record and restore them.
+FOLLOWED: set[type] = set()
+
+
+def _builds(*optimizers: type[_Follows]) -> Callable[[type], type]:
+    """Class decorator of a dataclass rule: the mlx optimizer classes that it builds, whose
+    :meth:`_Follows.following` reads this rule's fields."""
+    def mark(rule: type) -> type:
+        for optimizer in optimizers:
+            optimizer.rule_type = rule
+        FOLLOWED.add(rule)
+        return rule
+
+    return mark
+
+
 # The smallest eps a float16 parameter's step uses, as Optimisers.jl's _eps: 1e-8 is 0 in
 # float16, and a zero gradient then divides 0 by 0 (NaN in an f16mix model's first steps).
 FLOAT16_EPS = 1e-7
@@ -216,26 +325,39 @@ class _NativeRMSprop:
         return new
 
 
-class _Adam(_HalfEps, _NativeAdam, optim.Adam):
+class _Adam(_HalfEps, _NativeAdam, optim.Adam, _Follows):
     pass
 
 
-class _AdamW(_HalfEps, _NativeAdam, optim.AdamW):
+class _AdamW(_HalfEps, _NativeAdam, optim.AdamW, _Follows):
     pass
 
 
-class _RMSprop(_HalfEps, _NativeRMSprop, optim.RMSprop):
+class _RMSprop(_HalfEps, _NativeRMSprop, optim.RMSprop, _Follows):
     pass
 
 
-class _Descent(optim.SGD):
+class _Descent(optim.SGD, _Follows):
     """Plain SGD that keeps no (unused) momentum buffer."""
 
     def init_single(self, parameter: mx.array, state: dict) -> None:
         pass
 
 
+class _Momentum(optim.SGD, _Follows):
+    pass
+
+
+class _Nesterov(optim.SGD, _Follows):
+    pass
+
+
+class _Lion(optim.Lion, _Follows):
+    pass
+
+
 @_clear_keywords
+@_builds(_Descent)
 @dataclass(frozen=True)
 class Descent(Rule):
     """Plain gradient descent: ``w -= lr * g``.
@@ -255,6 +377,7 @@ class Descent(Rule):
 
 
 @_clear_keywords
+@_builds(_Momentum)
 @dataclass(frozen=True)
 class Momentum(Rule):
     """Gradient descent with momentum: ``v = rho * v + g``, ``w -= lr * v``.
@@ -272,10 +395,11 @@ class Momentum(Rule):
         object.__setattr__(self, "rho", _fraction(self.rho, "rho", "Momentum"))
 
     def build(self) -> optim.Optimizer:
-        return optim.SGD(self.lr, momentum=self.rho)
+        return _Momentum(self.lr, momentum=self.rho)
 
 
 @_clear_keywords
+@_builds(_Nesterov)
 @dataclass(frozen=True)
 class Nesterov(Rule):
     """Nesterov momentum: ``v = rho * v + g``, ``w -= lr * (g + rho * v)``.
@@ -296,10 +420,11 @@ class Nesterov(Rule):
         object.__setattr__(self, "rho", rho)
 
     def build(self) -> optim.Optimizer:
-        return optim.SGD(self.lr, momentum=self.rho, nesterov=True)
+        return _Nesterov(self.lr, momentum=self.rho, nesterov=True)
 
 
 @_clear_keywords
+@_builds(_RMSprop)
 @dataclass(frozen=True)
 class RMSProp(Rule):
     """RMSProp: ``a = rho * a + (1 - rho) * g**2``, ``w -= lr * g / (sqrt(a) + eps)``.
@@ -323,6 +448,7 @@ class RMSProp(Rule):
 
 
 @_clear_keywords
+@_builds(_Adam)
 @dataclass(frozen=True)
 class Adam(Rule):
     """Adam with bias correction (as in Flux and PyTorch):
@@ -362,6 +488,7 @@ class Adam(Rule):
 
 
 @_clear_keywords
+@_builds(_AdamW)
 @dataclass(frozen=True)
 class AdamW(Adam):
     """Adam with decoupled weight decay: ``w -= lr * (adam_step + weight_decay * w)``.
@@ -386,6 +513,7 @@ class AdamW(Adam):
 
 
 @_clear_keywords
+@_builds(_Lion)
 @dataclass(frozen=True)
 class Lion(Rule):
     """Lion: ``w -= lr * (sign(beta1 * m + (1 - beta1) * g) + weight_decay * w)``,
@@ -407,7 +535,7 @@ class Lion(Rule):
         object.__setattr__(self, "weight_decay", wd)
 
     def build(self) -> optim.Optimizer:
-        return optim.Lion(self.lr, betas=list(self.betas), weight_decay=self.weight_decay)
+        return _Lion(self.lr, betas=list(self.betas), weight_decay=self.weight_decay)
 
 
 @_clear_keywords
@@ -488,7 +616,13 @@ class WeightDecay(GradientTransform):
         return tree_map(decayed, grads, params)
 
 
-class _Chained(optim.Optimizer):
+# A rule's field that its mlx optimizer keeps under another name.
+_OPTIMIZER_NAMES: dict[tuple[type, str], str] = {
+    (RMSProp, "rho"): "alpha", (Momentum, "rho"): "momentum", (Nesterov, "rho"): "momentum",
+}
+
+
+class _Chained(optim.Optimizer, _Follows):
     """An mlx optimizer applying gradient transforms, then an inner optimizer. Its state is
     the inner optimizer's state (the transforms are stateless)."""
 
@@ -496,6 +630,18 @@ class _Chained(optim.Optimizer):
         super().__init__()
         self.transforms = transforms
         self.inner = inner
+
+    def following(self, given: Any = None) -> Any:
+        parts = given.parts if isinstance(given, OptimiserChain) else ()
+        rule = following(self.inner, parts[-1] if parts else None)
+        if rule is None:  # an inner optimizer fluxlike did not build, and no rule given
+            return given
+        chain = object.__new__(OptimiserChain)  # (unchecked, as _Follows' rules)
+        chain.parts = (*self.transforms, rule)
+        return given if chain == given else chain
+
+    def __repr__(self) -> str:
+        return f"OptimiserChain({', '.join(map(repr, (*self.transforms, self.inner)))})"
 
     def init(self, parameters: dict) -> None:
         self.inner.init(parameters)

@@ -15,7 +15,9 @@ from .rules import (
     LearningRate,
     Rule,
     Tree,
+    _builds,
     _clear_keywords,
+    _Follows,
     _fraction,
     _lr,
     _nonnegative,
@@ -34,7 +36,7 @@ def _pair(value: Any, name: str, rule: str, low: float, high: float | None) -> t
     return (a, b)
 
 
-class _Rprop(optim.Optimizer):
+class _Rprop(optim.Optimizer, _Follows):
     """Per-entry step sizes, grown while the gradient keeps its sign, shrunk when it flips."""
 
     def __init__(self, learning_rate: float, etas: tuple[float, float],
@@ -61,6 +63,7 @@ class _Rprop(optim.Optimizer):
 
 
 @_clear_keywords
+@_builds(_Rprop)
 @dataclass(frozen=True)
 class Rprop(Rule):
     """Rprop, for full-batch training: each entry has its own step size, starting at
@@ -104,7 +107,7 @@ class Rprop(Rule):
         return _Rprop(self.lr, self.etas, self.step_sizes)
 
 
-class _Signum(optim.Optimizer):
+class _Signum(optim.Optimizer, _Follows):
     def __init__(self, learning_rate: LearningRate, beta: float):
         super().__init__()
         self._maybe_schedule("learning_rate", learning_rate)
@@ -120,6 +123,7 @@ class _Signum(optim.Optimizer):
 
 
 @_clear_keywords
+@_builds(_Signum)
 @dataclass(frozen=True)
 class Signum(Rule):
     """Signum, sign descent with momentum: ``m = beta * m + (1 - beta) * g``,

@@ -31,14 +31,14 @@ from .compiled import (
     step,
     uninterrupted,
 )
-from .rules import Rule
+from .rules import Rule, following
 
 
 class OptState:
     """The state of training one model: the optimiser and the loss scale.
 
-    Made by :func:`setup`. Attributes: ``rule`` (what ``setup`` was given), ``optimizer``
-    (the initialised ``mlx.optimizers.Optimizer``) and ``loss_scale`` (a
+    Made by :func:`setup`. Attributes: :attr:`rule` (the rule the optimiser follows now),
+    ``optimizer`` (the initialised ``mlx.optimizers.Optimizer``) and ``loss_scale`` (a
     :class:`~fluxlike.DynamicLossScale`/:class:`~fluxlike.StaticLossScale`, or
     :class:`~fluxlike.NoOpLossScale` for none).
 
@@ -51,6 +51,12 @@ class OptState:
     OptState(Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08), loss_scale=StaticLossScale(1024.0))
     >>> sorted(opt_state.state), sorted(opt_state.state["optimizer"])
     (['loss_scale', 'optimizer'], ['bias', 'learning_rate', 'step', 'weight'])
+
+    The rule and the repr show the values the optimiser holds now:
+
+    >>> opt_state.optimizer.learning_rate = 1e-4
+    >>> opt_state.rule
+    Adam(lr=0.0001, betas=(0.9, 0.999), eps=1e-08)
     """
 
     def __init__(
@@ -83,6 +89,22 @@ class OptState:
         if old is not value and _owner(old) is self:
             del _OWNERS[old]
         self._loss_scale = value
+
+    @property
+    def rule(self) -> Rule | optim.Optimizer:
+        """The rule the optimiser follows now: the one given to :func:`setup` (or made by
+        :func:`~fluxlike.adjust` or :func:`~fluxlike.loadcheckpoint`), its hyperparameters
+        read from the optimiser, so that they are the live ones, also after an assignment
+        such as ``opt_state.optimizer.learning_rate = 1e-4`` (a learning rate is shown as
+        the shortest decimal of the float32 value it holds). An ``mlx.optimizers``
+        optimiser given to ``setup`` as it is is its own rule. Assigning a rule records it,
+        as ``adjust`` does; it does not change the optimiser."""
+        rule = self._rule
+        return following(self.optimizer, rule) if isinstance(rule, Rule) else rule
+
+    @rule.setter
+    def rule(self, rule: Rule | optim.Optimizer) -> None:
+        self._rule = rule
 
     def __repr__(self) -> str:
         shown = "" if self.distributed is None else f", distributed={self.distributed!r}"
@@ -314,6 +336,12 @@ def _check_grads(grads: Any, model: nn.Module, where: str = "update") -> tuple[t
             raise ValueError(
                 f"{where}: gradient {path!r} must be an array of shape "
                 f"{tuple(value.shape)}, got {got}"
+            )
+        if g.dtype not in _INEXACT:
+            raise TypeError(
+                f"{where}: gradient {path!r} must be a floating array (as the parameter, "
+                f"{_name(value.dtype)}), got {_name(g.dtype)}; take gradients with "
+                f"fluxlike.gradient or mx.grad"
             )
         if g.dtype != value.dtype and g.dtype in _INEXACT and value.dtype in _INEXACT and (
             g.dtype.size > value.dtype.size

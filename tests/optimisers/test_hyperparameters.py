@@ -25,6 +25,7 @@ from fluxlike import (
     update,
 )
 from fluxlike.optimisers.compiled import COMPILED
+from fluxlike.optimisers.hyperparameters import ScheduleNotStored, recorded, restored
 
 
 def _steps(opt_state, model, grads):
@@ -153,3 +154,50 @@ def test_bad_adjustments_change_nothing(rule, args, kwargs, error, message):
 def test_not_an_opt_state():
     with pytest.raises(TypeError, match=r"^adjust: expected an OptState from setup\(\)"):
         adjust(Adam(), 0.1)
+
+
+# ---------------------------------------------------------------- recorded / restored
+
+def _round_trip(rule, record):
+    import json
+    return restored(rule, json.loads(json.dumps(record)))
+
+
+@pytest.mark.parametrize(("given", "saved"), [
+    (Adam(), Adam(0.05, (0.5, 0.6), 1e-3)),
+    (Rprop(), Rprop(0.05, (0.3, 1.5), (1e-4, 10.0))),
+    (OptimiserChain(ClipNorm(1.0), Momentum()), OptimiserChain(ClipNorm(0.5), Momentum(0.2, 0.5))),
+    (AccumGrad(2, OptimiserChain(ClipNorm(1.0), AdamW())),
+     AccumGrad(5, OptimiserChain(ClipNorm(0.5), AdamW(0.2, weight_decay=0.3)))),
+])
+def test_a_rule_restored_from_its_record_is_the_rule(given, saved):
+    assert _round_trip(given, recorded(saved)) == saved
+
+
+@pytest.mark.parametrize(("given", "saved"), [
+    (Descent(), Adam()),
+    (AdamW(), Adam()),
+    (Adam(), OptimiserChain(ClipNorm(1.0), Adam())),
+    (OptimiserChain(ClipNorm(1.0), Adam()), Adam()),
+    (OptimiserChain(ClipNorm(1.0), Adam()), OptimiserChain(ClipNorm(1.0), ClipNorm(1.0), Adam())),
+    (AccumGrad(2, Adam()), AccumGrad(2, Momentum())),
+])
+def test_a_record_of_another_structure_restores_nothing(given, saved):
+    assert _round_trip(given, recorded(saved)) is None
+
+
+def test_schedules_are_recorded_by_name_and_rules_of_ones_own_not_at_all():
+    from dataclasses import dataclass
+
+    schedule = optim.step_decay(0.1, 0.5, 1)
+    record = recorded(Adam(schedule))
+    assert record["fields"]["lr"] == {"schedule": "step_decay.<locals>.schedule"}
+    assert _round_trip(Adam(schedule, (0.5, 0.5)), record) == Adam(schedule)
+    with pytest.raises(ScheduleNotStored, match=r"^lr was a schedule \(step_decay"):
+        _round_trip(Adam(), record)
+
+    @dataclass(frozen=True)
+    class MyAdam(Adam):  # its optimizer's settings are unknown to fluxlike
+        pass
+
+    assert recorded(MyAdam()) is None and recorded(OptimiserChain(ClipNorm(1.0), MyAdam())) is None

@@ -295,3 +295,22 @@ def test_weight_decay_adds_decay_times_the_weight_before_the_rule():
     assert repr(WeightDecay()) == "WeightDecay(decay=0.0005)"
     with pytest.raises(ValueError, match=r"\[WeightDecay\] decay"):
         WeightDecay(-1.0)
+
+
+def _every_rule():
+    import fluxlike as fl
+
+    return [fl.Descent(0.5), fl.Momentum(0.05, 0.8), fl.Nesterov(), fl.RMSProp(eps=1e-3),
+            fl.Adam(0.05, (0.5, 0.6), 1e-3), fl.AdamW(weight_decay=0.2), fl.Lion(),
+            fl.AdaGrad(), fl.AdaDelta(0.5), fl.AdaMax(), fl.NAdam(), fl.RAdam(), fl.OAdam(),
+            fl.AdaBelief(), fl.AMSGrad(), fl.Rprop(), fl.Signum(0.2),
+            OptimiserChain(ClipNorm(1.0), ClipValue(0.5), WeightDecay(), fl.SignDecay(),
+                           Adam()),
+            fl.AccumGrad(3, OptimiserChain(ClipNorm(1.0), Momentum()))]
+
+
+@pytest.mark.parametrize("rule", _every_rule(), ids=lambda r: type(r).__name__)
+def test_the_optimizer_of_every_rule_shows_the_rule(rule):
+    # not <fluxlike.optimisers.rules._Adam object at 0x...>
+    assert repr(rule.build()) == repr(rule)
+    assert repr(setup(rule, Dense(3, 2)).optimizer) == repr(rule)

@@ -11,16 +11,20 @@ from helpers import leaves, mse_of
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from fluxlike import (
+    AccumGrad,
     Adam,
     BatchNorm,
     Chain,
+    ClipNorm,
     Dense,
     Descent,
     DynamicLossScale,
     Momentum,
     NoOpLossScale,
+    OptimiserChain,
     OptState,
     StaticLossScale,
+    adjust,
     gradient,
     relu,
     setup,
@@ -43,10 +47,42 @@ def test_setup_state_and_repr():
     assert not any("running" in k for k in keys)
 
 
+def test_repr_and_rule_show_the_live_hyperparameters():
+    opt_state = setup(OptimiserChain(ClipNorm(1.0), Adam(1e-3)), Dense(2, 1))
+    adjust(opt_state, 5e-2, betas=(0.5, 0.6), eps=1e-3, max_norm=2.0)
+    shown = "OptimiserChain(ClipNorm(max_norm=2.0), Adam(lr=0.05, betas=(0.5, 0.6), eps=0.001))"
+    assert repr(opt_state) == f"OptState({shown}, loss_scale=NoOpLossScale())"
+    assert repr(opt_state.optimizer) == shown
+    # assigned on the optimizer (docs/training.md's loop assigns the learning rate)
+    opt_state.optimizer.learning_rate = 1e-4
+    opt_state.optimizer.inner.betas = [0.7, 0.8]
+    live = OptimiserChain(ClipNorm(2.0), Adam(1e-4, (0.7, 0.8), 1e-3))
+    assert opt_state.rule == live
+    assert repr(opt_state) == f"OptState({live!r}, loss_scale=NoOpLossScale())"
+    assert repr(opt_state.optimizer) == repr(live)
+    assert repr(opt_state.optimizer.inner) == repr(live.parts[-1])
+
+
+def test_the_rule_keeps_a_learning_rate_as_given_and_its_schedule():
+    opt_state = setup(AccumGrad(2, Adam(0.1234567891)), Dense(2, 1))
+    assert opt_state.rule.rule.lr == 0.1234567891  # not the float32 value it holds
+    assert repr(opt_state.optimizer) == (  # (which the optimizer alone shows)
+        "AccumGrad(n=2, rule=Adam(lr=0.12345679, betas=(0.9, 0.999), eps=1e-08))")
+    opt_state.optimizer.rule_optimizer.learning_rate = 0.25
+    assert opt_state.rule == AccumGrad(2, Adam(0.25))
+    schedule = optim.step_decay(0.1, 0.5, 1)
+    opt_state = setup(Adam(schedule), Dense(2, 1))
+    opt_state.optimizer.learning_rate = 0.25  # the schedule sets it before every step
+    assert opt_state.rule.lr is schedule
+    adjust(opt_state, 0.01)
+    assert opt_state.rule == Adam(0.01)
+
+
 def test_setup_accepts_mlx_optimizer_and_loss_scales():
     opt = optim.SGD(0.1, momentum=0.5)
     opt_state = setup(opt, Dense(2, 1), loss_scale=256)
     assert opt_state.optimizer is opt and "v" in opt.state["weight"]
+    assert opt_state.rule is opt  # its own rule
     assert isinstance(opt_state.loss_scale, StaticLossScale)
     assert isinstance(setup(Adam(), Dense(2, 1), loss_scale="auto").loss_scale, NoOpLossScale)
     ls = DynamicLossScale()
@@ -122,6 +158,9 @@ def test_update_errors_leave_model_unchanged():
         update(opt_state, model, {"weight": mx.zeros((2, 1))})
     with pytest.raises(ValueError, match="no trainable parameter 'kernel'"):
         update(opt_state, model, {"kernel": mx.zeros((2, 1))})
+    with pytest.raises(TypeError, match=r"update: gradient 'weight' must be a floating array "
+                                        r"\(as the parameter, float32\), got int32"):
+        update(opt_state, model, {"weight": mx.ones((1, 2), mx.int32), "bias": mx.ones((1,))})
     with pytest.raises(TypeError, match="OptState"):
         update(opt_state.optimizer, model, grads[0])
     assert model.weight is weight and opt_state.optimizer.step.item() == 0
