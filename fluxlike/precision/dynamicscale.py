@@ -91,6 +91,9 @@ class DynamicLossScale(LossScale):
     scale, or train the models as one (a container module holding both, one ``setup``),
     which is what PyTorch's one ``GradScaler`` for several optimisers amounts to.
 
+    The repr is the call that makes a scale in this one's state: its current scale shows as
+    ``init_scale`` (16384.0 below, after a skipped step, where it was made with 32768.0).
+
     >>> import mlx.core as mx
     >>> from fluxlike import DynamicLossScale
     >>> ls = DynamicLossScale(growth_interval=2, backoff_factor=0.25)
@@ -101,6 +104,9 @@ class DynamicLossScale(LossScale):
     array(8192, dtype=float32)
     >>> ls.adjust(mx.array(True)); ls.adjust(mx.array(True)); ls.loss_scale
     array(16384, dtype=float32)
+    >>> ls
+    DynamicLossScale(init_scale=16384.0, growth_factor=2.0, backoff_factor=0.25,
+                     growth_interval=2, min_scale=1.0)
     >>> sorted(ls.state)
     ['backoff_factor', 'counter', 'growth_factor', 'growth_interval', 'loss_scale', 'min_scale']
     >>> DynamicLossScale(backoff_factor=2.0)

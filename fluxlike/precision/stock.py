@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -178,7 +179,7 @@ _mlx_sdpa = mx.fast.scaled_dot_product_attention
 
 def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
                                  mask: mx.array | str | None = None, sinks: mx.array | None = None,
-                                 **options: object) -> mx.array:
+                                 force_fused: bool = False, stream: Any = None) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` once routing is on (it replaces MLX's function
     then, which upstream models call themselves: mlx-lm's attention layers). On the CPU, MLX's
     kernel is its own softmax over scores it computes in the operands' dtype: half-precision
@@ -202,12 +203,13 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale
     >>> out.shape, out.dtype
     ((1, 4, 3, 8), mlx.core.bfloat16)
     """
-    if sinks is None and not options and _routed(q, k, v):
+    if sinks is None and not force_fused and stream is None and _routed(q, k, v):
         heads, kv_heads = q.shape[1], k.shape[1]
         if kv_heads != heads:  # grouped-query: each key/value head serves heads // kv_heads
             k, v = (mx.repeat(a, heads // kv_heads, axis=1) for a in (k, v))
         return attend(q, k, v, scale, mask)[0]
-    return _mlx_sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks, **options)
+    return _mlx_sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks, force_fused=force_fused,
+                     stream=stream)
 
 
 def _routed(q: object, k: object, v: object) -> bool:
