@@ -134,6 +134,21 @@ inline uint16_t narrow(float x) {
   return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
+// exp(x - k ln 2), |x - k ln 2| <= ln 2 / 2: the reduction (ln 2 in two parts, Cody-Waite's)
+// and Cephes' degree-6 polynomial that exp_nonpositive and exp_float32 share.
+inline float exp_reduced(float x, int32_t k) {
+  float n = static_cast<float>(k);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * (r * r) + r + 1.0f;
+}
+
 // exp(d) for d <= 0 (softmax: x minus its row's maximum; GELU: -x^2/2), within 2 ulp: Cody-Waite reduction to
 // d = n ln 2 + r, |r| <= ln 2 / 2, Cephes' degree-6 polynomial for exp(r), 2^n from its
 // bits; 0 below -87.3 (where exp(d) leaves float32's normal range), -inf included. NaN is
@@ -144,16 +159,7 @@ inline float exp_nonpositive(float d) {
   float x = std::min(std::max(low, d), 0.0f);
   // (x <= 0: truncating x log2(e) - 1/2 rounds x log2(e) to the nearest integer)
   int32_t k = static_cast<int32_t>(x * 1.44269504088896341f - 0.5f);
-  float n = static_cast<float>(k);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float e = p * (r * r) + r + 1.0f;
+  float e = exp_reduced(x, k);
   int32_t bits = (k + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -168,16 +174,7 @@ inline float exp_float32(float d) {
   float x = std::min(std::max(-104.0f, d), 89.0f);  // (NaN: -104 inside, restored below)
   float half = std::copysign(0.5f, x);  // truncating x log2(e) +- 1/2: to the nearest integer
   int32_t k = static_cast<int32_t>(x * 1.44269504088896341f + half);
-  float n = static_cast<float>(k);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float e = p * (r * r) + r + 1.0f;
+  float e = exp_reduced(x, k);
   int32_t k1 = k >> 1;  // k in [-150, 129]: both halves' powers of two normal
   int32_t bits1 = (k1 + 127) << 23, bits2 = (k - k1 + 127) << 23;
   float scale1, scale2;
