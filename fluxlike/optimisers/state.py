@@ -337,7 +337,7 @@ def _check_grads(grads: Any, model: nn.Module, where: str = "update") -> tuple[t
                 f"{where}: gradient {path!r} must be an array of shape "
                 f"{tuple(value.shape)}, got {got}"
             )
-        if g.dtype not in _INEXACT:
+        if not mx.issubdtype(g.dtype, mx.floating):  # (complex too: no complex parameters)
             raise TypeError(
                 f"{where}: gradient {path!r} must be a floating array (as the parameter, "
                 f"{_name(value.dtype)}), got {_name(g.dtype)}; take gradients with "

@@ -186,12 +186,16 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale
     scores take its scalar half GEMM, and its ``exp`` is scalar in every dtype. So these run
     :func:`.attention.attend` instead (fluxlike's GEMM and native softmax, float32 scores,
     the same roundings as the fused kernel): half-precision operands on the CPU (autocast's
-    outputs, a converted model's), and float32 ones inside fluxlike's autocast, ``gradient``
-    or ``train`` where the native softmax is in use. mlx-lm's Llama at width 512 (AMD EPYC
-    Zen 3): a bfloat16 training step 1.63 s through MLX's kernel against 0.97 s. Grouped-query
-    attention (fewer key/value heads) repeats each key/value head for its query heads. Every
-    other call (the GPU, float64, ``sinks``, a ``stream`` or ``force_fused``, a shapeless
-    trace) is MLX's own.
+    outputs, a converted model's; where fluxlike's half products are emulated, from
+    :data:`MIN_EMULATED_QUERIES` queries), and float32 ones inside fluxlike's autocast,
+    ``gradient`` or ``train`` where the native softmax is in use; masks None, ``"causal"`` or
+    boolean. mlx-lm's Llama at width 512 (AMD EPYC Zen 3): a bfloat16 training step 1.54 s
+    through MLX's kernel against 0.93 s. Grouped-query attention (fewer key/value heads)
+    repeats each key/value head for its query heads. Every other call (the GPU, float64, an
+    additive mask, ``sinks``, a ``stream`` or ``force_fused``, a shapeless trace) is MLX's
+    own. (A function with it that MLX itself compiles shapeless, ``mx.compile(...,
+    shapeless=True)``, cannot trace fluxlike's emulated half products: use
+    ``fluxlike.compile``, which leaves the call to MLX there.)
 
     >>> import mlx.core as mx
     >>> from fluxlike import autocast
@@ -203,7 +207,7 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale
     >>> out.shape, out.dtype
     ((1, 4, 3, 8), mlx.core.bfloat16)
     """
-    if sinks is None and not force_fused and stream is None and _routed(q, k, v):
+    if sinks is None and not force_fused and stream is None and _routed(q, k, v, mask):
         heads, kv_heads = q.shape[1], k.shape[1]
         if kv_heads != heads:  # grouped-query: each key/value head serves heads // kv_heads
             k, v = (mx.repeat(a, heads // kv_heads, axis=1) for a in (k, v))
@@ -212,17 +216,31 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale
                      stream=stream)
 
 
-def _routed(q: object, k: object, v: object) -> bool:
+# Below this many queries, half-precision attention stays MLX's where fluxlike's half products
+# are emulated (no bfloat16 instructions): each call converts the whole key/value cache to
+# float32, which costs more than MLX's scalar product for a few queries against a long cache
+# (generation: one query against 8192 keys, 8 heads of 128, 83 ms routed against 31; 16 queries
+# against 2048 keys, 9.7 against 49.6; AMD EPYC Zen 3).
+MIN_EMULATED_QUERIES = 16
+
+
+def _routed(q: object, k: object, v: object, mask: object) -> bool:
     """Whether :func:`scaled_dot_product_attention` takes this call (see there)."""
     if not (type(q) is mx.array and type(k) is mx.array and type(v) is mx.array
             and q.ndim == k.ndim == v.ndim == 4 and k.shape[1] == v.shape[1]
             and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0):
         return False
+    # Masks as MLX takes them and means them alike: None, "causal", a boolean array (an
+    # additive one is MLX's: its rows of -inf give NaN there, and its dtype rules differ).
+    if not (mask is None or (isinstance(mask, str) and mask == "causal") or (
+            type(mask) is mx.array and mask.dtype == mx.bool_ and mask.ndim <= 4)):
+        return False
     state = context.get()
     if state.shapeless:  # (attend's masks are shape-dependent Python)
         return False
     if operands.half_on_cpu(q, k, v):
-        return True
+        return q.shape[2] >= MIN_EMULATED_QUERIES or kernels.choose(
+            "matmul", q.dtype, q, k) == kernels.NATIVE
     return (q.dtype == mx.float32 and (state.differentiating or state.cpu is not None)
             and k.dtype == v.dtype == mx.float32
             and kernels.choose("softmax", mx.float32, q) == kernels.NATIVE)
@@ -235,17 +253,20 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 
 def _native(op: str, x: object) -> bool:
-    return type(x) is mx.array and kernels.choose(op, x.dtype, x) == kernels.NATIVE
+    """Half precision on the CPU with the native pass in use: float32 stays MLX's (a float32
+    model exports with mx.export_function, which cannot serialise fluxlike's primitives)."""
+    return (type(x) is mx.array and x.dtype in HALF
+            and kernels.choose(op, x.dtype, x) == kernels.NATIVE)
 
 
 def silu(x: mx.array) -> mx.array:
-    """``mlx.nn.silu`` once routing is on: ``x * sigmoid(x)`` with the native sigmoid on the
-    CPU (MLX's ``exp`` is scalar there: 13x), else MLX's. Upstream models call it themselves
-    (mlx-lm's SwiGLU).
+    """``mlx.nn.silu`` once routing is on: for half precision on the CPU (autocast's outputs,
+    a converted model's), ``x * sigmoid(x)`` with the native sigmoid (MLX's ``exp`` is scalar
+    there: 13x); else MLX's. Upstream models call it themselves (mlx-lm's SwiGLU).
 
     >>> import mlx.core as mx
-    >>> [round(v, 5) for v in silu(mx.array([-1.0, 0.0, 2.0])).tolist()]
-    [-0.26894, 0.0, 1.7616]
+    >>> [round(v, 3) for v in silu(mx.array([-1.0, 0.0, 2.0], mx.bfloat16)).tolist()]
+    [-0.27, 0.0, 1.758]
     """
     if _native("sigmoid", x):
         return x * kernels.sigmoid(x)
@@ -253,12 +274,12 @@ def silu(x: mx.array) -> mx.array:
 
 
 def gelu(x: mx.array) -> mx.array:
-    """``mlx.nn.gelu`` once routing is on: the native GELU on the CPU (the same exact form,
-    ``x * Φ(x)``, within 5e-7: :func:`.kernels.gelu`), else MLX's.
+    """``mlx.nn.gelu`` once routing is on: for half precision on the CPU, the native GELU
+    (the same exact form, ``x * Φ(x)``: :func:`.kernels.gelu`); else MLX's.
 
     >>> import mlx.core as mx
-    >>> [round(v, 5) for v in gelu(mx.array([-1.0, 0.0, 2.0])).tolist()]
-    [-0.15866, 0.0, 1.9545]
+    >>> [round(v, 3) for v in gelu(mx.array([-1.0, 0.0, 2.0], mx.bfloat16)).tolist()]
+    [-0.158, 0.0, 1.953]
     """
     if _native("gelu", x):
         return kernels.gelu(x)
@@ -267,12 +288,12 @@ def gelu(x: mx.array) -> mx.array:
 
 def gelu_approx(x: mx.array) -> mx.array:
     """``mlx.nn.gelu_approx`` once routing is on: its formula, ``0.5 x (1 + tanh(sqrt(2/pi)
-    (x + 0.044715 x^3)))``, with the native tanh on the CPU (and ``x^3`` as products: MLX's
-    ``power`` and ``tanh`` are scalar there), else MLX's.
+    (x + 0.044715 x^3)))``, for half precision on the CPU with the native tanh (and ``x^3``
+    as products: MLX's ``power`` and ``tanh`` are scalar there); else MLX's.
 
     >>> import mlx.core as mx
-    >>> [round(v, 4) for v in gelu_approx(mx.array([-1.0, 0.0, 2.0])).tolist()]
-    [-0.1588, 0.0, 1.9546]
+    >>> [round(v, 3) for v in gelu_approx(mx.array([-1.0, 0.0, 2.0], mx.bfloat16)).tolist()]
+    [-0.158, 0.0, 1.953]
     """
     if _native("tanh", x):
         inner = _SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))
