@@ -442,12 +442,13 @@ def _convolved(options: tuple, x: mx.array, weight: mx.array, bias: mx.array | N
     """What :func:`conv` and :func:`conv_transpose` share: the kernel ``options``, then the
     bias and activation (in float32 before the rounding on CPU half precision)."""
     x, weight, bias = operands(x, weight, bias, layer=options[0])
-    if x.shape[0] == 0:
-        # An empty batch: MLX's convolution gradients fail on one (a reshape error; SIGFPE,
-        # which kills the process, for the transposed one). The output is MLX's, empty, and
-        # every gradient through it zero.
-        y = emulation.plain_kernel(*hashable(options))(x, weight)
-        y = mx.stop_gradient(y if bias is None else y + bias)
+    if x.size == 0:
+        # An empty input (batch, or a spatial axis with padding around it): MLX's convolution
+        # gradients fail on one (a reshape error; SIGFPE, which kills the process, for the
+        # transposed one). The convolution's output is MLX's, all zeros whatever the weights
+        # (their gradient zero), the bias added as usual.
+        y = mx.stop_gradient(emulation.plain_kernel(*hashable(options))(x, weight))
+        y = y if bias is None else y + bias
         return y if act is None else act(y)
     backend = choose(options[0], one_dtype(x, weight, bias), x, weight, options[1:4])
     if backend == NATIVE:

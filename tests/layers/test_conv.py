@@ -682,7 +682,7 @@ class TestDepthwiseConv:
             DepthwiseConv((3, 3), 0, 6)
 
 
-# The empty batch: MLX's convolution gradients fail on one (a reshape error; SIGFPE for the
+# An empty input: MLX's convolution gradients fail on one (a reshape error; SIGFPE for the
 # transposed one, which kills the process): run in a child, so that a regression fails one test.
 _EMPTY_BATCH = """
 import mlx.core as mx, fluxlike as fl
@@ -700,11 +700,18 @@ for layer in layers:
         for name, g in tree_flatten(grads):
             assert g.shape == dict(tree_flatten(layer.parameters()))[name].shape
             assert not g.any().item(), name
+# an empty spatial axis that padding makes an output of: the bias alone, its gradient counted
+layer = fl.Conv((3, 3), 2, 4, padding=2)
+x = mx.zeros((2, 0, 5, 2))
+y = layer(x)
+assert y.shape == (2, 2, 7, 4) and mx.array_equal(y, mx.broadcast_to(layer.bias, y.shape)).item()
+grads = fl.gradient(lambda m: m(x).sum(), layer)[0]
+assert not grads["weight"].any().item() and (grads["bias"] == 2 * 2 * 7).all().item()
 print("ok")
 """
 
 
-def test_an_empty_batch_has_an_empty_output_and_zero_gradients():
+def test_an_empty_input_has_zero_weight_gradients():
     import subprocess
     import sys
     result = subprocess.run([sys.executable, "-c", _EMPTY_BATCH], capture_output=True,
