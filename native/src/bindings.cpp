@@ -236,27 +236,29 @@ w (out, in) and bias (out,) or None; None for anything else (the caller's genera
   m.def("gelu", &fluxlike_native::gelu, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         R"(x * Phi(x) (GELU, exact form) in one vectorised pass, float32, bfloat16 or float16
 (see gelu.h): MLX's erf approximation, without its cancellation for negative x.)");
-  m.def(
-      "sigmoid",
-      [](const mx::array& x, mx::StreamOrDevice s) {
-        return fluxlike_native::logistic(x, fluxlike_native::Logistic::Sigmoid, s);
-      },
-      "x"_a, nb::kw_only(), "stream"_a = nb::none(),
-      "sigmoid(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h).");
-  m.def(
-      "tanh",
-      [](const mx::array& x, mx::StreamOrDevice s) {
-        return fluxlike_native::logistic(x, fluxlike_native::Logistic::Tanh, s);
-      },
-      "x"_a, nb::kw_only(), "stream"_a = nb::none(),
-      "tanh(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h).");
-  m.def(
-      "exp",
-      [](const mx::array& x, mx::StreamOrDevice s) {
-        return fluxlike_native::logistic(x, fluxlike_native::Logistic::Exp, s);
-      },
-      "x"_a, nb::kw_only(), "stream"_a = nb::none(),
-      "exp(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h).");
+  // The logistic primitive's kinds, each one vectorised pass (float32, bfloat16 or float16;
+  // see logistic.h).
+  struct LogisticBinding {
+    const char* name;
+    fluxlike_native::Logistic kind;
+    const char* doc;
+  };
+  static constexpr LogisticBinding logistic_bindings[] = {
+      {"sigmoid", fluxlike_native::Logistic::Sigmoid,
+       "sigmoid(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h)."},
+      {"tanh", fluxlike_native::Logistic::Tanh,
+       "tanh(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h)."},
+      {"exp", fluxlike_native::Logistic::Exp,
+       "exp(x) as one vectorised pass (float32, bfloat16 or float16; see logistic.h)."},
+  };
+  for (const auto& b : logistic_bindings) {
+    m.def(
+        b.name,
+        [kind = b.kind](const mx::array& x, mx::StreamOrDevice s) {
+          return fluxlike_native::logistic(x, kind, s);
+        },
+        "x"_a, nb::kw_only(), "stream"_a = nb::none(), b.doc);
+  }
   m.def("gelu_grad", &fluxlike_native::gelu_grad, "g"_a, "x"_a, nb::kw_only(),
         "stream"_a = nb::none(), R"(g * gelu'(x), GELU's backward pass (see gelu.h).)");
   m.def(
