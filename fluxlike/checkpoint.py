@@ -67,6 +67,7 @@ from .optimisers.hyperparameters import (
     ScheduleNotStored,
     follow,
     recorded,
+    replaced_schedules,
     restored,
     saved_rule,
 )
@@ -588,7 +589,13 @@ def _restored_rule(entry: str | None, opt_state: Any, path: Path,
             raise ValueError(f"[loadcheckpoint] {str(path)!r} has an unreadable 'rule' "
                              f"metadata entry: {e}") from None
     if new is not None:
-        return new, None
+        replaced = replaced_schedules(current, new)
+        return new, None if not replaced else (
+            f"[loadcheckpoint] the optimiser in {str(path)!r} was saved with "
+            f"{', '.join(f'{field}={value!r}' for field, value in replaced)}, a number, where "
+            f"this opt_state's rule has a schedule ({current!r}): the saved number replaces "
+            f"it, as the run in the file went on. To go on with the schedule, "
+            f"adjust(opt_state, {replaced[0][0]}=schedule) after loading")
     try:
         saved = saved_rule(record)  # (checked: for a state of an mlx optimizer too)
     except (ValueError, TypeError, RecursionError) as e:

@@ -598,10 +598,15 @@ class TestHyperparameters:
         steps(saved, model, grads)
         steps(opt_state, resumed, grads)
         assert_same(snapshot(resumed.parameters()), snapshot(model.parameters()))
-        # a number saved, a schedule given: the number replaces it, as adjust would
+        # a number saved, a schedule given: the number replaces it, as adjust would, and says so
         path, _, _ = adjusted(tmp_path, Adam(), BETAS, "number.safetensors")
         opt_state = setup(Adam(schedule), Dense(3, 2))
-        loadcheckpoint(path, Dense(3, 2), opt_state)
+        with pytest.warns(UserWarning, match=r"^\[loadcheckpoint\] the optimiser in "
+                          r"'.*number.safetensors' was saved with lr=0.05, a number, where "
+                          r"this opt_state's rule has a schedule \(Adam\(lr=<function cosine"
+                          r".*\)\): the saved number replaces it, as the run in the file went "
+                          r"on. To go on with the schedule, adjust\(opt_state, lr=schedule\)"):
+            loadcheckpoint(path, Dense(3, 2), opt_state)
         assert opt_state.rule == Adam(**BETAS) and opt_state.optimizer._schedulers == {}
 
     def test_a_schedule_saved_a_number_given_loads_the_state_alone_with_a_warning(self,

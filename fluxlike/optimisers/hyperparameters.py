@@ -281,6 +281,28 @@ def _merged(rule: Any, saved: Any, learning_rate: mx.array | None) -> Any:
     return _unchecked(saved, values) if values else saved
 
 
+def replaced_schedules(rule: Any, new: Any) -> list[tuple[str, Any]]:
+    """``(field, number)`` where ``rule`` has a schedule and ``new`` (``rule`` as
+    :func:`restored` gives it) the number the record had there.
+
+    >>> from mlx.optimizers import step_decay
+    >>> from fluxlike import Adam
+    >>> replaced_schedules(Adam(step_decay(0.1, 0.5, 10)), Adam(0.05))
+    [('lr', 0.05)]
+    """
+    if isinstance(rule, OptimiserChain):
+        return [found for a, b in zip(rule.parts, new.parts, strict=True)
+                for found in replaced_schedules(a, b)]
+    found = []
+    for field in dataclasses.fields(rule):
+        current, value = getattr(rule, field.name), getattr(new, field.name)
+        if isinstance(current, (Rule, GradientTransform)):
+            found += replaced_schedules(current, value)
+        elif callable(current) and not callable(value):
+            found.append((field.name, value))
+    return found
+
+
 def follow(opt_state: OptState, rule: Rule) -> None:
     """Make ``opt_state``'s optimiser follow ``rule`` (of the structure of its own rule, as
     :func:`restored` makes it), keeping its state; ``opt_state.rule`` becomes ``rule``."""
