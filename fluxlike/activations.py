@@ -346,57 +346,6 @@ def _softmax(v: mx.array, axis: int) -> mx.array:
     return mx.softmax(v, axis=axis, precise=True)
 
 
-def max_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple[mx.array, mx.array]:
-    """``(v - max, max)`` along ``axis`` (kept), with the maximum's gradient stopped: the
-    difference is exact, so ``log(sum(exp(v - max)))`` loses nothing for large ``|v|``
-    (``mx.logsumexp`` of ``[-1e5, -1e5]`` is ``-1e5 + 0.6931`` rounded to float32, and
-    ``v - logsumexp(v)`` then keeps only that rounding: -0.6953). A row of ``-inf`` shifts
-    by 0, not by ``-inf``.
-
-    >>> import mlx.core as mx
-    >>> from fluxlike.activations import max_shifted
-    >>> shifted, top = max_shifted(mx.array([[3.0, 1.0]]), -1)
-    >>> shifted.tolist(), top.tolist()
-    ([[0.0, -2.0]], [[3.0]])
-    """
-    top = mx.stop_gradient(mx.max(v, axis=axis, keepdims=True))
-    top = mx.where(mx.isinf(top), mx.zeros_like(top), top)
-    return v - top, top
-
-
-def _logsumexp_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple[mx.array,
-                                                                                 mx.array]:
-    """``(log(sum(exp(v - max))), max)`` along ``axis`` (kept)."""
-    shifted, top = max_shifted(v, axis)
-    return mx.log(mx.sum(kernels.exp(shifted), axis=axis, keepdims=True)), top
-
-
-def stable_logsoftmax(v: mx.array, axis: int = -1) -> mx.array:
-    """``v - logsumexp(v)`` along ``axis``, max-shifted so that it is exact to the last
-    float32 bit for any magnitude (the losses use it too); in ``v``'s dtype.
-
-    >>> import mlx.core as mx
-    >>> from fluxlike.activations import stable_logsoftmax
-    >>> stable_logsoftmax(mx.array([-1e5, -1e5])).tolist()
-    [-0.6931471824645996, -0.6931471824645996]
-    """
-    shifted, _ = max_shifted(v, axis)
-    return shifted - mx.log(mx.sum(kernels.exp(shifted), axis=axis, keepdims=True))
-
-
-def stable_logsumexp(v: mx.array, axis: int | None = -1, keepdims: bool = False) -> mx.array:
-    """``log(sum(exp(v)))`` along ``axis`` (``None``: all), max-shifted; in ``v``'s dtype.
-
-    >>> import mlx.core as mx
-    >>> from fluxlike.activations import stable_logsumexp
-    >>> stable_logsumexp(mx.array([1e5, 1e5])).item()
-    100000.6953125
-    """
-    lse, top = _logsumexp_shifted(v, axis)
-    out = lse + top
-    return out if keepdims else (out.reshape(()) if axis is None else out.squeeze(axis))
-
-
 def logsoftmax(x: mx.array, axis: int = -1) -> mx.array:
     """``x - logsumexp(x)`` along ``axis``, max-shifted (exact for large ``|x|``).
     Precision as in :func:`softmax` (half input: computed in float32, returned in its dtype outside
@@ -411,7 +360,7 @@ def logsoftmax(x: mx.array, axis: int = -1) -> mx.array:
     >>> logsoftmax(mx.zeros(2, dtype=mx.bfloat16)).dtype
     mlx.core.bfloat16
     """
-    return _in_float32(lambda v: stable_logsoftmax(v, axis), x)
+    return _in_float32(lambda v: kernels.stable_logsoftmax(v, axis), x)
 
 
 def logsumexp(x: mx.array, axis: int | None = -1, keepdims: bool = False) -> mx.array:
@@ -426,7 +375,7 @@ def logsumexp(x: mx.array, axis: int | None = -1, keepdims: bool = False) -> mx.
     >>> logsumexp(mx.zeros((2, 4), dtype=mx.float16)).dtype, logsumexp(mx.zeros((2, 4))).shape
     (mlx.core.float16, (2,))
     """
-    return _in_float32(lambda v: stable_logsumexp(v, axis, keepdims), x)
+    return _in_float32(lambda v: kernels.stable_logsumexp(v, axis, keepdims), x)
 
 
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {

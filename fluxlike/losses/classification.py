@@ -8,8 +8,8 @@ import numbers
 import mlx.core as mx
 import mlx.nn.losses as mlx_losses
 
-from ..activations import max_shifted, stable_logsoftmax
 from ..precision import kernels
+from ..precision.kernels import max_shifted, stable_logsoftmax
 from ._common import (
     Agg,
     _eps,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..activations import stable_logsoftmax
+from ..precision.kernels import stable_logsoftmax
 from . import _ctc
 from ._common import (
     Agg,

@@ -366,6 +366,57 @@ def exp(x: mx.array) -> mx.array:
     return mx.exp(x)
 
 
+def max_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple[mx.array, mx.array]:
+    """``(v - max, max)`` along ``axis`` (kept), with the maximum's gradient stopped: the
+    difference is exact, so ``log(sum(exp(v - max)))`` loses nothing for large ``|v|``
+    (``mx.logsumexp`` of ``[-1e5, -1e5]`` is ``-1e5 + 0.6931`` rounded to float32, and
+    ``v - logsumexp(v)`` then keeps only that rounding: -0.6953). A row of ``-inf`` shifts
+    by 0, not by ``-inf``.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.precision.kernels import max_shifted
+    >>> shifted, top = max_shifted(mx.array([[3.0, 1.0]]), -1)
+    >>> shifted.tolist(), top.tolist()
+    ([[0.0, -2.0]], [[3.0]])
+    """
+    top = mx.stop_gradient(mx.max(v, axis=axis, keepdims=True))
+    top = mx.where(mx.isinf(top), mx.zeros_like(top), top)
+    return v - top, top
+
+
+def _logsumexp_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple[mx.array,
+                                                                                 mx.array]:
+    """``(log(sum(exp(v - max))), max)`` along ``axis`` (kept)."""
+    shifted, top = max_shifted(v, axis)
+    return mx.log(mx.sum(exp(shifted), axis=axis, keepdims=True)), top
+
+
+def stable_logsoftmax(v: mx.array, axis: int = -1) -> mx.array:
+    """``v - logsumexp(v)`` along ``axis``, max-shifted so that it is exact to the last
+    float32 bit for any magnitude (the losses use it too); in ``v``'s dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.precision.kernels import stable_logsoftmax
+    >>> stable_logsoftmax(mx.array([-1e5, -1e5])).tolist()
+    [-0.6931471824645996, -0.6931471824645996]
+    """
+    shifted, _ = max_shifted(v, axis)
+    return shifted - mx.log(mx.sum(exp(shifted), axis=axis, keepdims=True))
+
+
+def stable_logsumexp(v: mx.array, axis: int | None = -1, keepdims: bool = False) -> mx.array:
+    """``log(sum(exp(v)))`` along ``axis`` (``None``: all), max-shifted; in ``v``'s dtype.
+
+    >>> import mlx.core as mx
+    >>> from fluxlike.precision.kernels import stable_logsumexp
+    >>> stable_logsumexp(mx.array([1e5, 1e5])).item()
+    100000.6953125
+    """
+    lse, top = _logsumexp_shifted(v, axis)
+    out = lse + top
+    return out if keepdims else (out.reshape(()) if axis is None else out.squeeze(axis))
+
+
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (:func:`fluxlike.workarounds.softmax`), for attention's
     float32 scores: oneDNN's vectorised float32 softmax, forward and backward, where the

@@ -35,7 +35,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 from .operands import convert
-from .state import CASTABLE, HALF, PLAIN, context, device_index, routing
+from .state import CASTABLE, HALF, PLAIN, context, device_index, first_use, routing
 from .swap import cast_arguments, swap_lock, swapped
 
 KINDS = ("down", "fp32", "none")
@@ -217,22 +217,10 @@ def keep_float32(cls: C, keep: bool = True) -> C:
     return cls
 
 
-_activation_hooks: list[Callable[[], None]] = []
-
-
-def on_activate(hook: Callable[[], None]) -> None:
-    """Call ``hook`` when routing starts (now if it has): what else is routed from then on
-    (:mod:`.stock`'s ``mx.fast.scaled_dot_product_attention``)."""
-    with routing.lock:
-        _activation_hooks.append(hook)
-        if routing.on:
-            hook()
-
-
 def activate() -> None:
     """Start routing: every class with a record through its policy, and from now on each new
-    ``mlx.nn.Module`` subclass as it is defined; then the :func:`on_activate` hooks.
-    Idempotent."""
+    ``mlx.nn.Module`` subclass as it is defined; then fluxlike's first use
+    (:func:`.state.first_use`) if this is it. Idempotent."""
     if routing.on:
         return
     with routing.lock:
@@ -243,8 +231,7 @@ def activate() -> None:
         nn.Module.__init_subclass__ = classmethod(_route_new)  # type: ignore[assignment]  # one hook, on the root
         for cls in sorted(_with_subclasses(nn.Module), key=lambda c: len(c.__mro__)):
             _route(cls)
-        for hook in _activation_hooks:
-            hook()
+        first_use()
         routing.on = True
 
 

@@ -20,6 +20,7 @@ many times ``trainmode``/``testmode`` or ``model.train()``/``model.eval()`` fixe
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextvars import ContextVar, Token
 from typing import Any, NamedTuple, cast
 
@@ -57,7 +58,9 @@ _DIFFERENTIATING = PLAIN._replace(differentiating=True)
 
 def enter_differentiating() -> Token:
     """``enter(differentiating=True)``, without building a record in the common case (called
-    on every training step)."""
+    on every training step); fluxlike's first use (:func:`first_use`) if this is it."""
+    if not routing.used:
+        first_use()
     current = context.get()
     return context.set(_DIFFERENTIATING if current is PLAIN else
                        current._replace(differentiating=True))
@@ -72,16 +75,38 @@ def with_dtype(slot: int, dtype: mx.Dtype | None) -> Token:
 
 class _Routing:
     """Whether layer calls are routed through their policies (``on``: from the first use of
-    autocast), and the lock under which layer classes are routed."""
+    autocast), whether the :func:`on_first_use` hooks have run (``used``), and the lock under
+    which layer classes are routed."""
 
-    __slots__ = ("on", "lock")
+    __slots__ = ("on", "used", "lock")
 
     def __init__(self) -> None:
         self.on = False
+        self.used = False
         self.lock = threading.RLock()
 
 
 routing = _Routing()
+_first_use_hooks: list[Callable[[], None]] = []
+
+
+def on_first_use(hook: Callable[[], None]) -> None:
+    """Call ``hook`` at fluxlike's first use in this process: the first ``autocast``,
+    converter, ``gradient`` or training step (now if that has been). What it installs acts
+    from then on (:mod:`.stock`'s replacements of MLX's functions that upstream models call)."""
+    with routing.lock:
+        _first_use_hooks.append(hook)
+        if routing.used:
+            hook()
+
+
+def first_use() -> None:
+    """Run the :func:`on_first_use` hooks unless they have run. Idempotent."""
+    with routing.lock:
+        if not routing.used:
+            routing.used = True
+            for hook in _first_use_hooks:
+                hook()
 
 
 class _Count:

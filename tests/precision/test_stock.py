@@ -323,21 +323,58 @@ def test_a_converter_routes_stock_layers_in_a_fresh_interpreter():
 
 # ---------------------------------------------------------------- mx.fast's attention
 
-def test_importing_fluxlike_leaves_mlxs_functions_until_routing_starts():
+def _run(code, env=None):
+    import os
     import subprocess
     import sys
-    code = ("import mlx.core as mx, mlx.nn as nn\n"
-            "mlx_sdpa, mlx_silu = mx.fast.scaled_dot_product_attention, nn.silu\n"
-            "import fluxlike\n"
-            "assert mx.fast.scaled_dot_product_attention is mlx_sdpa and nn.silu is mlx_silu\n"
-            "with fluxlike.autocast(mx.bfloat16): pass\n"
-            "from fluxlike.precision import stock\n"
-            "assert mx.fast.scaled_dot_product_attention is stock.scaled_dot_product_attention\n"
-            "assert nn.silu is stock.silu and nn.gelu is stock.gelu\n"
-            "assert stock._mlx_sdpa is mlx_sdpa and stock._mlx_activations['silu'] is mlx_silu\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+_MLX_FUNCTIONS = ("import mlx.core as mx, mlx.nn as nn, mlx.nn.losses as losses\n"
+                  "mlx_sdpa, mlx_silu = mx.fast.scaled_dot_product_attention, nn.silu\n"
+                  "mlx_loss = losses.cross_entropy\n"
+                  "import fluxlike\n"
+                  "from fluxlike.precision import stock\n"
+                  "def mlxs():\n"
+                  "    return (mx.fast.scaled_dot_product_attention is mlx_sdpa\n"
+                  "            and nn.silu is mlx_silu and losses.cross_entropy is mlx_loss)\n"
+                  "assert mlxs()\n")
+
+
+@pytest.mark.parametrize("first", ["autocast", "gradient"])
+def test_importing_fluxlike_leaves_mlxs_functions_until_its_first_use(first):
+    use = {"autocast": "with fluxlike.autocast(mx.bfloat16): pass\n",
+           "gradient": "fluxlike.gradient(lambda x: (x * x).sum(), mx.ones(2))\n"}[first]
+    _run(_MLX_FUNCTIONS + use +
+         "assert mx.fast.scaled_dot_product_attention is stock.scaled_dot_product_attention\n"
+         "assert nn.silu is stock.silu and nn.gelu is stock.gelu\n"
+         "assert nn.losses.cross_entropy is stock.cross_entropy\n"
+         "assert stock._mlx_sdpa is mlx_sdpa and stock._mlx_activations['silu'] is mlx_silu\n"
+         "assert stock._mlx_cross_entropy is mlx_loss\n")
+
+
+def test_patch_variable_leaves_mlxs_functions():
+    _run(_MLX_FUNCTIONS + "with fluxlike.autocast(mx.bfloat16): pass\n"
+         "fluxlike.gradient(lambda x: (x * x).sum(), mx.ones(2))\n"
+         "assert mlxs()\n"
+         "from fluxlike.precision import policy\n"
+         "assert policy.is_routing()  # (the stock layers' routing is not this switch's)\n",
+         env={"FLUXLIKE_PATCH_MLX": "0"})
+
+
+def test_first_use_hooks_run_once():
+    from fluxlike.precision import state
+    calls = []
+    with autocast(mx.bfloat16):  # (fluxlike in use: a hook given now runs now, once)
+        pass
+    state.on_first_use(lambda: calls.append(1))
+    try:
+        state.first_use()
+        assert calls == [1]
+    finally:
+        state._first_use_hooks.pop()
 
 
 def _qkv(heads=4, kv_heads=2, lq=5, lk=5, seed=0):
@@ -493,3 +530,116 @@ def test_upstream_activations_run_native_and_agree_with_mlxs(monkeypatch, tmp_pa
         with native.disabled(), mx.stream(mx.cpu):  # without the companion: MLX's own
             np.testing.assert_array_equal(np64(getattr(nn, name)(x)), np64(mlx_fn(x)))
         assert calls == [1]
+
+
+# ---------------------------------------------------------------- mlx.nn's cross entropy
+
+def _counting_loss(monkeypatch):
+    """Counts the routed cross entropy's native logsumexp (installed here, as above)."""
+    import mlx.nn.losses as losses
+
+    from fluxlike.precision import stock
+    monkeypatch.setattr(losses, "cross_entropy", stock.cross_entropy)
+    calls = []
+    real = kernels.stable_logsumexp
+    monkeypatch.setattr(kernels, "stable_logsumexp",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+CROSS_ENTROPY = {
+    "indices": {},
+    "mean": {"reduction": "mean"},
+    "sum, weights": {"reduction": "sum", "weights": "w"},
+    "smoothing": {"label_smoothing": 0.1, "reduction": "mean"},
+    "probabilities": {"targets": "p"},
+    "last axis by number": {"axis": 2},
+}
+
+
+@pytest.mark.parametrize("case", list(CROSS_ENTROPY))
+def test_upstream_cross_entropy_in_a_gradient_is_native_and_agrees_with_mlxs(monkeypatch, case):
+    import fluxlike
+    from fluxlike.precision import stock
+    with autocast(mx.bfloat16):  # (fluxlike in use)
+        pass
+    keys = mx.random.split(mx.random.key(3), 3)
+    logits = mx.random.normal((3, 5, 33), key=keys[0]) * 6
+    kwargs = dict(CROSS_ENTROPY[case])
+    targets = mx.random.randint(0, 33, (3, 5), key=keys[1])
+    if kwargs.pop("targets", None) == "p":
+        targets = mx.softmax(mx.random.normal((3, 5, 33), key=keys[2]), axis=-1)
+    if kwargs.get("weights") == "w":
+        kwargs["weights"] = mx.arange(15, dtype=mx.float32).reshape(3, 5) / 15
+    calls = _counting_loss(monkeypatch)
+
+    def loss(fn):
+        return lambda v: fn(v, targets, **kwargs).sum()
+
+    with mx.stream(mx.cpu):
+        outside = nn.losses.cross_entropy(logits, targets, **kwargs)
+        assert calls == []  # plain MLX code keeps MLX's
+        value, (grad,) = fluxlike.withgradient(loss(nn.losses.cross_entropy), logits)
+        want_value, want_grad = mx.value_and_grad(loss(stock._mlx_cross_entropy))(logits)
+    assert calls == ([1] if kernels.choose("exp", mx.float32, logits) == kernels.NATIVE
+                     else [])
+    np.testing.assert_array_equal(np64(outside), np64(stock._mlx_cross_entropy(
+        logits, targets, **kwargs)))
+    np.testing.assert_allclose(np64(value), np64(want_value), rtol=2e-6)
+    np.testing.assert_allclose(np64(grad), np64(want_grad), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
+def test_upstream_cross_entropy_on_half_logits_is_computed_in_float32(monkeypatch, dtype):
+    from fluxlike.precision import stock
+    with autocast(mx.bfloat16):
+        pass
+    calls = _counting_loss(monkeypatch)
+    logits = (mx.random.normal((64, 1000), key=mx.random.key(5)) * 4).astype(dtype)
+    targets = mx.random.randint(0, 1000, (64,), key=mx.random.key(6))
+    with mx.stream(mx.cpu):
+        got = nn.losses.cross_entropy(logits, targets)
+        grad = mx.grad(lambda v: nn.losses.cross_entropy(v, targets).sum())(logits)
+        exact = stock._mlx_cross_entropy(logits.astype(mx.float32), targets)
+        mlxs = stock._mlx_cross_entropy(logits, targets)
+    if kernels.choose("exp", mx.float32, logits) != kernels.NATIVE:
+        pytest.skip("no native exp here: MLX's own")
+    assert calls == [1, 1] and got.dtype == grad.dtype == dtype
+    error = np.abs(np64(got) - np64(exact)).max()
+    assert error <= np.abs(np64(exact)).max() * {mx.bfloat16: 2 ** -8, mx.float16: 2 ** -11}[dtype]
+    assert error <= np.abs(np64(mlxs) - np64(exact)).max()  # (MLX's sums in half precision)
+
+
+@pytest.mark.parametrize("case", ["smoothing 1", "targets' shape", "weights' shape",
+                                  "reduction", "first axis", "integer logits"])
+def test_upstream_cross_entropy_left_to_mlx(monkeypatch, case):
+    import fluxlike
+    from fluxlike.precision import stock
+    with autocast(mx.bfloat16):
+        pass
+    calls = _counting_loss(monkeypatch)
+    logits, targets = mx.random.normal((4, 7), key=mx.random.key(1)), mx.array([0, 1, 2, 3])
+    kwargs = {"smoothing 1": {"label_smoothing": 1.0}, "targets' shape": {},
+              "weights' shape": {"weights": mx.ones((3,))}, "reduction": {"reduction": "avg"},
+              "first axis": {"axis": 0}, "integer logits": {}}[case]
+    if case == "targets' shape":
+        targets = targets[:3]
+    elif case == "first axis":
+        targets = mx.arange(7) % 4
+    elif case == "integer logits":
+        logits = mx.arange(28).reshape(4, 7)
+
+    def both(fn):
+        try:
+            return np64(fn(logits, targets, **kwargs))
+        except ValueError as e:
+            return str(e)
+
+    with mx.stream(mx.cpu), fluxlike.modes.differentiating():
+        got = both(nn.losses.cross_entropy)
+    assert calls == []
+    want = both(stock._mlx_cross_entropy)
+    if isinstance(want, str):
+        assert got == want  # MLX's own error
+    else:
+        np.testing.assert_array_equal(got, want)
