@@ -227,3 +227,18 @@ def test_upstream_models_benchmark_quick_run():
             if line.startswith("| ") and not line.startswith("| model")]
     assert [row.split("|")[1].strip() for row in rows] == models.split(",")
     assert all(len(row.split("|")) == 11 and "x" in row for row in rows)
+
+
+def test_losses_bench_quick_run():
+    """bench/losses.py (the cross entropy and the head's product) at its smoke size: both
+    tables, every variant with a time, a ratio and a peak, and the processor named."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "losses.py"), "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^\| ([^|]+) \| [0-9.]+ \| [0-9.]+ \| [0-9]+ \|$", done.stdout, re.M)
+    assert [r.strip() for r in rows] == [
+        "MLX's cross_entropy", "cross_entropy, fluxlike in use", "fluxlike logitcrossentropy",
+        "head float32", "head autocast(bfloat16)"], done.stdout
+    assert "MLX " in done.stdout.splitlines()[0]

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn.losses as mlx_losses
 
 from ..precision import kernels
-from ..precision.kernels import max_shifted, stable_logsoftmax
+from ..precision.kernels import stable_logsoftmax
 from ._common import (
     Agg,
     _eps,
@@ -70,9 +70,8 @@ def logitcrossentropy(
     """
     yhat, y, indices, axis, reduce = _prepare_classes(yhat, y, "logitcrossentropy", agg, axis)
     if indices:  # max-shifted: logsumexp(ŷ) - ŷ[y] = log(sum(exp(ŷ - m))) - (ŷ[y] - m)
-        shifted, _ = max_shifted(yhat, axis)
-        lse = mx.log(mx.sum(kernels.exp(shifted), axis=axis))
-        return reduce(lse - _pick(shifted, y, axis))
+        lse, top = kernels.logsumexp_shifted(yhat, axis)
+        return reduce(lse.squeeze(axis) - (_pick(yhat, y, axis) - top.squeeze(axis)))
     return reduce(-mx.sum(y * stable_logsoftmax(yhat, axis), axis=axis))
 
 

@@ -18,7 +18,7 @@ _MLX = mx.__version__  # type: ignore[attr-defined]  # not in MLX's stub
 # The entries this fluxlike calls: a companion built from an older native/ lacks some.
 REQUIRED = ("matmul", "plain_linear", "conv", "conv_backward_data", "max_pool", "softmax",
             "adam_step", "rmsprop_step", "all_finite", "gelu", "convert", "bias_grad",
-            "wait_for_creations", "sigmoid", "tanh", "exp")
+            "wait_for_creations", "sigmoid", "tanh", "exp", "log_sum_exp")
 
 
 # The wait policy of oneDNN's OpenMP threads where the environment sets none. libgomp's own

@@ -379,14 +379,35 @@ def max_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple[mx.arr
     >>> shifted.tolist(), top.tolist()
     ([[0.0, -2.0]], [[3.0]])
     """
-    top = mx.stop_gradient(mx.max(v, axis=axis, keepdims=True))
-    top = mx.where(mx.isinf(top), mx.zeros_like(top), top)
+    top = _row_maximum(v, axis)
     return v - top, top
 
 
-def _logsumexp_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple[mx.array,
-                                                                                 mx.array]:
-    """``(log(sum(exp(v - max))), max)`` along ``axis`` (kept)."""
+def _row_maximum(v: mx.array, axis: int | tuple[int, ...] | None) -> mx.array:
+    """:func:`max_shifted`'s maximum: kept axes, gradient stopped, an infinite one 0."""
+    top = mx.stop_gradient(mx.max(v, axis=axis, keepdims=True))
+    return mx.where(mx.isinf(top), mx.zeros_like(top), top)
+
+
+def logsumexp_shifted(v: mx.array, axis: int | tuple[int, ...] | None) -> tuple[mx.array,
+                                                                                mx.array]:
+    """``(log(sum(exp(v - top))), top)`` along ``axis`` (kept), ``top`` the maximum as
+    :func:`max_shifted` takes it. Over the last axis of a float32 ``v`` with the native
+    companion in use, one vectorised pass that stores no exponential (and one for its
+    gradient, ``exp(v - top - lse)``): MLX's CPU ``logsumexp`` and its gradient run a scalar
+    ``exp``, and the ops here four passes (a (512, 32000) cross entropy with its gradient:
+    568 ms in MLX's, 67 ms native, AMD EPYC Zen 3). The losses' and
+    :func:`fluxlike.logsumexp`'s.
+
+    >>> import mlx.core as mx
+    >>> lse, top = logsumexp_shifted(mx.array([[3.0, 3.0]]), -1)
+    >>> round(lse.item(), 4), top.item()
+    (0.6931, 3.0)
+    """
+    if (type(v) is mx.array and v.dtype == _F32 and v.ndim >= 1 and isinstance(axis, int)
+            and axis in (-1, v.ndim - 1) and choose("exp", _F32, v) == NATIVE):
+        top = _row_maximum(v, -1)
+        return _switch.ext.log_sum_exp(v, top), top  # type: ignore[union-attr]  # NATIVE
     shifted, top = max_shifted(v, axis)
     return mx.log(mx.sum(exp(shifted), axis=axis, keepdims=True)), top
 
@@ -400,8 +421,8 @@ def stable_logsoftmax(v: mx.array, axis: int = -1) -> mx.array:
     >>> stable_logsoftmax(mx.array([-1e5, -1e5])).tolist()
     [-0.6931471824645996, -0.6931471824645996]
     """
-    shifted, _ = max_shifted(v, axis)
-    return shifted - mx.log(mx.sum(exp(shifted), axis=axis, keepdims=True))
+    lse, top = logsumexp_shifted(v, axis)
+    return (v - top) - lse
 
 
 def stable_logsumexp(v: mx.array, axis: int | None = -1, keepdims: bool = False) -> mx.array:
@@ -412,7 +433,7 @@ def stable_logsumexp(v: mx.array, axis: int | None = -1, keepdims: bool = False)
     >>> stable_logsumexp(mx.array([1e5, 1e5])).item()
     100000.6953125
     """
-    lse, top = _logsumexp_shifted(v, axis)
+    lse, top = logsumexp_shifted(v, axis)
     out = lse + top
     return out if keepdims else (out.reshape(()) if axis is None else out.squeeze(axis))
 

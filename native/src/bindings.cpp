@@ -288,6 +288,14 @@ float32, bfloat16 and float16 on the CPU (mx.astype itself elsewhere; see cast.h
         "stream"_a = nb::none(),
         R"(y * (g - sum(g * y, -1)): the softmax's backward pass on oneDNN (see softmax.h).)");
 
+  m.def("log_sum_exp", &fluxlike_native::log_sum_exp, "x"_a, "top"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(log(sum(exp(x - top))) over the last axis of a float32 array, top of x's shape with
+its last axis 1 (the rows' maxima, the caller's): one vectorised pass (see softmax.h).)");
+  m.def("log_sum_exp_grad", &fluxlike_native::log_sum_exp_grad, "g"_a, "x"_a, "top"_a, "out"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        R"(g * exp(x - top - out): log_sum_exp's gradient in x (see softmax.h).)");
+
   m.def(
       "conv",
       [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,

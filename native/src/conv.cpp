@@ -536,26 +536,24 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
                       odt = out.dtype(), relu = relu_, n = out.size(),
                       padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
                       ys = *ys, p = p_]() {
-      constexpr const char* what = "a float32 copy of a half-precision operand";
-      Buffer a32(in0.size * sizeof(float), FN, what), b32(in1.size * sizeof(float), FN, what);
-      Buffer bias32(bias.size * sizeof(float), FN, what);
-      Buffer y32(n * sizeof(float), FN, "the float32 result");
-      for (auto [from, to] : {std::pair{&in0, a32.p}, {&in1, b32.p}, {&bias, bias32.p}}) {
+      Float32Scratch a_copy(in0.size), b_copy(in1.size), bias_copy(bias.size), y_copy(n);
+      void *a32 = a_copy.get(), *b32 = b_copy.get(), *bias32 = bias_copy.get();
+      void* y32 = y_copy.get();
+      for (auto [from, to] : {std::pair{&in0, a32}, {&in1, b32}, {&bias, bias32}}) {
         if (from->data != nullptr) {
           widen_all(from->data, from->dtype, static_cast<float*>(to), from->size);
         }
       }
       if (entry) {
-        run(*entry, kind, a32.p, b32.p, bias32.p, y32.p);
+        run(*entry, kind, a32, b32, bias32, y32);
       } else {
-        conv_backward_gemm(kind, static_cast<const float*>(a32.p),
-                           static_cast<const float*>(b32.p), static_cast<float*>(y32.p), xs, ws,
-                           ys, p);
+        conv_backward_gemm(kind, static_cast<const float*>(a32), static_cast<const float*>(b32),
+                           static_cast<float*>(y32), xs, ws, ys, p);
       }
       if (padded) {
-        padding_as_mlx({a32.p, b32.p, bias32.p, y32.p, false, false}, xs, ws, ys, p);
+        padding_as_mlx({a32, b32, bias32, y32, false, false}, xs, ws, ys, p);
       }
-      auto y = static_cast<float*>(y32.p);
+      auto y = static_cast<float*>(y32);
       if (relu) {
         relu_keeping_nan(y, n, false);
       }

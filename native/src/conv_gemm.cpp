@@ -79,8 +79,8 @@ void conv_backward_gemm(ConvKind kind, const float* in0, const float* in1, float
   for (size_t a = 1; a + 1 < ws.size(); ++a) cols *= ws[a];
   OneThread one(static_cast<double>(rows) * static_cast<double>(cols) *
                     static_cast<double>(outs) < single_thread_macs());
-  Buffer patch(static_cast<size_t>(rows * cols) * sizeof(float), FN, "the input's patches");
-  auto* m = static_cast<float*>(patch.p);
+  Float32Scratch patch(static_cast<size_t>(rows * cols));  // (MLX's buffer cache: common.h)
+  auto* m = patch.get();
   size_t block = static_cast<size_t>(channels) * sizeof(float);
   if (kind == ConvKind::BackwardWeights) {  // dw (O x K) = dy^T (O x M) @ X (M x K)
     patches(xs, ws, ys, p, [&](int64_t row, int64_t e, int64_t at) {

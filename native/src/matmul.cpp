@@ -554,23 +554,21 @@ void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
                     odt = out.dtype(), n_out = out.size(), m = pl.dst_dims[0],
                     n = pl.dst_dims.back(), k = va.dims.back(),
                     round_f32 = round_f32_ ? cdt_ : mx::float32]() {
-    constexpr const char* what = "a float32 copy of a half-precision operand";
     bool half = odt != mx::float32;
-    Buffer a32(a.size * sizeof(float), FN, what), b32(b.size * sizeof(float), FN, what);
-    Buffer bias32(bias ? bias->size * sizeof(float) : 0, FN, what);
-    Buffer y32(half ? n_out * sizeof(float) : 0, FN, "the float32 result");
-    to_float32(a, static_cast<float*>(a32.p));
-    to_float32(b, static_cast<float*>(b32.p));
+    Float32Scratch a_copy(a.size), b_copy(b.size), bias_copy(bias ? bias->size : 0);
+    Float32Scratch y_copy(half ? n_out : 0);
+    float *a32 = a_copy.get(), *b32 = b_copy.get(), *bias32 = bias_copy.get();
+    to_float32(a, a32);
+    to_float32(b, b32);
     if (bias) {
-      to_float32(*bias, static_cast<float*>(bias32.p));
+      to_float32(*bias, bias32);
     }
-    auto dst = static_cast<float*>(half ? y32.p : pdst);
+    auto dst = half ? y_copy.get() : static_cast<float*>(pdst);
     if (direct) {
-      direct_gemm(static_cast<const float*>(a32.p), la, static_cast<const float*>(b32.p), lb,
-                  static_cast<const float*>(bias32.p), dst, m, n, k);
+      direct_gemm(a32, la, b32, lb, bias32, dst, m, n, k);
     } else {
-      execute(*entry, {{DNNL_ARG_SRC, a32.p}, {DNNL_ARG_WEIGHTS, b32.p},
-                       {DNNL_ARG_BIAS, bias32.p}, {DNNL_ARG_DST, dst}}, FN);
+      execute(*entry, {{DNNL_ARG_SRC, a32}, {DNNL_ARG_WEIGHTS, b32},
+                       {DNNL_ARG_BIAS, bias32}, {DNNL_ARG_DST, dst}}, FN);
     }
     if (relu) {
       relu_keeping_nan(dst, n_out, false);

@@ -131,6 +131,34 @@ void softmax_grad_loops(const float* g, const float* y, float* dx, int64_t rows,
   }
 }
 
+// log_sum_exp's passes (see softmax.h): the exponentials summed in eight lanes, never stored.
+FLN_VECTOR_CLONES float log_sum_exp_row(const float* x, float top, int64_t cols) {
+  float lane_sum[LANES] = {};
+  int64_t j = 0;
+  for (; j + LANES <= cols; j += LANES) {
+    for (int l = 0; l < LANES; ++l) lane_sum[l] += exp_float32(x[j + l] - top);
+  }
+  float sum = 0.0f;
+  for (; j < cols; ++j) sum += exp_float32(x[j] - top);
+  for (float t : lane_sum) sum += t;
+  return std::log(sum);
+}
+
+FLN_VECTOR_CLONES void log_sum_exp_grad_row(float g, const float* x, float top, float out,
+                                             float* dx, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) dx[j] = g * exp_float32((x[j] - top) - out);
+}
+
+// The same in MLX's ops: the derivatives of both passes.
+std::vector<mx::array> log_sum_exp_ops(const std::vector<mx::array>& in, mx::Stream s) {
+  return {mx::log(mx::sum(mx::exp(mx::subtract(in[0], in[1], s), s), -1, true, s), s)};
+}
+
+std::vector<mx::array> log_sum_exp_grad_ops(const std::vector<mx::array>& in, mx::Stream s) {
+  auto shifted = mx::subtract(mx::subtract(in[1], in[2], s), in[3], s);
+  return {mx::multiply(in[0], mx::exp(shifted, s), s)};
+}
+
 void check(const mx::array& x, const char* what) {
   FLN_CHECK(x.dtype() == mx::float32 && x.ndim() >= 1, FN, ": expected ", what,
             " to be a float32 array of one or more axes");
@@ -286,6 +314,136 @@ std::vector<mx::array> Softmax::jvp(
     return std::vector<mx::array>{grad_ops(in[0], in[1], s)};
   };
   return jvp_of(fn, primals, tangents, argnums, s);
+}
+
+namespace {
+
+const char* LSE = "fluxlike_native.log_sum_exp";
+
+void check_rows(const mx::array& a, const mx::array& x, const char* what) {
+  FLN_CHECK(a.dtype() == mx::float32 && a.ndim() == x.ndim() && a.shape().back() == 1 &&
+                std::equal(a.shape().begin(), a.shape().end() - 1, x.shape().begin()),
+            LSE, ": expected ", what, " to be float32 of shape ", shape_str(x.shape()),
+            " with its last axis 1, got ", dtype_str(a.dtype()), " ", shape_str(a.shape()));
+}
+
+// Each input with the mapped axis in front (broadcast over it where unmapped): the last axis
+// stays the reduced one.
+std::vector<mx::array> in_front(const std::vector<mx::array>& inputs,
+                                const std::vector<int>& axes, mx::Stream s) {
+  int size = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) size = inputs[i].shape(axes[i]);
+  }
+  std::vector<mx::array> out;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      out.push_back(mx::moveaxis(inputs[i], axes[i], 0, s));
+    } else {
+      auto shape = inputs[i].shape();
+      shape.insert(shape.begin(), size);
+      out.push_back(mx::broadcast_to(mx::expand_dims(inputs[i], 0, s), shape, s));
+    }
+  }
+  return out;
+}
+
+void check_x(const mx::array& x) {
+  FLN_CHECK(x.dtype() == mx::float32 && x.ndim() >= 1, LSE, ": expected x to be a float32 "
+            "array of one or more axes, got ", dtype_str(x.dtype()), " ", shape_str(x.shape()));
+}
+
+} // namespace
+
+mx::array log_sum_exp(const mx::array& x, const mx::array& top, mx::StreamOrDevice s) {
+  check_x(x);
+  check_rows(top, x, "top");
+  auto stream = mx::to_stream(s);
+  FLN_CHECK(stream.device == mx::Device::cpu, LSE, ": the kernel runs on the CPU, the stream "
+            "is on the GPU; use mx.logsumexp there");
+  return mx::array(top.shape(), mx::float32, std::make_shared<LogSumExp>(stream, false),
+                   {x, top});
+}
+
+mx::array log_sum_exp_grad(const mx::array& g, const mx::array& x, const mx::array& top,
+                           const mx::array& out, mx::StreamOrDevice s) {
+  check_x(x);
+  check_rows(g, x, "g");
+  check_rows(top, x, "top");
+  check_rows(out, x, "out");
+  auto stream = mx::to_stream(s);
+  FLN_CHECK(stream.device == mx::Device::cpu, LSE, "_grad: the kernel runs on the CPU, the "
+            "stream is on the GPU");
+  return mx::array(x.shape(), mx::float32, std::make_shared<LogSumExp>(stream, true),
+                   {g, x, top, out});
+}
+
+void LogSumExp::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) {
+    return;
+  }
+  int64_t cols = operands[backward_ ? 1 : 0].shape().back();  // x's
+  int64_t rows = static_cast<int64_t>(backward_ ? out.size() / cols : out.size());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  auto inputs = row_contiguous_all(operands, encoder);
+  std::vector<const float*> in;
+  for (const auto& a : inputs) in.push_back(a.data<float>());
+  encoder.dispatch([backward = backward_, in, dst = out.data<float>(), rows, cols]() {
+    if (!backward) {  // in: x, top
+      for (int64_t r = 0; r < rows; ++r) {
+        dst[r] = log_sum_exp_row(in[0] + r * cols, in[1][r], cols);
+      }
+      if (cols == 0) {  // (an empty row: log(0))
+        std::fill(dst, dst + rows, -std::numeric_limits<float>::infinity());
+      }
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // in: g, x, top, out
+      log_sum_exp_grad_row(in[0][r], in[1] + r * cols, in[2][r], in[3][r], dst + r * cols,
+                           cols);
+    }
+  });
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> LogSumExp::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  auto in = in_front(inputs, axes, s);
+  return {{backward_ ? log_sum_exp_grad(in[0], in[1], in[2], in[3], s)
+                     : log_sum_exp(in[0], in[1], s)},
+          {0}};
+}
+
+std::vector<mx::array> LogSumExp::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>& outputs) {
+  auto s = stream();
+  if (backward_) {
+    return vjp_of([s](const std::vector<mx::array>& in) { return log_sum_exp_grad_ops(in, s); },
+                  primals, cotangents, argnums);
+  }
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {  // d/dx: g * exp(x - top - out); d/dtop: -g
+    grads.push_back(arg == 0 ? log_sum_exp_grad(cotangents[0], primals[0], primals[1],
+                                                outputs[0], s)
+                             : mx::negative(cotangents[0], s));
+  }
+  return grads;
+}
+
+std::vector<mx::array> LogSumExp::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  auto s = stream();
+  auto backward = backward_;
+  return jvp_of([s, backward](const std::vector<mx::array>& in) {
+    return backward ? log_sum_exp_grad_ops(in, s) : log_sum_exp_ops(in, s);
+  }, primals, tangents, argnums, s);
 }
 
 } // namespace fluxlike_native

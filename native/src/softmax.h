@@ -44,4 +44,36 @@ class Softmax : public mx::UnaryPrimitive {
   bool backward_;
 };
 
+// log(sum(exp(x - top))) over the last axis of a float32 array: top (the row's maximum, with
+// the last axis kept, shape x.shape[:-1] + [1]; the caller's, its gradient stopped) given, the
+// result of top's shape. One vectorised pass (exp_float32, eight partial sums), no primitive:
+// MLX's logsumexp runs a scalar exp on the CPU, forward and backward. Taken literally: a row of
+// -inf against a top of 0 gives -inf, a +inf or NaN in the row inf or NaN. Its gradient in x
+// is g * exp(x - top - out) (one pass, log_sum_exp_grad), in top -g.
+mx::array log_sum_exp(const mx::array& x, const mx::array& top, mx::StreamOrDevice s = {});
+mx::array log_sum_exp_grad(const mx::array& g, const mx::array& x, const mx::array& top,
+                           const mx::array& out, mx::StreamOrDevice s = {});
+
+// inputs: {x, top} (forward) or {g, x, top, out} (backward: the result of x's shape).
+class LogSumExp : public mx::UnaryPrimitive {
+ public:
+  LogSumExp(mx::Stream stream, bool backward) : mx::UnaryPrimitive(stream), backward_(backward) {}
+
+  FLN_DEFINE_EVAL_CPU_ONLY("fluxlike_native.log_sum_exp has no GPU kernel")
+  FLN_DEFINE_GRADS()
+  FLN_DEFINE_VMAP()
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[1].shape()};  // top's (forward), x's (backward)
+  }
+  const char* name() const override {
+    return backward_ ? "FluxlikeNativeLogSumExpGrad" : "FluxlikeNativeLogSumExp";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return backward_ == static_cast<const LogSumExp&>(other).backward_;
+  }
+
+ private:
+  bool backward_;
+};
+
 } // namespace fluxlike_native
