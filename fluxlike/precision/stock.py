@@ -394,7 +394,17 @@ def install() -> None:
     for name, fn in (("silu", silu), ("gelu", gelu), ("gelu_approx", gelu_approx)):
         setattr(nn, name, fn)
         setattr(activations, name, fn)  # (nn.GELU's forward calls these by name)
+    if nn.SiLU.__call__ is _mlx_silu_module:  # (its forward holds MLX's silu itself)
+        nn.SiLU.__call__ = _silu_module  # type: ignore[method-assign]
     losses.cross_entropy = cross_entropy
+
+
+_mlx_silu_module = nn.SiLU.__call__
+
+
+def _silu_module(self: nn.SiLU, x: mx.array) -> mx.array:
+    """``nn.SiLU``'s forward once fluxlike is in use: :func:`silu`."""
+    return silu(x)
 
 
 on_first_use(install)

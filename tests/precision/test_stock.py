@@ -350,6 +350,7 @@ def test_importing_fluxlike_leaves_mlxs_functions_until_its_first_use(first):
     _run(_MLX_FUNCTIONS + use +
          "assert mx.fast.scaled_dot_product_attention is stock.scaled_dot_product_attention\n"
          "assert nn.silu is stock.silu and nn.gelu is stock.gelu\n"
+         "assert nn.SiLU.__call__ is stock._silu_module\n"
          "assert nn.losses.cross_entropy is stock.cross_entropy\n"
          "assert stock._mlx_sdpa is mlx_sdpa and stock._mlx_activations['silu'] is mlx_silu\n"
          "assert stock._mlx_cross_entropy is mlx_loss\n")
@@ -499,13 +500,15 @@ def test_upstream_activations_run_native_and_agree_with_mlxs(monkeypatch, tmp_pa
     # (installed here: another test's monkeypatch may have put MLX's back, routing being on)
     monkeypatch.setattr(nn, name, getattr(stock, name))
     monkeypatch.setattr(activations, name, getattr(stock, name))
+    monkeypatch.setattr(nn.SiLU, "__call__", stock._silu_module)
     x = (mx.random.normal((3, 257), key=mx.random.key(4)) * 4).astype(dtype)
     swiglu = mx.compile(lambda g, u: getattr(nn, name)(g) * u, shapeless=True)  # (mlx-lm's)
     with mx.stream(mx.cpu):
         got, grad = getattr(nn, name)(x), mx.grad(lambda v: getattr(nn, name)(v).sum())(x)
         compiled = swiglu(x, x)
         want, want_grad = mlx_fn(x), mx.grad(lambda v: mlx_fn(v).sum())(x)
-        nn_module = nn.GELU()(x) if name == "gelu" else None
+        nn_module = {"gelu": nn.GELU, "silu": nn.SiLU}.get(name, lambda: None)()
+        nn_module = None if nn_module is None else nn_module(x)
     assert got.dtype == grad.dtype == compiled.dtype == dtype
     if dtype == mx.float32:  # MLX's own (mx.export_function cannot serialise fluxlike's)
         np.testing.assert_array_equal(np64(got), np64(want))
@@ -516,7 +519,7 @@ def test_upstream_activations_run_native_and_agree_with_mlxs(monkeypatch, tmp_pa
     np.testing.assert_allclose(np64(got), np64(want), rtol=tol, atol=tol)
     np.testing.assert_allclose(np64(compiled), np64(want * x), rtol=4 * tol, atol=4 * tol)
     np.testing.assert_allclose(np64(grad), np64(want_grad), rtol=4 * tol, atol=4 * tol)
-    if nn_module is not None:  # nn.GELU's forward calls gelu by name
+    if nn_module is not None:  # nn.GELU's forward calls gelu by name, nn.SiLU's is replaced
         np.testing.assert_allclose(np64(nn_module), np64(want), rtol=tol, atol=tol)
     calls = []
     ext = native.switch.loaded
@@ -526,10 +529,13 @@ def test_upstream_activations_run_native_and_agree_with_mlxs(monkeypatch, tmp_pa
         monkeypatch.setattr(ext, op, lambda v: calls.append(1) or real(v))
         with mx.stream(mx.cpu):
             getattr(nn, name)(x)
-        assert calls == [1]
+            if name == "silu":  # the module too
+                nn.SiLU()(x)
+        assert calls == ([1, 1] if name == "silu" else [1])
+        calls.clear()
         with native.disabled(), mx.stream(mx.cpu):  # without the companion: MLX's own
             np.testing.assert_array_equal(np64(getattr(nn, name)(x)), np64(mlx_fn(x)))
-        assert calls == [1]
+        assert calls == []
 
 
 # ---------------------------------------------------------------- mlx.nn's cross entropy
