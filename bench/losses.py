@@ -20,10 +20,7 @@ memory over one call above what was resident.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from upstream import processor  # noqa: E402  (the CPU's name and half-precision flags)
+from upstream import measure, processor  # noqa: E402  (interleaved medians; the CPU's name)
 
 import fluxlike  # noqa: E402
 from fluxlike.losses import logitcrossentropy  # noqa: E402
@@ -70,33 +67,6 @@ def head_variants(rows: int, dims: int, vocab: int) -> dict[str, Callable[[], ob
     }
 
 
-def measure(fns: dict[str, Callable[[], object]], rounds: int
-            ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median seconds per call over interleaved rounds (after two calls of each), and each
-    call's peak memory above what was resident before it (bytes)."""
-    peaks = {}
-    for name, fn in fns.items():
-        fn()
-        fn()
-        mx.synchronize()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        fn()
-        mx.synchronize()
-        peaks[name] = mx.get_peak_memory() - base
-    names = list(fns)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    shuffle = random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(names)
-        for name in names:
-            start = time.perf_counter()
-            fns[name]()
-            mx.synchronize()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}, peaks
-
-
 def table(title: str, times: dict[str, float], peaks: dict[str, float]) -> None:
     base = next(iter(times.values()))
     print(f"\n{title}\n")
@@ -123,9 +93,9 @@ def main(argv: list[str] | None = None) -> None:
         pass
     print(f"{processor()}; MLX {mx.__version__}; {args.rows} rows, rounds {args.rounds}")
     for vocab in vocabs:
-        times, peaks = measure(loss_variants(args.rows, vocab), args.rounds)
+        times, peaks = measure(loss_variants(args.rows, vocab), args.rounds, 2)
         table(f"Cross entropy + gradient, ({args.rows}, {vocab}) float32 logits", times, peaks)
-        times, peaks = measure(head_variants(args.rows, args.dims, vocab), args.rounds)
+        times, peaks = measure(head_variants(args.rows, args.dims, vocab), args.rounds, 2)
         table(f"Head ({args.rows}, {args.dims}) x ({vocab}, {args.dims}), forward + backward",
               times, peaks)
 
