@@ -42,7 +42,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "1 thread passive": {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"},
     "off": {"FLUXLIKE_NATIVE": "0"},
 }
-MODELS = ("seed", "cnn", "lm")
+MODELS = ("seed", "cnn", "lm")  # and "lm512" (width 512, 4 blocks, 4 x 128 tokens) on request
 OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "FLUXLIKE_NATIVE",
             "FLUXLIKE_OMP")
 
@@ -55,9 +55,8 @@ from fluxlike.losses import logitcrossentropy
 from specs import SPECS, data, onehot, weights
 from models import fluxlike_model
 
-def lm():
-    # a charlm-sized transformer LM of fluxlike's layers: 2 pre-norm blocks, width 128
-    d, heads, vocab, context, batch = 128, 4, 96, 64, 32
+def lm(d=128, heads=4, vocab=96, context=64, batch=32, blocks=2):
+    # a transformer LM of fluxlike's layers, pre-norm blocks: charlm-sized by default
 
     class Block(fl.Layer):
         def __init__(self):
@@ -70,14 +69,16 @@ def lm():
             x = x + self.attention(self.norm1(x), mask="causal")
             return x + self.mlp(self.norm2(x))
 
-    model = fl.Chain(fl.Embedding(vocab, d), Block(), Block(), fl.LayerNorm(d),
-                     fl.Dense(d, vocab))
+    model = fl.Chain(fl.Embedding(vocab, d), *(Block() for _ in range(blocks)),
+                     fl.LayerNorm(d), fl.Dense(d, vocab))
     tokens = mx.random.randint(0, vocab, (batch, context + 1))
     return model, (tokens[:, :-1], tokens[:, 1:])
 
 def build(name):
     if name == "lm":
         return lm()
+    if name == "lm512":  # mid-sized products: 512 rows of width 512 (and 2048)
+        return lm(d=512, heads=8, vocab=4096, context=128, batch=4, blocks=4)
     spec = SPECS[name]
     x, labels = data(spec)
     y = mx.array(onehot(labels, spec.classes))

@@ -590,12 +590,13 @@ def _restored_rule(entry: str | None, opt_state: Any, path: Path,
                              f"metadata entry: {e}") from None
     if new is not None:
         replaced = replaced_schedules(current, new)
+        said = ", ".join(f"{field}={number!r} where this opt_state's rule has a schedule "
+                         f"({getattr(schedule, '__qualname__', type(schedule).__name__)})"
+                         for field, schedule, number in replaced)
         return new, None if not replaced else (
-            f"[loadcheckpoint] the optimiser in {str(path)!r} was saved with "
-            f"{', '.join(f'{field}={value!r}' for field, value in replaced)}, a number, where "
-            f"this opt_state's rule has a schedule ({current!r}): the saved number replaces "
-            f"it, as the run in the file went on. To go on with the schedule, "
-            f"adjust(opt_state, {replaced[0][0]}=schedule) after loading")
+            f"[loadcheckpoint] the optimiser in {str(path)!r} was saved with {said}: the "
+            f"saved number replaces it, as the saved run used it. To go on with the "
+            f"schedule, adjust(opt_state, {replaced[0][0]}=schedule) after loading")
     try:
         saved = saved_rule(record)  # (checked: for a state of an mlx optimizer too)
     except (ValueError, TypeError, RecursionError) as e:

@@ -281,13 +281,14 @@ def _merged(rule: Any, saved: Any, learning_rate: mx.array | None) -> Any:
     return _unchecked(saved, values) if values else saved
 
 
-def replaced_schedules(rule: Any, new: Any) -> list[tuple[str, Any]]:
-    """``(field, number)`` where ``rule`` has a schedule and ``new`` (``rule`` as
+def replaced_schedules(rule: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """``(field, schedule, number)`` where ``rule`` has a schedule and ``new`` (``rule`` as
     :func:`restored` gives it) the number the record had there.
 
     >>> from mlx.optimizers import step_decay
     >>> from fluxlike import Adam
-    >>> replaced_schedules(Adam(step_decay(0.1, 0.5, 10)), Adam(0.05))
+    >>> [(field, number) for field, _, number in replaced_schedules(
+    ...     Adam(step_decay(0.1, 0.5, 10)), Adam(0.05))]
     [('lr', 0.05)]
     """
     if isinstance(rule, OptimiserChain):
@@ -299,7 +300,7 @@ def replaced_schedules(rule: Any, new: Any) -> list[tuple[str, Any]]:
         if isinstance(current, (Rule, GradientTransform)):
             found += replaced_schedules(current, value)
         elif callable(current) and not callable(value):
-            found.append((field.name, value))
+            found.append((field.name, current, value))
     return found
 
 

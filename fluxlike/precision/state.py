@@ -101,12 +101,24 @@ def on_first_use(hook: Callable[[], None]) -> None:
 
 
 def first_use() -> None:
-    """Run the :func:`on_first_use` hooks unless they have run. Idempotent."""
+    """Run the :func:`on_first_use` hooks unless they have run (all of them: ``used`` is set
+    once they have, so that another thread waits on the lock until then, and a hook that
+    raises is tried again at the next use). Idempotent, and a hook that uses fluxlike itself
+    does not run the hooks again."""
+    global _running
     with routing.lock:
-        if not routing.used:
-            routing.used = True
+        if routing.used or _running:
+            return
+        _running = True
+        try:
             for hook in _first_use_hooks:
                 hook()
+            routing.used = True
+        finally:
+            _running = False
+
+
+_running = False  # (the hooks are running, on the thread holding routing.lock)
 
 
 class _Count:

@@ -321,7 +321,9 @@ def cross_entropy(logits: mx.array, targets: mx.array, weights: mx.array | None 
     half-precision logits on the CPU (in float32, the loss returned in the logits' dtype, as
     MLX's), and for float32 ones inside fluxlike's ``autocast``, ``gradient`` or ``train``,
     over the last axis, targets class indices or probabilities. Everything else (another axis,
-    the GPU, float64, arguments MLX refuses, which raise its errors) is MLX's own.
+    the GPU, float64, no logits, arguments MLX refuses, which raise its errors) is MLX's own.
+    One difference: a row with a ``+inf`` logit has an infinite loss here (NaN in MLX's; both
+    give NaN gradients).
 
     >>> import mlx.core as mx
     >>> from fluxlike import autocast
@@ -334,18 +336,20 @@ def cross_entropy(logits: mx.array, targets: mx.array, weights: mx.array | None 
     if not _loss_routed(logits, targets, weights, axis, label_smoothing, reduction):
         return _mlx_cross_entropy(logits, targets, weights=weights, axis=axis,
                                   label_smoothing=label_smoothing, reduction=reduction)
+    # MLX's formula, on the logits less their maximum (top): that difference picked at the
+    # target (bit for bit the shifted logit), or weighted by the probabilities
     v = logits.astype(mx.float32)
-    lse, top = kernels.logsumexp_shifted(v, -1)  # MLX's formula: the logits shifted by top
-    if targets.ndim == logits.ndim:  # probabilities
-        score = mx.sum(v * targets, axis=-1, keepdims=True)
+    lse, top = kernels.logsumexp_shifted(v, -1)
+    if targets.ndim == logits.ndim:
+        score = mx.sum((v - top) * targets, axis=-1, keepdims=True)
     else:
-        score = mx.take_along_axis(v, mx.expand_dims(targets, -1), -1)
-    loss = lse - (score - top)
+        score = mx.take_along_axis(v, mx.expand_dims(targets, -1), -1) - top
     if label_smoothing > 0:  # (1 - s) of the score, s of the logits' mean
-        loss = lse - (1 - label_smoothing) * (score - top) - label_smoothing * (
+        loss = lse - (1 - label_smoothing) * score - label_smoothing * (
             v.mean(axis=-1, keepdims=True) - top)
-    loss = loss.squeeze(-1)
-    loss = loss.astype(logits.dtype)
+    else:
+        loss = lse - score
+    loss = loss.squeeze(-1).astype(logits.dtype)
     if weights is not None:
         loss = loss * weights
     return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
@@ -354,7 +358,7 @@ def cross_entropy(logits: mx.array, targets: mx.array, weights: mx.array | None 
 def _loss_routed(logits: object, targets: object, weights: object, axis: object,
                  label_smoothing: object, reduction: object) -> bool:
     """Whether :func:`cross_entropy` takes this call (see there)."""
-    if not (type(logits) is mx.array and type(targets) is mx.array and logits.ndim >= 1
+    if not (type(logits) is mx.array and type(targets) is mx.array and logits.size > 0
             and isinstance(axis, int) and axis in (-1, logits.ndim - 1)
             and reduction in _REDUCTIONS and isinstance(label_smoothing, (int, float))
             and 0 <= label_smoothing < 1):
@@ -384,19 +388,24 @@ def install() -> None:
     """Replace MLX's functions that upstream models call themselves by the ones above (each
     says when it differs from MLX's), at fluxlike's first use in the process (its first
     ``autocast``, converter, ``gradient`` or training step: importing fluxlike changes
-    nothing). ``FLUXLIKE_PATCH_MLX=0`` (read then) leaves MLX's own in place."""
+    nothing), each only where MLX's own is still in place (nn.GELU's forward calls the
+    activations by name; nn.SiLU's holds MLX's ``silu``, so its forward is replaced).
+    ``FLUXLIKE_PATCH_MLX=0`` (read then) leaves MLX's own in place."""
     if os.environ.get(_PATCH_VARIABLE, "1").strip().lower() in ("0", "off", "false", "no"):
         return
     import mlx.nn.layers.activations as activations
     import mlx.nn.losses as losses
 
-    mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
+    replacements: list[tuple[Any, str, Any, Any]] = [
+        (mx.fast, "scaled_dot_product_attention", _mlx_sdpa, scaled_dot_product_attention),
+        (losses, "cross_entropy", _mlx_cross_entropy, cross_entropy),
+        (nn.SiLU, "__call__", _mlx_silu_module, _silu_module),
+    ]
     for name, fn in (("silu", silu), ("gelu", gelu), ("gelu_approx", gelu_approx)):
-        setattr(nn, name, fn)
-        setattr(activations, name, fn)  # (nn.GELU's forward calls these by name)
-    if nn.SiLU.__call__ is _mlx_silu_module:  # (its forward holds MLX's silu itself)
-        nn.SiLU.__call__ = _silu_module  # type: ignore[method-assign]
-    losses.cross_entropy = cross_entropy
+        replacements += [(where, name, _mlx_activations[name], fn) for where in (nn, activations)]
+    for module, name, original, fn in replacements:
+        if getattr(module, name) is original:  # (a function of the user's own there stays)
+            setattr(module, name, fn)
 
 
 _mlx_silu_module = nn.SiLU.__call__

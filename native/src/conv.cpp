@@ -536,7 +536,8 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
                       odt = out.dtype(), relu = relu_, n = out.size(),
                       padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
                       ys = *ys, p = p_]() {
-      Float32Scratch a_copy(in0.size), b_copy(in1.size), bias_copy(bias.size), y_copy(n);
+      Float32Scratch a_copy(in0.size, FN), b_copy(in1.size, FN), bias_copy(bias.size, FN);
+      Float32Scratch y_copy(n, FN);
       void *a32 = a_copy.get(), *b32 = b_copy.get(), *bias32 = bias_copy.get();
       void* y32 = y_copy.get();
       for (auto [from, to] : {std::pair{&in0, a32}, {&in1, b32}, {&bias, bias32}}) {

@@ -79,7 +79,7 @@ void conv_backward_gemm(ConvKind kind, const float* in0, const float* in1, float
   for (size_t a = 1; a + 1 < ws.size(); ++a) cols *= ws[a];
   OneThread one(static_cast<double>(rows) * static_cast<double>(cols) *
                     static_cast<double>(outs) < single_thread_macs());
-  Float32Scratch patch(static_cast<size_t>(rows * cols));  // (MLX's buffer cache: common.h)
+  Float32Scratch patch(static_cast<size_t>(rows * cols), FN);  // (MLX's cache: common.h)
   auto* m = patch.get();
   size_t block = static_cast<size_t>(channels) * sizeof(float);
   if (kind == ConvKind::BackwardWeights) {  // dw (O x K) = dy^T (O x M) @ X (M x K)

@@ -555,8 +555,8 @@ void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
                     n = pl.dst_dims.back(), k = va.dims.back(),
                     round_f32 = round_f32_ ? cdt_ : mx::float32]() {
     bool half = odt != mx::float32;
-    Float32Scratch a_copy(a.size), b_copy(b.size), bias_copy(bias ? bias->size : 0);
-    Float32Scratch y_copy(half ? n_out : 0);
+    Float32Scratch a_copy(a.size, FN), b_copy(b.size, FN), bias_copy(bias ? bias->size : 0, FN);
+    Float32Scratch y_copy(half ? n_out : 0, FN);
     float *a32 = a_copy.get(), *b32 = b_copy.get(), *bias32 = bias_copy.get();
     to_float32(a, a32);
     to_float32(b, b32);

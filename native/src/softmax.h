@@ -46,8 +46,9 @@ class Softmax : public mx::UnaryPrimitive {
 
 // log(sum(exp(x - top))) over the last axis of a float32 array: top (the row's maximum, with
 // the last axis kept, shape x.shape[:-1] + [1]; the caller's, its gradient stopped) given, the
-// result of top's shape. One vectorised pass (exp_float32, eight partial sums), no primitive:
-// MLX's logsumexp runs a scalar exp on the CPU, forward and backward. Taken literally: a row of
+// result of top's shape. One vectorised pass (exp_float32, eight partial sums) that stores no
+// exponential, and no oneDNN primitive: MLX's logsumexp runs a scalar exp on the CPU, forward
+// and backward. Taken literally: a row of
 // -inf against a top of 0 gives -inf, a +inf or NaN in the row inf or NaN. Its gradient in x
 // is g * exp(x - top - out) (one pass, log_sum_exp_grad), in top -g.
 mx::array log_sum_exp(const mx::array& x, const mx::array& top, mx::StreamOrDevice s = {});

@@ -564,6 +564,7 @@ CROSS_ENTROPY = {
     "sum, weights": {"reduction": "sum", "weights": "w"},
     "smoothing": {"label_smoothing": 0.1, "reduction": "mean"},
     "probabilities": {"targets": "p"},
+    "weights not summing to 1": {"targets": "u"},  # (multi-label, padding rows of zeros)
     "last axis by number": {"axis": 2},
 }
 
@@ -578,8 +579,11 @@ def test_upstream_cross_entropy_in_a_gradient_is_native_and_agrees_with_mlxs(mon
     logits = mx.random.normal((3, 5, 33), key=keys[0]) * 6
     kwargs = dict(CROSS_ENTROPY[case])
     targets = mx.random.randint(0, 33, (3, 5), key=keys[1])
-    if kwargs.pop("targets", None) == "p":
+    kind = kwargs.pop("targets", None)
+    if kind == "p":
         targets = mx.softmax(mx.random.normal((3, 5, 33), key=keys[2]), axis=-1)
+    elif kind == "u":
+        targets = mx.random.uniform(shape=(3, 5, 33), key=keys[2]) * (mx.arange(5) > 0)[:, None]
     if kwargs.get("weights") == "w":
         kwargs["weights"] = mx.arange(15, dtype=mx.float32).reshape(3, 5) / 15
     calls = _counting_loss(monkeypatch)
@@ -598,6 +602,12 @@ def test_upstream_cross_entropy_in_a_gradient_is_native_and_agrees_with_mlxs(mon
         logits, targets, **kwargs)))
     np.testing.assert_allclose(np64(value), np64(want_value), rtol=2e-6)
     np.testing.assert_allclose(np64(grad), np64(want_grad), rtol=1e-5, atol=1e-6)
+    if kind is not None:  # the gradient in the probabilities too
+        with mx.stream(mx.cpu):
+            _, (in_targets,) = fluxlike.withgradient(
+                lambda t: nn.losses.cross_entropy(logits, t, **kwargs).sum(), targets)
+        want = mx.grad(lambda t: stock._mlx_cross_entropy(logits, t, **kwargs).sum())(targets)
+        np.testing.assert_allclose(np64(in_targets), np64(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
@@ -622,7 +632,7 @@ def test_upstream_cross_entropy_on_half_logits_is_computed_in_float32(monkeypatc
 
 
 @pytest.mark.parametrize("case", ["smoothing 1", "targets' shape", "weights' shape",
-                                  "reduction", "first axis", "integer logits"])
+                                  "reduction", "first axis", "integer logits", "no logits"])
 def test_upstream_cross_entropy_left_to_mlx(monkeypatch, case):
     import fluxlike
     from fluxlike.precision import stock
@@ -632,15 +642,66 @@ def test_upstream_cross_entropy_left_to_mlx(monkeypatch, case):
     logits, targets = mx.random.normal((4, 7), key=mx.random.key(1)), mx.array([0, 1, 2, 3])
     kwargs = {"smoothing 1": {"label_smoothing": 1.0}, "targets' shape": {},
               "weights' shape": {"weights": mx.ones((3,))}, "reduction": {"reduction": "avg"},
-              "first axis": {"axis": 0}, "integer logits": {}}[case]
+              "first axis": {"axis": 0}, "integer logits": {}, "no logits": {}}[case]
     if case == "targets' shape":
         targets = targets[:3]
     elif case == "first axis":
         targets = mx.arange(7) % 4
     elif case == "integer logits":
         logits = mx.arange(28).reshape(4, 7)
+    elif case == "no logits":  # (MLX's logsumexp refuses an empty array)
+        logits, targets, kwargs = logits[:0], targets[:0], {"reduction": "mean"}
 
     with mx.stream(mx.cpu), fluxlike.modes.differentiating():
         got = _outcome(nn.losses.cross_entropy, logits, targets, **kwargs)
     assert calls == []
     _same_outcome(got, _outcome(stock._mlx_cross_entropy, logits, targets, **kwargs))
+
+
+def test_upstream_cross_entropy_of_an_infinite_logit_is_infinite():
+    # (MLX's is NaN, inf - inf; both gradients are NaN: a diverged step is skipped either way)
+    import fluxlike
+    from fluxlike.precision import stock
+    with autocast(mx.bfloat16):
+        pass
+    logits = mx.array([[0.0, float("inf"), 1.0], [0.0, 1.0, 2.0]])
+    targets = mx.array([0, 2])
+    if kernels.choose("exp", mx.float32, logits) != kernels.NATIVE:
+        pytest.skip("no native exp here: MLX's own")
+    with mx.stream(mx.cpu), fluxlike.modes.differentiating():
+        value = stock.cross_entropy(logits, targets)
+        grad = mx.grad(lambda v: stock.cross_entropy(v, targets).sum())(logits)
+    assert np64(value)[0] == float("inf") and np.isnan(np64(grad)[0]).any()
+    np.testing.assert_allclose(np64(value)[1], np64(stock._mlx_cross_entropy(logits, targets))[1],
+                               rtol=1e-6)
+
+
+def test_a_users_own_replacement_stays():
+    _run("import mlx.core as mx, mlx.nn as nn, fluxlike\n"
+         "from fluxlike.precision import stock\n"
+         "mine = lambda *a, **k: 'mine'\n"
+         "nn.losses.cross_entropy = mine\n"
+         "fluxlike.gradient(lambda x: (x * x).sum(), mx.ones(2))\n"
+         "assert nn.losses.cross_entropy is mine\n"
+         "assert mx.fast.scaled_dot_product_attention is stock.scaled_dot_product_attention\n")
+
+
+def test_a_first_use_hook_that_raises_is_tried_again(monkeypatch):
+    from fluxlike.precision import state
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("flaky")
+        state.first_use()  # (a hook using fluxlike itself: not run again)
+
+    monkeypatch.setattr(state.routing, "used", False)
+    monkeypatch.setattr(state, "_first_use_hooks", [flaky])
+    with pytest.raises(RuntimeError, match="flaky"):
+        state.first_use()
+    assert not state.routing.used
+    state.first_use()
+    assert state.routing.used and calls == [1, 1]
+    state.first_use()
+    assert calls == [1, 1]
