@@ -183,9 +183,9 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale
                                  force_fused: bool = False, stream: Any = None) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` once fluxlike is in use (:func:`install`
     replaces MLX's function, which upstream models call themselves: mlx-lm's attention
-    layers). On the CPU, MLX's
-    kernel is its own softmax over scores it computes in the operands' dtype: half-precision
-    scores take its scalar half GEMM, and its ``exp`` is scalar in every dtype. So these run
+    layers). On the CPU, MLX's kernel is its own softmax over scores it computes in the
+    operands' dtype: half-precision scores take its scalar half GEMM, and its ``exp`` is
+    scalar in every dtype. So these run
     :func:`.attention.attend` instead (fluxlike's GEMM and native softmax, float32 scores,
     the same roundings as the fused kernel): half-precision operands on the CPU (autocast's
     outputs, a converted model's; where fluxlike's half products are emulated, from
