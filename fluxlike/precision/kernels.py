@@ -81,6 +81,13 @@ def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,
     return EMULATED if half and op in _EMULABLE else MLX
 
 
+def switched_off() -> bool:
+    """Whether the native companion is loaded but switched off (inside
+    ``fluxlike.native.disabled()``): then what fluxlike puts in MLX's place is MLX's own
+    (:mod:`.stock`), for ``mx.export_function``."""
+    return _switch.loaded is not None and _switch.ext is None
+
+
 def _takes_linear(dtype: mx.Dtype, x: Any = None, w: Any = None, geometry: Any = None) -> bool:
     """float32 and half precision: bfloat16 in oneDNN's bfloat16 kernels where the CPU has
     them; else, and float16 always, in its float32 kernels, the primitive upcasting its half

@@ -194,10 +194,10 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale
     boolean. mlx-lm's Llama at width 512 (AMD EPYC Zen 3): a bfloat16 training step 1.54 s
     through MLX's kernel against 0.93 s. Grouped-query attention (fewer key/value heads)
     repeats each key/value head for its query heads. Every other call (the GPU, float64, an
-    additive mask, ``sinks``, a ``stream`` or ``force_fused``, a shapeless trace) is MLX's
-    own. (A function with it that MLX itself compiles shapeless, ``mx.compile(...,
-    shapeless=True)``, cannot trace fluxlike's emulated half products: use
-    ``fluxlike.compile``, which leaves the call to MLX there.)
+    additive mask, ``sinks``, a ``stream`` or ``force_fused``, a shapeless trace, inside
+    ``fluxlike.native.disabled()``) is MLX's own. (A function with it that MLX itself
+    compiles shapeless, ``mx.compile(..., shapeless=True)``, cannot trace fluxlike's emulated
+    half products: use ``fluxlike.compile``, which leaves the call to MLX there.)
 
     >>> import mlx.core as mx
     >>> from fluxlike import autocast
@@ -228,6 +228,8 @@ MIN_EMULATED_QUERIES = 16
 
 def _routed(q: object, k: object, v: object, mask: object) -> bool:
     """Whether :func:`scaled_dot_product_attention` takes this call (see there)."""
+    if kernels.switched_off():  # (native.disabled(): MLX's own, which export can serialise)
+        return False
     if not (type(q) is mx.array and type(k) is mx.array and type(v) is mx.array
             and q.ndim == k.ndim == v.ndim == 4 and k.shape[1] == v.shape[1]
             and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0):

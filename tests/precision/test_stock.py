@@ -705,3 +705,25 @@ def test_a_first_use_hook_that_raises_is_tried_again(monkeypatch):
     assert state.routing.used and calls == [1, 1]
     state.first_use()
     assert calls == [1, 1]
+
+
+def test_half_precision_upstream_calls_export_inside_native_disabled(tmp_path):
+    # (fluxlike's primitives cannot be serialised: native.disabled() gives MLX's own)
+    from fluxlike import native
+    with autocast(mx.bfloat16):  # (fluxlike in use)
+        pass
+    q = mx.ones((1, 2, 16, 8), mx.bfloat16)
+
+    def upstream(q):
+        out = mx.fast.scaled_dot_product_attention(q, q, q, scale=0.3, mask="causal")
+        logits = nn.silu(out).reshape(-1, 8)
+        return nn.losses.cross_entropy(logits, mx.zeros((32,), mx.int32))
+
+    if native.switch.loaded is None:
+        pytest.skip("no native companion: half-precision attention is emulated, not exportable")
+    with mx.stream(mx.cpu), native.disabled():
+        mx.export_function(str(tmp_path / "upstream.mlxfn"), upstream, q)
+        want = upstream(q)
+    imported = mx.import_function(str(tmp_path / "upstream.mlxfn"))
+    with mx.stream(mx.cpu):
+        np.testing.assert_array_equal(np64(imported(q)[0]), np64(want))
