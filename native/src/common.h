@@ -319,9 +319,9 @@ inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder
 // std::aligned_alloc, one over glibc's mmap threshold, 32 MiB at most, was mapped afresh and
 // faulted in page by page on every call: a (512, 512) x (32000, 512) bfloat16 product's
 // forward pass took 275 ms where float32's took 147; from MLX's cache 140 against 131, AMD
-// EPYC Zen 3.) Allocated in
-// the task, not when the node is evaluated: MLX evaluates nodes ahead of their tasks, and
-// buffers taken then would all be held at once. get() is nullptr for no entries.
+// EPYC Zen 3.) Allocated in the task, not when the node is evaluated: MLX evaluates nodes
+// ahead of their tasks, and buffers taken then would all be held at once. get() is nullptr
+// for no entries.
 class Float32Scratch {
  public:
   // `fn` names the kernel in the out-of-memory error.
@@ -418,20 +418,26 @@ inline std::vector<mx::array> jvp_of(const OpsFn& fn, const std::vector<mx::arra
   return mx::jvp(fn, primals, full).second;
 }
 
-// Two operands of an elementwise primitive under mx.vmap: each with the mapped axis in front,
-// broadcast over it where one lacks it (the result is mapped on axis 0).
-inline std::pair<mx::array, mx::array> mapped_in_front(const std::vector<mx::array>& inputs,
-                                                       const std::vector<int>& axes,
-                                                       mx::Stream s) {
-  auto a = axes[0] >= 0 ? mx::moveaxis(inputs[0], axes[0], 0, s) : inputs[0];
-  auto b = axes[1] >= 0 ? mx::moveaxis(inputs[1], axes[1], 0, s) : inputs[1];
-  if (axes[0] < 0) {
-    a = mx::broadcast_to(mx::expand_dims(a, 0, s), b.shape(), s);
+// A primitive's operands under mx.vmap, each with the mapped axis in front, broadcast over it
+// where one is not mapped (the result is mapped on axis 0): the other axes keep their order,
+// so a reduction over the last axis still reduces the operand's own last axis.
+inline std::vector<mx::array> mapped_in_front(const std::vector<mx::array>& inputs,
+                                              const std::vector<int>& axes, mx::Stream s) {
+  int size = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) size = inputs[i].shape(axes[i]);
   }
-  if (axes[1] < 0) {
-    b = mx::broadcast_to(mx::expand_dims(b, 0, s), a.shape(), s);
+  std::vector<mx::array> out;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      out.push_back(mx::moveaxis(inputs[i], axes[i], 0, s));
+    } else {
+      auto shape = inputs[i].shape();
+      shape.insert(shape.begin(), size);
+      out.push_back(mx::broadcast_to(mx::expand_dims(inputs[i], 0, s), shape, s));
+    }
   }
-  return {a, b};
+  return out;
 }
 
 // mx.vmap for a primitive over rows: `apply` builds the primitive's outputs from its inputs,

@@ -538,23 +538,21 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
                       ys = *ys, p = p_]() {
       Float32Scratch a_copy(in0.size, FN), b_copy(in1.size, FN), bias_copy(bias.size, FN);
       Float32Scratch y_copy(n, FN);
-      void *a32 = a_copy.get(), *b32 = b_copy.get(), *bias32 = bias_copy.get();
-      void* y32 = y_copy.get();
+      float *a32 = a_copy.get(), *b32 = b_copy.get(), *bias32 = bias_copy.get();
+      float* y = y_copy.get();
       for (auto [from, to] : {std::pair{&in0, a32}, {&in1, b32}, {&bias, bias32}}) {
         if (from->data != nullptr) {
-          widen_all(from->data, from->dtype, static_cast<float*>(to), from->size);
+          widen_all(from->data, from->dtype, to, from->size);
         }
       }
       if (entry) {
-        run(*entry, kind, a32, b32, bias32, y32);
+        run(*entry, kind, a32, b32, bias32, y);
       } else {
-        conv_backward_gemm(kind, static_cast<const float*>(a32), static_cast<const float*>(b32),
-                           static_cast<float*>(y32), xs, ws, ys, p);
+        conv_backward_gemm(kind, a32, b32, y, xs, ws, ys, p);
       }
       if (padded) {
-        padding_as_mlx({a32, b32, bias32, y32, false, false}, xs, ws, ys, p);
+        padding_as_mlx({a32, b32, bias32, y, false, false}, xs, ws, ys, p);
       }
-      auto y = static_cast<float*>(y32);
       if (relu) {
         relu_keeping_nan(y, n, false);
       }

@@ -144,8 +144,8 @@ std::vector<mx::array> Gelu::jvp(
 std::pair<std::vector<mx::array>, std::vector<int>> GeluGrad::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
-  auto [g, x] = mapped_in_front(inputs, axes, stream());
-  return {{gelu_grad(g, x, stream())}, {0}};
+  auto in = mapped_in_front(inputs, axes, stream());  // g, x
+  return {{gelu_grad(in[0], in[1], stream())}, {0}};
 }
 
 namespace {

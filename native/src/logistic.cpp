@@ -190,8 +190,8 @@ std::vector<mx::array> LogisticPrimitive::jvp(
 std::pair<std::vector<mx::array>, std::vector<int>> LogisticGrad::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
-  auto [g, y] = mapped_in_front(inputs, axes, stream());
-  return {{logistic_grad(g, y, kind_, stream())}, {0}};
+  auto in = mapped_in_front(inputs, axes, stream());  // g, y
+  return {{logistic_grad(in[0], in[1], kind_, stream())}, {0}};
 }
 
 std::vector<mx::array> LogisticGrad::vjp(

@@ -105,8 +105,8 @@ void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 std::pair<std::vector<mx::array>, std::vector<int>> ReluGrad::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
-  auto [g, y] = mapped_in_front(inputs, axes, stream());
-  return {{relu_grad(g, y, stream())}, {0}};
+  auto in = mapped_in_front(inputs, axes, stream());  // g, y
+  return {{relu_grad(in[0], in[1], stream())}, {0}};
 }
 
 std::vector<mx::array> ReluGrad::vjp(

@@ -328,27 +328,6 @@ void check_rows(const mx::array& a, const mx::array& x, const char* what) {
             " with its last axis 1), got ", dtype_str(a.dtype()), " ", shape_str(a.shape()));
 }
 
-// Each input with the mapped axis in front (broadcast over it where unmapped): the last axis
-// stays the reduced one.
-std::vector<mx::array> in_front(const std::vector<mx::array>& inputs,
-                                const std::vector<int>& axes, mx::Stream s) {
-  int size = 0;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (axes[i] >= 0) size = inputs[i].shape(axes[i]);
-  }
-  std::vector<mx::array> out;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (axes[i] >= 0) {
-      out.push_back(mx::moveaxis(inputs[i], axes[i], 0, s));
-    } else {
-      auto shape = inputs[i].shape();
-      shape.insert(shape.begin(), size);
-      out.push_back(mx::broadcast_to(mx::expand_dims(inputs[i], 0, s), shape, s));
-    }
-  }
-  return out;
-}
-
 void check_x(const mx::array& x) {
   FLN_CHECK(x.dtype() == mx::float32 && x.ndim() >= 1, LSE, ": expected x to be a float32 "
             "array of one or more axes, got ", dtype_str(x.dtype()), " ", shape_str(x.shape()));
@@ -411,7 +390,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> LogSumExp::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
   auto s = stream();
-  auto in = in_front(inputs, axes, s);
+  auto in = mapped_in_front(inputs, axes, s);  // (the last axis stays the reduced one)
   return {{backward_ ? log_sum_exp_grad(in[0], in[1], in[2], in[3], s)
                      : log_sum_exp(in[0], in[1], s)},
           {0}};
