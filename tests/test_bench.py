@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from native_helpers import needs_native
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "bench" / "run.py"
@@ -242,3 +243,20 @@ def test_losses_bench_quick_run():
         "MLX's cross_entropy", "cross_entropy, fluxlike in use", "fluxlike logitcrossentropy",
         "head float32", "head autocast(bfloat16)"], done.stdout
     assert "MLX " in done.stdout.splitlines()[0]
+
+
+@needs_native
+def test_matmul_bench_quick_run():
+    """bench/matmul.py (a product in MLX's graph against the same primitive standalone) at its
+    smoke size: a row per dtype the CPU runs natively, each with oneDNN's kernel named, four
+    times and a ratio, and the processor named."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "matmul.py"), "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^\| 8 x 16 x 16 \| (\w+) \| [^|]+ \| [0-9]+ \| [0-9]+ \| [0-9]+ "
+                      r"\| [0-9.]+ \| [0-9]+ \|$", done.stdout, re.M)
+    from fluxlike_native import _ext
+    assert rows == (["bfloat16"] if _ext.isa_has_bf16() else []) + ["float32"], done.stdout
+    assert "MLX " in done.stdout.splitlines()[0] and "oneDNN " in done.stdout.splitlines()[0]

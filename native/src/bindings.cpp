@@ -197,8 +197,7 @@ compute_dtype fuses casts of float32 operands to it into the product.)");
 oneDNN's GEMM without a primitive, any row count; 'reused': a shape's first uses on that GEMM,
 a cached primitive from its third (queued on the creator's thread at its second, cache.h);
 'primitive': a cached primitive per shape from its first use; 'auto' (the default): 'gemm'
-where the float32 matmul primitive is that GEMM anyway (below AVX-512), else 'reused' (see
-matmul.h).)");
+(see matmul.h).)");
   m.def(
       "matmul_mode",
       []() -> std::string {
@@ -210,6 +209,23 @@ matmul.h).)");
         "Whether unbatched float32 products run on oneDNN's GEMM without a primitive now.");
   m.def("primitive_is_jit_gemm", &fluxlike_native::primitive_is_jit_gemm,
         "Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU.");
+
+  m.def(
+      "standalone_matmul",
+      [](int64_t m, int64_t k, int64_t n, mx::Dtype dtype, bool transposed_b, bool any_layout,
+         int reps) {
+        nb::gil_scoped_release release;
+        auto t = fluxlike_native::standalone_matmul(m, k, n, dtype, transposed_b, any_layout,
+                                                    reps);
+        return std::make_pair(t.seconds, t.impl);
+      },
+      "m"_a, "k"_a, "n"_a, "dtype"_a, nb::kw_only(), "transposed_b"_a = true,
+      "any_layout"_a = false, "reps"_a = 20,
+      R"((seconds, implementation): the fastest of `reps` calls of oneDNN's matmul for an
+(m, k) @ (k, n) product in `dtype`, run outside MLX on filled buffers of its own - b stored
+transposed as a linear layer's weights are (`transposed_b`), in the plain layout MLX's arrays
+have, or reordered once into the layout oneDNN prefers (`any_layout`). The reference that
+in-graph products are measured against (bench/matmul.py).)");
 
   m.def(
       "plain_linear",

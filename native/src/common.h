@@ -313,33 +313,53 @@ inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder
   return copy;
 }
 
-// A float32 working buffer of a task while it runs (the float32 copies of half-precision
-// operands, a float32 result before its rounding), from MLX's allocator (thread-safe), freed
-// into MLX's buffer cache when the task ends: recycled from one step to the next. (From
-// std::aligned_alloc, one over glibc's mmap threshold, 32 MiB at most, was mapped afresh and
-// faulted in page by page on every call: a (512, 512) x (32000, 512) bfloat16 product's
-// forward pass took 275 ms where float32's took 147; from MLX's cache 140 against 131, AMD
-// EPYC Zen 3.) Allocated in the task, not when the node is evaluated: MLX evaluates nodes
-// ahead of their tasks, and buffers taken then would all be held at once. get() is nullptr
-// for no entries.
-class Float32Scratch {
+// A working buffer of a task while it runs (the float32 copies of half-precision operands, a
+// float32 result before its rounding, an operand's aligned copy), from MLX's allocator
+// (thread-safe), freed into MLX's buffer cache when the task ends: recycled from one step to
+// the next. (From std::aligned_alloc, one over glibc's mmap threshold, 32 MiB at most, was
+// mapped afresh and faulted in page by page on every call: a (512, 512) x (32000, 512)
+// bfloat16 product's forward pass took 275 ms where float32's took 147; from MLX's cache 140
+// against 131, AMD EPYC Zen 3.) Allocated in the task, not when the node is evaluated: MLX
+// evaluates nodes ahead of their tasks, and buffers taken then would all be held at once.
+// get() is 64-byte aligned (MLX's own CPU buffers are 8 bytes past a 16-byte boundary), and
+// nullptr for no bytes.
+class Scratch {
  public:
-  // `fn` names the kernel in the out-of-memory error.
-  Float32Scratch(size_t count, const char* fn) {
-    if (count != 0) {
-      data_.emplace(mx::allocator::malloc(count * sizeof(float)));
+  // `fn` names the kernel in the out-of-memory error, `what` the buffer.
+  Scratch(size_t bytes, const char* fn, const char* what = "a working buffer") {
+    if (bytes != 0) {
+      data_.emplace(mx::allocator::malloc(bytes + ALIGN - 1));
       if (data_->buffer().ptr() == nullptr) {
-        throw std::runtime_error(std::string(fn) + ": out of memory for a float32 working "
-                                 "buffer of " + std::to_string(count) + " entries");
+        throw std::runtime_error(std::string(fn) + ": out of memory for " + what + " of " +
+                                 std::to_string(bytes) + " bytes");
       }
     }
   }
 
-  float* get() { return data_ ? static_cast<float*>(data_->buffer().raw_ptr()) : nullptr; }
+  void* get() {
+    if (!data_) return nullptr;
+    auto p = reinterpret_cast<uintptr_t>(data_->buffer().raw_ptr());
+    return reinterpret_cast<void*>((p + ALIGN - 1) / ALIGN * ALIGN);
+  }
+
+  static constexpr uintptr_t ALIGN = 64;
 
  private:
   std::optional<mx::allocator::Data> data_;  // (freed into MLX's cache with it)
 };
+
+// A float32 Scratch of `count` entries.
+class Float32Scratch : public Scratch {
+ public:
+  Float32Scratch(size_t count, const char* fn)
+      : Scratch(count * sizeof(float), fn, "a float32 working buffer") {}
+  float* get() { return static_cast<float*>(Scratch::get()); }
+};
+
+// Whether `p` is on a cache line's boundary (64 bytes).
+inline bool aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % Scratch::ALIGN == 0;
+}
 
 // `x` as a kernel reading a dense row-major buffer needs it: `x` itself where it is
 // row-contiguous, else its row_contiguous_copy. A reference to `x` (which must outlive the

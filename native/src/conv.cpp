@@ -100,7 +100,7 @@ std::shared_ptr<const ConvPrepared> lookup(
     double macs = static_cast<double>(ws.back());
     for (auto d : ys) macs *= d;
     for (size_t i = 1; i + 1 < ws.size(); ++i) macs *= ws[i];
-    OneThread one(macs < single_thread_macs());
+    OneThread one(one_thread_for(macs, dt == mx::bfloat16));
     auto attr = user_scratchpad();
     // The backward kinds need the forward's description as a hint (the forward kind itself
     // does not: a description is a good part of a creation's time).
@@ -482,6 +482,58 @@ bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out
   return true;
 }
 
+// An input of a convolution computed in float32 kernels, as its task reads it.
+struct HalfInput {
+  const void* data = nullptr;
+  size_t size = 0;
+  mx::Dtype dtype = mx::float32;
+};
+
+HalfInput half_input(const mx::array& x) {
+  return {x.data<void>(), x.size(), x.dtype()};
+}
+
+// Half precision in float32 kernels: the operands upcast (exactly) into float32 buffers that
+// live while the task runs, the float32 kernel `entry` (or, without one, a backward pass's
+// GEMM over the patches), and the result rounded once - what astype, a float32 convolution
+// and astype compute, in one node.
+void in_float32(const ConvPrepared* entry, ConvKind kind, const HalfInput& in0,
+                const HalfInput& in1, const HalfInput& bias, void* po, mx::Dtype odt,
+                bool relu, size_t n, bool padded, const mx::Shape& xs, const mx::Shape& ws,
+                const mx::Shape& ys, const ConvParams& p) {
+  Float32Scratch a_copy(in0.size, FN), b_copy(in1.size, FN), bias_copy(bias.size, FN);
+  Float32Scratch y_copy(n, FN);
+  float *a32 = a_copy.get(), *b32 = b_copy.get(), *bias32 = bias_copy.get();
+  float* y = y_copy.get();
+  for (auto [from, to] : {std::pair{&in0, a32}, {&in1, b32}, {&bias, bias32}}) {
+    if (from->data != nullptr) {
+      widen_all(from->data, from->dtype, to, from->size);
+    }
+  }
+  if (entry) {
+    run(*entry, kind, a32, b32, bias32, y);
+  } else {
+    conv_backward_gemm(kind, a32, b32, y, xs, ws, ys, p);
+  }
+  if (padded) {
+    padding_as_mlx({a32, b32, bias32, y, false, false}, xs, ws, ys, p);
+  }
+  if (relu) {
+    relu_keeping_nan(y, n, false);
+  }
+  narrow_all(y, odt, po, n);
+}
+
+// Whether n bfloat16 values are all finite (their exponents not all ones).
+bool all_finite_bf16(const void* data, size_t n) {
+  auto* v = static_cast<const uint16_t*>(data);
+  uint16_t worst = 0;
+  for (size_t i = 0; i < n; ++i) {
+    worst = std::max<uint16_t>(worst, v[i] & 0x7f80);
+  }
+  return worst != 0x7f80;
+}
+
 void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   auto inputs = row_contiguous_all(operands, encoder);
@@ -522,41 +574,12 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
   }
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
   if (upcast_) {
-    // Half precision in float32 kernels: the operands upcast (exactly) into float32 buffers
-    // that live while the task runs, the float32 kernel, and the result rounded once - what
-    // astype, a float32 convolution and astype compute, in one node.
-    struct Input {
-      const void* data = nullptr;
-      size_t size = 0;
-      mx::Dtype dtype = mx::float32;
-    };
-    auto input = [](const mx::array& x) { return Input{x.data<void>(), x.size(), x.dtype()}; };
-    encoder.dispatch([entry, kind = kind_, in0 = input(in0), in1 = input(in1),
-                      bias = has_bias_ ? input(inputs[2]) : Input{}, po = out.data<void>(),
-                      odt = out.dtype(), relu = relu_, n = out.size(),
+    encoder.dispatch([entry, kind = kind_, in0 = half_input(in0), in1 = half_input(in1),
+                      bias = has_bias_ ? half_input(inputs[2]) : HalfInput{},
+                      po = out.data<void>(), odt = out.dtype(), relu = relu_, n = out.size(),
                       padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
                       ys = *ys, p = p_]() {
-      Float32Scratch a_copy(in0.size, FN), b_copy(in1.size, FN), bias_copy(bias.size, FN);
-      Float32Scratch y_copy(n, FN);
-      float *a32 = a_copy.get(), *b32 = b_copy.get(), *bias32 = bias_copy.get();
-      float* y = y_copy.get();
-      for (auto [from, to] : {std::pair{&in0, a32}, {&in1, b32}, {&bias, bias32}}) {
-        if (from->data != nullptr) {
-          widen_all(from->data, from->dtype, to, from->size);
-        }
-      }
-      if (entry) {
-        run(*entry, kind, a32, b32, bias32, y);
-      } else {
-        conv_backward_gemm(kind, a32, b32, y, xs, ws, ys, p);
-      }
-      if (padded) {
-        padding_as_mlx({a32, b32, bias32, y, false, false}, xs, ws, ys, p);
-      }
-      if (relu) {
-        relu_keeping_nan(y, n, false);
-      }
-      narrow_all(y, odt, po, n);
+      in_float32(entry.get(), kind, in0, in1, bias, po, odt, relu, n, padded, xs, ws, ys, p);
     });
     return;
   }
@@ -564,7 +587,20 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
                     p1 = const_cast<void*>(in1.data<void>()), pbias, po = out.data<void>(),
                     relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size(),
                     padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
-                    ys = *ys, p = p_, bias_bf16 = has_bias_ && bias_dt == mx::bfloat16]() {
+                    ys = *ys, p = p_, bias_bf16 = has_bias_ && bias_dt == mx::bfloat16,
+                    x = half_input(in0), w = half_input(in1),
+                    b = has_bias_ ? half_input(inputs[2]) : HalfInput{}]() {
+    // oneDNN 3.2's AMX convolution reads input entries beside a window's edge times zero
+    // weights: an infinite or NaN input made NaN in outputs whose windows do not reach it
+    // (where MLX gives a finite result; Intel Xeon with AMX). Such an input (a scan of it
+    // first) goes through float32 kernels, as a CPU without bfloat16 kernels runs it.
+    if (entry && entry->amx && kind == ConvKind::Forward && bf16 &&
+        !all_finite_bf16(x.data, x.size)) {
+      auto e32 = lookup(kind, p, xs, ws, ys, mx::float32,
+                        b.data ? std::optional<mx::Dtype>(mx::float32) : std::nullopt);
+      in_float32(e32.get(), kind, x, w, b, po, mx::bfloat16, relu, n, padded, xs, ws, ys, p);
+      return;
+    }
     if (entry) {
       run(*entry, kind, p0, p1, pbias, po);
     } else {

@@ -98,6 +98,15 @@ bool isa_has_avx512() {
       dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_vnni;
 }
 
+bool isa_has_amx() {
+  auto isa = dnnl::get_effective_cpu_isa();
+  return isa == dnnl::cpu_isa::avx512_core_amx || isa == dnnl::cpu_isa::avx512_core_amx_fp16;
+}
+
+bool one_thread_for(double macs, bool amx_bf16) {
+  return (amx_bf16 && isa_has_amx() ? macs / AMX_MACS_SCALE : macs) < single_thread_macs();
+}
+
 std::string onednn_version() {
   auto v = dnnl::version();
   std::ostringstream os;

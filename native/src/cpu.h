@@ -12,6 +12,8 @@ std::string cpu_isa();
 bool isa_has_bf16();
 // Whether oneDNN has AVX-512 (core) kernels on this CPU.
 bool isa_has_avx512();
+// Whether oneDNN's bfloat16 kernels run on AMX tiles on this CPU (avx512_core_amx or better).
+bool isa_has_amx();
 // oneDNN's version, "major.minor.patch".
 std::string onednn_version();
 
@@ -24,8 +26,18 @@ std::string onednn_version();
 // of the seed MLP, the small CNN and a charlm-sized LM, 2**22 was the best compromise.
 constexpr double SINGLE_THREAD_MACS = 1 << 22;
 
+// A bfloat16 product on AMX tiles counts 1/AMX_MACS_SCALE of its multiply-adds against the
+// threshold: per thread it runs ~6x faster than float32 on AVX-512, and waking a sleeping
+// second thread (OpenMP's passive wait) costs ~50 us on these VMs. In-graph products, Intel
+// Xeon with AMX, 2 cores, 2026-12-04 (bench/matmul.py), one thread against two, us: 2**20
+// multiply-adds 8 / 62, 2**23 28 / 74, 2**26 117 / 152, 2**27 231 / 229, 2**28 449 / 346.
+constexpr double AMX_MACS_SCALE = 32;
+
 // The threshold in use (SINGLE_THREAD_MACS unless set_single_thread_macs changed it).
 double single_thread_macs();
+// Whether a kernel of `macs` multiply-adds runs on one thread: below the threshold, a
+// bfloat16 one on AMX (`amx_bf16`) counted at 1/AMX_MACS_SCALE.
+bool one_thread_for(double macs, bool amx_bf16 = false);
 // Sets it; returns the old one. Primitives already cached keep the thread count they were
 // created with (the binding clears the cache).
 double set_single_thread_macs(double macs);

@@ -48,6 +48,7 @@ Prepared prepare(const dnnl::primitive_desc_base& pd, std::initializer_list<int>
   p.scratch_bytes = p.scratch_md.get_size();
   p.work_bytes = p.scratch_bytes;
   p.impl = pd.impl_info_str();
+  p.amx = p.impl.find("amx") != std::string::npos;
   p.one_thread = omp_max_threads() == 1;
   p.prim = dnnl::primitive(pd.get());
   return p;

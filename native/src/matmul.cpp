@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -201,7 +203,7 @@ std::shared_ptr<const Prepared> lookup(
     dnnl::memory::desc dst_md(dst_dims, dnnl_type(out_dt, FN), row_major(dst_dims));
     double macs = static_cast<double>(a.dims.back());
     for (auto d : dst_dims) macs *= static_cast<double>(d);
-    OneThread one(macs < single_thread_macs());
+    OneThread one(one_thread_for(macs, in_dt == mx::bfloat16));
     auto attr = user_scratchpad();
     dnnl::matmul::primitive_desc pd;
     if (bias_dt) {
@@ -335,7 +337,13 @@ MatmulMode effective_mode() {
   if (mode != MatmulMode::Auto) {
     return mode;
   }
-  return primitive_is_jit_gemm() ? MatmulMode::Gemm : MatmulMode::Reused;
+  // Gemm on every CPU: where the primitive is brgemm (AVX-512), Reused gave a shape's first
+  // two uses the GEMM's sums and later ones the primitive's, which round differently, so the
+  // same product changed in its last bits from its third call on (two identical trainings in
+  // one process ended apart). The GEMM: no creation for any row count, the same bits on
+  // every call, 0.77-1.11x the brgemm primitive's time (Intel Xeon with AMX, 2026-12-04:
+  // 32 x 64 x 128 8.9 / 11.5 us, 512 x 512 x 512 774 / 725, 512 x 2048 x 2048 11.9 / 10.7 ms).
+  return MatmulMode::Gemm;
 }
 
 bool direct_gemm_in_use() {
@@ -509,12 +517,18 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   encoder.dispatch([entry = pl.entry,
                     pa = const_cast<void*>(a.data<void>()),
+                    a_bytes = a.nbytes(),
                     pb = const_cast<void*>(b.data<void>()),
                     pbias,
                     pdst = out.data<void>(),
                     relu = relu_,
                     bf16 = out.dtype() == mx::bfloat16,
-                    n = out.size()]() {
+                    n = out.size()]() mutable {
+    // (a is dense, row- or column-major: its bytes copied keep its layout.)
+    Scratch a_copy(entry->amx && !aligned(pa) ? a_bytes : 0, FN, "an aligned copy of a");
+    if (a_copy.get() != nullptr) {
+      pa = std::memcpy(a_copy.get(), pa, a_bytes);
+    }
     execute(*entry, {{DNNL_ARG_SRC, pa}, {DNNL_ARG_WEIGHTS, pb}, {DNNL_ARG_BIAS, pbias},
                      {DNNL_ARG_DST, pdst}}, FN);
     if (relu) {
@@ -784,6 +798,70 @@ std::vector<mx::array> Matmul::jvp(
     t = mx::where(mx::greater(y, mx::array(0.0f), s), *t, mx::array(0.0f), s);
   }
   return {result_in(*t, cdt, out_dtype_, round_f32_, s)};
+}
+
+} // namespace fluxlike_native
+
+namespace fluxlike_native {
+
+// The oneDNN matmul of an unbatched (m x k) @ (k x n) product (b given transposed, as a
+// linear layer's (n x k) weights are, where `transposed_b`), run outside MLX on buffers of
+// its own filled with values in [-1, 1): the fastest of `reps` calls, in seconds. The
+// primitive is described as Matmul::eval_cpu describes it (plain layouts, user scratchpad,
+// one thread below the threshold), or with the weights in the layout oneDNN prefers
+// (`format_tag::any`, reordered once) where `any_layout`.
+StandaloneTiming standalone_matmul(int64_t m, int64_t k, int64_t n, mx::Dtype dt,
+                                   bool transposed_b, bool any_layout, int reps) {
+  FLN_CHECK(m > 0 && k > 0 && n > 0 && reps > 0, "fluxlike_native.standalone_matmul: m, k, n "
+            "and reps must be positive, got ", m, ", ", k, ", ", n, ", ", reps);
+  FLN_CHECK(float_or_half(dt), "fluxlike_native.standalone_matmul: dtype must be float32, "
+            "bfloat16 or float16, got ", dtype_str(dt));
+  using tag = dnnl::memory::format_tag;
+  auto& eng = engine();
+  auto odt = dnnl_type(dt, FN);
+  dnnl::memory::desc a_md({m, k}, odt, tag::ab), dst_md({m, n}, odt, tag::ab);
+  dnnl::memory::desc w_user({k, n}, odt, transposed_b ? tag::ba : tag::ab);
+  dnnl::memory::desc w_md = any_layout ? dnnl::memory::desc({k, n}, odt, tag::any) : w_user;
+  OneThread one(one_thread_for(static_cast<double>(m) * k * n, dt == mx::bfloat16));
+  dnnl::matmul::primitive_desc pd(eng, a_md, w_md, dst_md, user_scratchpad());
+  auto prepared = prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST});
+  dnnl::stream strm(eng);
+  auto filled = [&](const dnnl::memory::desc& md) {
+    dnnl::memory f32(dnnl::memory::desc(md.get_dims(), dnnl::memory::data_type::f32, tag::ab),
+                     eng);
+    auto* p = static_cast<float*>(f32.get_data_handle());
+    uint32_t state = 12345;
+    for (int64_t i = 0, size = md.get_dims()[0] * md.get_dims()[1]; i < size; ++i) {
+      state = state * 1664525u + 1013904223u;
+      p[i] = static_cast<float>(state >> 8) / static_cast<float>(1 << 24) * 2.0f - 1.0f;
+    }
+    dnnl::memory out(md, eng);
+    dnnl::reorder(f32, out).execute(strm, f32, out);
+    strm.wait();
+    return out;
+  };
+  auto a = filled(a_md), w_plain = filled(w_user);
+  auto w = any_layout ? dnnl::memory(pd.weights_desc(), eng) : w_plain;
+  if (any_layout) {
+    dnnl::reorder(w_plain, w).execute(strm, w_plain, w);
+    strm.wait();
+  }
+  dnnl::memory dst(dst_md, eng);
+  std::memset(dst.get_data_handle(), 0, dst_md.get_size());
+  auto run = [&] {
+    execute(prepared, {{DNNL_ARG_SRC, a.get_data_handle()}, {DNNL_ARG_WEIGHTS,
+            w.get_data_handle()}, {DNNL_ARG_DST, dst.get_data_handle()}}, FN);
+  };
+  run();
+  run();
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    run();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                              .count());
+  }
+  return {best, prepared.impl};
 }
 
 } // namespace fluxlike_native

@@ -40,8 +40,9 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
 //   (queued on the creator's thread at the second, cache.h: cached(); a shape seen once
 //   creates nothing; one that comes back gets the primitive's kernel);
 // - Primitive: a cached primitive per shape from its first use (as before 2026-12-04);
-// - Auto (the default): Gemm where the float32 matmul primitive is that GEMM anyway
-//   (`gemm:jit:f32`: oneDNN 3.2 below AVX-512), else Reused (brgemm primitives).
+// - Auto (the default): Gemm on every CPU (below AVX-512 the float32 matmul primitive is
+//   that GEMM anyway, `gemm:jit:f32`; on AVX-512 Reused mixed two kernels' roundings over a
+//   shape's calls: matmul.cpp, effective_mode).
 enum class MatmulMode { Auto = 0, Primitive = 1, Gemm = 2, Reused = 3 };
 MatmulMode set_matmul_mode(MatmulMode mode);  // returns the old mode
 MatmulMode matmul_mode();
@@ -54,6 +55,14 @@ bool first_use_deferred();
 bool direct_gemm_in_use();
 // Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU (probed once).
 bool primitive_is_jit_gemm();
+
+// A oneDNN matmul timed outside MLX (bench/matmul.py's "standalone" rows): see matmul.cpp.
+struct StandaloneTiming {
+  double seconds;    // the fastest call
+  std::string impl;  // oneDNN's implementation name
+};
+StandaloneTiming standalone_matmul(int64_t m, int64_t k, int64_t n, mx::Dtype dt,
+                                   bool transposed_b, bool any_layout, int reps);
 
 class Matmul : public mx::UnaryPrimitive {
  public:
