@@ -1,0 +1,118 @@
+"""One product inside MLX's graph against the same oneDNN primitive run standalone, side by
+side in one run (issue 21, item 1).
+
+For each size ``(M, K, N)`` (an ``(M, K) @ (N, K).T`` linear-layer product) and dtype:
+
+- ``standalone``: ``fluxlike_native._ext.standalone_matmul``, oneDNN's matmul described as
+  the in-graph one is (plain layouts, the weights stored transposed), on filled buffers of its
+  own (cache-line aligned), outside MLX; ``standalone, weights reordered``: the same with the
+  weights reordered once into the layout oneDNN prefers (``format_tag::any``);
+- ``in graph``: ``fluxlike_native._ext.matmul`` on MLX arrays (float32 on its primitive, not
+  on the GEMM without one that ``native.matmul_mode`` ``"auto"`` runs), ``--chain``
+  independent products per ``mx.eval`` (the time per product: one ``eval`` costs a thread
+  wake-up, ~70 us on these VMs, that a model's step pays once), the source an MLX array (8
+  bytes past a 16-byte boundary: an AMX kernel reads an aligned copy of it); ``native
+  source``: the source a native cast's output (bfloat16 on a CPU with AMX: on a cache line's
+  boundary, as every half-precision native output there); ``in graph, one per eval``: one
+  product per ``eval``.
+
+Ratios are the standalone time over the in-graph one (1.0: nothing lost around the call). The
+fastest of ``--rounds`` rounds, the variants of a row in turn.
+
+    .venv/bin/python bench/matmul.py
+    .venv/bin/python bench/matmul.py --sizes 512x2048x2048,128x256x256 --rounds 7
+    .venv/bin/python bench/matmul.py --quick        # tiny sizes: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from upstream import processor  # noqa: E402  (the CPU's name and ISA flags)
+
+import fluxlike  # noqa: E402, F401  (first: puts OpenBLAS under MLX)
+from fluxlike.native import _loader  # noqa: E402
+
+
+def fastest(fn: Callable[[], object], calls: int, rounds: int) -> float:
+    """The fastest of ``rounds`` rounds of ``calls`` calls of ``fn``, seconds per call."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def row(ext, m: int, k: int, n: int, dtype: mx.Dtype, chain: int, rounds: int) -> dict:
+    x32 = [mx.random.uniform(-1, 1, (m, k), key=mx.random.key(i)) for i in range(chain)]
+    xs = [x.astype(dtype) for x in x32]  # MLX's buffers: 8 bytes past a 16-byte boundary
+    native_xs = [ext.convert(x, dtype) if dtype != mx.float32 else x for x in x32]
+    w = mx.random.uniform(-1, 1, (n, k), key=mx.random.key(chain)).astype(dtype)
+    mx.eval(xs, native_xs, w)
+
+    def product(x: mx.array) -> mx.array:
+        return ext.matmul(x, w, None, False, True, False, None, False, dtype == mx.bfloat16)
+
+    calls = min(200, max(2, int(2e9 / (2 * m * n * k * chain))))
+    reps = min(1000, max(5, int(1e9 / (2 * m * n * k))))
+    # (float32: on the primitive, not the GEMM 'auto' runs, so that both sides are one kernel)
+    mode = ext.set_matmul_mode("primitive" if dtype == mx.float32 else "auto")
+    try:
+        graph = fastest(lambda: mx.eval([product(x) for x in xs]), calls, rounds) / chain
+        native = fastest(lambda: mx.eval([product(x) for x in native_xs]), calls,
+                         rounds) / chain
+        single = fastest(lambda: mx.eval(product(xs[0])), calls * chain, rounds)
+    finally:
+        ext.set_matmul_mode(mode)
+    plain, impl = ext.standalone_matmul(m, k, n, dtype, reps=reps * rounds)
+    reordered, _ = ext.standalone_matmul(m, k, n, dtype, any_layout=True, reps=reps * rounds)
+    return {"graph": graph, "native": native, "single": single, "plain": plain,
+            "reordered": reordered, "impl": impl}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="512x2048x2048,128x256x256",
+                        help="MxKxN, comma-separated (default 512x2048x2048,128x256x256)")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--chain", type=int, default=16, help="products per eval (default 16)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds")
+    args = parser.parse_args(argv)
+    ext = _loader.switch.ext
+    if ext is None:
+        sys.exit("bench/matmul.py needs the native companion (./dev setup)")
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    if args.quick:
+        sizes, args.chain, args.rounds = [(8, 16, 16)], 2, 2
+    mx.set_cache_limit(max(mx.set_cache_limit(0), 1 << 32))  # (as train's update raises it)
+    print(f"{processor()}; MLX {mx.__version__}; oneDNN {ext.onednn_version()} "
+          f"({ext.cpu_isa()}); {args.chain} products per eval, fastest of {args.rounds}\n")
+    print("| M x K x N | dtype | kernel | standalone us | weights reordered us | in graph us "
+          "| standalone / in graph | native source us | standalone / that "
+          "| in graph, one per eval us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for m, k, n in sizes:
+        for name in args.dtypes.split(","):
+            dtype = getattr(mx, name)
+            if dtype == mx.bfloat16 and not ext.isa_has_bf16():
+                continue  # (in float32 kernels there: not the bfloat16 primitive)
+            r = row(ext, m, k, n, dtype, args.chain, args.rounds)
+            print(f"| {m} x {k} x {n} | {name} | {r['impl']} | {r['plain'] * 1e6:.0f} "
+                  f"| {r['reordered'] * 1e6:.0f} | {r['graph'] * 1e6:.0f} "
+                  f"| {r['plain'] / r['graph']:.2f} | {r['native'] * 1e6:.0f} "
+                  f"| {r['plain'] / r['native']:.2f} | {r['single'] * 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
