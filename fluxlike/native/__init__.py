@@ -12,8 +12,9 @@ stream, with ``vjp``/``jvp``/``vmap`` and ``output_shapes`` (so ``mx.grad``, ``m
 - :func:`disabled` switches fluxlike's routing off the kernels for a block.
 - The kernels themselves (:func:`linear`, :func:`matmul`, :func:`conv`,
   :func:`conv_transpose`, :func:`max_pool`, :func:`softmax`, :func:`adam_kernel`,
-  :func:`rmsprop_kernel`, :func:`finite_kernel`) are in :mod:`fluxlike.native.ops`; which
-  layer call takes them is decided in one place, :func:`fluxlike.precision.kernels.choose`.
+  :func:`rmsprop_kernel`, :func:`finite_kernel`, :func:`keep_kernel`) are in
+  :mod:`fluxlike.native.ops`; which layer call takes them is decided in one place,
+  :func:`fluxlike.precision.kernels.choose`.
 
 The companion is found, checked against the running MLX and loaded when this package is
 imported (``import fluxlike`` does it): ``FLUXLIKE_NATIVE=0`` (or ``off``) leaves it unused,
@@ -42,6 +43,7 @@ from .ops import (
     conv,
     conv_transpose,
     finite_kernel,
+    keep_kernel,
     linear,
     matmul,
     max_pool,
@@ -51,7 +53,8 @@ from .ops import (
 
 __all__ = ["NativeInfo", "NativeUnavailable", "adam_kernel", "available",
            "background_creation", "bfloat16_native", "cache_info", "conv", "conv_transpose",
-           "disabled", "finite_kernel", "linear", "matmul", "matmul_mode", "max_pool",
+           "disabled", "finite_kernel", "keep_kernel", "linear", "matmul", "matmul_mode",
+           "max_pool",
            "native_info", "rmsprop_kernel", "softmax", "switch", "wait_for_creations"]
 
 MATMUL_MODES = ("auto", "gemm", "reused", "primitive")

@@ -29,6 +29,7 @@ from mlx.utils import tree_map
 from .. import native
 from .._mlxtyping import tree_flatten
 from ..precision.lossscale import LossScale, sum_finite
+from .rules import KEEP
 
 
 def assign(
@@ -200,10 +201,26 @@ def step(optimizer: optim.Optimizer, scale: LossScale, grads: dict, params: dict
     grads = scale.unscale(grads)
     finite = sum_finite(grads)
     old_state = previous(optimizer.state)
-    new_params = optimizer.apply_gradients(grads, params)
+    # A native Adam update keeps its own parameter and moments (rules.py: KEEP); the rest is
+    # selected below (on the CPU by the companion's selection, which reads and writes nothing
+    # on a kept step where it can take over the new array's buffer).
+    guarded: set[int] = set()
     if keep:
+        setattr(optimizer, KEEP, (finite, guarded))
+    try:
+        new_params = optimizer.apply_gradients(grads, params)
+    finally:
+        if keep:
+            delattr(optimizer, KEEP)
+    if keep:
+        select = native.keep_kernel() if mx.default_device() == mx.cpu else None
+
         def kept(new: mx.array, old: mx.array) -> mx.array:
-            return new if new is old else mx.where(finite, new, old)
+            if new is old or id(new) in guarded:
+                return new
+            if select is not None and new.shape == old.shape and new.dtype == old.dtype:
+                return select(finite, new, old)
+            return mx.where(finite, new, old)
 
         new_params = tree_map(kept, new_params, params)
         assign(optimizer.state, dict(tree_flatten(tree_map(kept, optimizer.state, old_state))))

@@ -286,9 +286,19 @@ class _NativeAdam:
         c1 = (lr / (1 - b1**self.step)).astype(dtype)
         c2 = mx.rsqrt(1 - b2**self.step).astype(dtype)
         decay = 1 - lr * self.weight_decay if isinstance(self, optim.AdamW) else None
+        keeping = getattr(self, KEEP, None)  # a step that keeps its state if not finite
         new, state["m"], state["v"] = kernel(parameter, gradient, m, v, c1, c2, decay, b1, b2,
-                                             self.eps)
+                                             self.eps, keep=None if keeping is None else keeping[0])
+        if keeping is not None:
+            keeping[1].update((id(new), id(state["m"]), id(state["v"])))
         return new
+
+
+# The attribute through which compiled.step hands a native update its keep flag:
+# ``(finite, ids)``, a 0-d bool and the set into which the update adds the ids of the arrays
+# it already kept (given back unchanged where the flag is false), which the step then does not
+# select again.
+KEEP = "_fluxlike_keep"
 
 
 def _native_update_takes(kernel: Callable | None, learning_rate: mx.array,

@@ -344,14 +344,16 @@ its last axis 1 (the rows' maxima, the caller's): one vectorised pass (see softm
       "adam_step",
       [](const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
          const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
-         double b1, double b2, double eps, mx::StreamOrDevice s) {
-        auto out = fluxlike_native::adam_step(p, g, m, v, c1, c2, decay, b1, b2, eps, s);
+         double b1, double b2, double eps, const std::optional<mx::array>& keep,
+         mx::StreamOrDevice s) {
+        auto out = fluxlike_native::adam_step(p, g, m, v, c1, c2, decay, b1, b2, eps, keep, s);
         return std::make_tuple(out[0], out[1], out[2]);
       },
       "p"_a, "g"_a, "m"_a, "v"_a, "c1"_a, "c2"_a, "decay"_a.none(), "b1"_a, "b2"_a, "eps"_a,
-      nb::kw_only(), "stream"_a = nb::none(),
+      nb::kw_only(), "keep"_a = nb::none(), "stream"_a = nb::none(),
       R"((p', m', v'): mlx.optimizers.Adam's bias-corrected update of a float32 or bfloat16
-parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see updates.h).)");
+parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit (see updates.h);
+with keep (a 0-d bool), p, m and v themselves where it is false (a skipped step).)");
 
   m.def(
       "all_finite",
@@ -361,6 +363,11 @@ parameter in one pass (AdamW's with decay = 1 - lr * weight_decay), bit for bit 
       "xs"_a, nb::kw_only(), "stream"_a = nb::none(),
       R"(A 0-d bool: whether no element of the float32, bfloat16 or float16 arrays xs is inf or
 nan, as one primitive (see finite.h).)");
+  m.def("keep_if", &fluxlike_native::keep_if, "flag"_a, "taken"_a, "kept"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(flag ? taken : kept for a 0-d bool flag and two arrays of one shape and dtype, taking
+over taken's buffer where nothing else holds it (nothing read or written when flag is true;
+see finite.h).)");
 
   m.def(
       "rmsprop_step",

@@ -5,6 +5,7 @@
 #include "cpu.h"
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -151,6 +152,100 @@ std::vector<mx::array> AllFinite::jvp(
     const std::vector<mx::array>&,
     const std::vector<int>&) {
   return {mx::zeros({}, mx::bool_, stream())};
+}
+
+mx::array keep_if(const mx::array& flag, const mx::array& taken, const mx::array& kept,
+                  mx::StreamOrDevice s) {
+  const char* fn = "fluxlike_native.keep_if";
+  FLN_CHECK(flag.ndim() == 0 && flag.dtype() == mx::bool_, fn, ": flag must be a 0-d bool "
+            "array, got shape ", shape_str(flag.shape()), " and dtype ", dtype_str(flag.dtype()));
+  FLN_CHECK(taken.shape() == kept.shape() && taken.dtype() == kept.dtype(), fn, ": taken and "
+            "kept must have one shape and dtype, got ", shape_str(taken.shape()), " ",
+            dtype_str(taken.dtype()), " and ", shape_str(kept.shape()), " ",
+            dtype_str(kept.dtype()), "; use mx.where to broadcast");
+  auto stream = mx::to_stream(s);
+  FLN_CHECK(stream.device == mx::Device::cpu, fn, ": this kernel runs on the CPU, the stream "
+            "is on the GPU; use mx.where there");
+  return mx::array(taken.shape(), taken.dtype(), std::make_shared<KeepIf>(stream),
+                   {flag, taken, kept});
+}
+
+void KeepIf::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const auto& flag = inputs[0];
+  // (References, not copied handles: an input held twice is never donatable.)
+  RowMajor taken(inputs[1], encoder), kept(inputs[2], encoder);
+  for (const auto& x : inputs) {
+    encoder.set_input_array(x);
+  }
+  size_t bytes = out.nbytes();
+  if (!taken.copied() && taken->is_donatable()) {
+    out.copy_shared_buffer(*taken);
+    encoder.set_output_array(out);
+    encoder.dispatch([flag = flag.data<bool>(), dst = out.data<void>(),
+                      src = kept->data<void>(), bytes]() {
+      if (!*flag && bytes != 0) std::memcpy(dst, src, bytes);
+    });
+    return;
+  }
+  out.set_data(mx::allocator::malloc(bytes));
+  encoder.set_output_array(out);
+  encoder.dispatch([flag = flag.data<bool>(), dst = out.data<void>(),
+                    yes = taken->data<void>(), no = kept->data<void>(), bytes]() {
+    if (bytes != 0) std::memcpy(dst, *flag ? yes : no, bytes);
+  });
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> KeepIf::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto s = stream();
+  auto front = [&](int i) {
+    return axes[i] >= 0 ? mx::moveaxis(inputs[i], axes[i], 0, s) : inputs[i];
+  };
+  auto flag = front(0);
+  if (axes[0] >= 0) {  // one flag per member: (members, 1, ...) against each member's array
+    int ndim = inputs[1].ndim() - (axes[1] >= 0 ? 1 : 0);
+    mx::Shape shape(static_cast<size_t>(ndim) + 1, 1);
+    shape[0] = flag.shape(0);
+    flag = mx::reshape(flag, shape, s);
+  }
+  return {{mx::where(flag, front(1), front(2), s)}, {0}};
+}
+
+std::vector<mx::array> KeepIf::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  auto s = stream();
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      grads.push_back(mx::zeros_like(primals[0], s));
+    } else {
+      auto zero = mx::zeros_like(cotangents[0], s);
+      grads.push_back(arg == 1 ? mx::where(primals[0], cotangents[0], zero, s)
+                               : mx::where(primals[0], zero, cotangents[0], s));
+    }
+  }
+  return grads;
+}
+
+std::vector<mx::array> KeepIf::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  auto s = stream();
+  std::optional<mx::array> out;
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    if (argnums[i] == 0) continue;
+    auto zero = mx::zeros_like(tangents[i], s);
+    auto t = argnums[i] == 1 ? mx::where(primals[0], tangents[i], zero, s)
+                             : mx::where(primals[0], zero, tangents[i], s);
+    out = out ? mx::add(*out, t, s) : t;
+  }
+  return {out ? *out : mx::zeros_like(primals[1], s)};
 }
 
 } // namespace fluxlike_native

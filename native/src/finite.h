@@ -29,4 +29,28 @@ class AllFinite : public mx::UnaryPrimitive {
   FLN_DEFINE_DEFAULT_IS_EQUIVALENT()
 };
 
+// `flag ? taken : kept` for a 0-d bool `flag` and two arrays of one shape and dtype: the
+// selection that keeps a training step's parameters and optimiser state where its gradients
+// are not finite. mx.where reads both and writes a third array (on a 4 x 2048 x 2048 MLP's
+// Adam step, 32 of 53 ms); here, where `taken` is dense and nothing else holds it (an
+// optimiser's fresh output), the result takes over its buffer and is overwritten with `kept`
+// only if the flag is false: nothing is read or written on a kept step. Otherwise one copy of
+// the chosen array. Derivatives: those of mx.where (the flag's none).
+mx::array keep_if(const mx::array& flag, const mx::array& taken, const mx::array& kept,
+                  mx::StreamOrDevice s = {});
+
+class KeepIf : public mx::UnaryPrimitive {
+ public:
+  explicit KeepIf(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  FLN_DEFINE_EVAL_CPU_ONLY("fluxlike_native.keep_if has no GPU kernel")
+  FLN_DEFINE_GRADS()
+  FLN_DEFINE_VMAP()
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[1].shape()};
+  }
+  FLN_DEFINE_NAME(KeepIf)
+  FLN_DEFINE_DEFAULT_IS_EQUIVALENT()
+};
+
 } // namespace fluxlike_native

@@ -6,6 +6,8 @@
 // in the AVX-512 build (the bfloat16 pass is compute-bound).
 
 #include "updates.h"
+
+#include <cstring>
 #include "common.h"
 #include "cpu.h"
 
@@ -255,7 +257,8 @@ std::vector<mx::array> UpdateStep::jvp(
 std::vector<mx::array> adam_step(
     const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
     const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
-    double b1, double b2, double eps, mx::StreamOrDevice s) {
+    double b1, double b2, double eps, const std::optional<mx::array>& keep,
+    mx::StreamOrDevice s) {
   check(ADAM, p, "the parameter", p);
   check(ADAM, g, "the gradient", p);
   check(ADAM, m, "m", p);
@@ -270,10 +273,16 @@ std::vector<mx::array> adam_step(
   if (decay) {
     inputs.push_back(*decay);
   }
+  if (keep) {
+    FLN_CHECK(keep->ndim() == 0 && keep->dtype() == mx::bool_, ADAM.fn, ": keep must be a 0-d "
+              "bool array, got shape ", shape_str(keep->shape()), " and dtype ",
+              dtype_str(keep->dtype()));
+    inputs.push_back(*keep);
+  }
   bool bf16 = p.dtype() == mx::bfloat16;
   auto prim = std::make_shared<AdamStep>(
       stream, constant(b1, bf16), constant(1.0 - b1, bf16), constant(b2, bf16),
-      constant(1.0 - b2, bf16), constant(eps, bf16));
+      constant(1.0 - b2, bf16), constant(eps, bf16), keep.has_value());
   auto dt = p.dtype();
   return mx::array::make_arrays({p.shape(), p.shape(), p.shape()}, {dt, dt, dt}, prim, inputs);
 }
@@ -281,7 +290,7 @@ std::vector<mx::array> adam_step(
 bool AdamStep::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const AdamStep&>(other);
   return b1_ == o.b1_ && omb1_ == o.omb1_ && b2_ == o.b2_ && omb2_ == o.omb2_ &&
-      eps_ == o.eps_;
+      eps_ == o.eps_ && has_keep_ == o.has_keep_;
 }
 
 void AdamStep::eval_cpu(const std::vector<mx::array>& inputs,
@@ -291,16 +300,24 @@ void AdamStep::eval_cpu(const std::vector<mx::array>& inputs,
   if (outputs[0].size() == 0) {
     return;
   }
-  bool has_decay = inputs.size() == 7;
+  bool has_decay = inputs.size() == 7 + (has_keep_ ? 1 : 0);
   encoder.dispatch([p = dense[0].data<void>(), g = dense[1].data<void>(),
                     m = dense[2].data<void>(), v = dense[3].data<void>(),
                     po = outputs[0].data<void>(), mo = outputs[1].data<void>(),
                     vo = outputs[2].data<void>(), c1 = inputs[4].data<void>(),
                     c2 = inputs[5].data<void>(),
                     decay = has_decay ? inputs[6].data<void>() : nullptr,
+                    keep = has_keep_ ? inputs.back().data<bool>() : nullptr,
                     n = static_cast<int64_t>(outputs[0].size()),
                     bf16 = outputs[0].dtype() == mx::bfloat16,
                     k = Constants{b1_, omb1_, b2_, omb2_, eps_}]() {
+    if (keep != nullptr && !*keep) {  // a skipped step: the state as it was
+      size_t bytes = static_cast<size_t>(n) * (bf16 ? 2 : 4);
+      std::memcpy(po, p, bytes);
+      std::memcpy(mo, m, bytes);
+      std::memcpy(vo, v, bytes);
+      return;
+    }
     // p * 1 is p exactly (NaN, infinities and -0 too; in bfloat16 p rounds to itself): Adam is
     // AdamW's pass with decay 1.
     float c1v = value(c1, bf16), c2v = value(c2, bf16);
@@ -330,14 +347,14 @@ std::pair<std::vector<mx::array>, std::vector<int>> AdamStep::vmap(
     return {reference(b.operands), {0, 0, 0}};
   }
   auto dt = inputs[0].dtype();  // one learning rate for all: the same kernel over the batch
-  auto prim = std::make_shared<AdamStep>(s, b1_, omb1_, b2_, omb2_, eps_);
+  auto prim = std::make_shared<AdamStep>(s, b1_, omb1_, b2_, omb2_, eps_, has_keep_);
   return {mx::array::make_arrays({b.shape, b.shape, b.shape}, {dt, dt, dt}, prim, b.operands),
           {0, 0, 0}};
 }
 
 std::vector<mx::array> AdamStep::reference(const std::vector<mx::array>& in) {
   auto s = stream();
-  auto p = in.size() == 7 ? mx::multiply(in[0], in[6], s) : in[0];
+  auto p = in.size() == 7 + (has_keep_ ? 1 : 0) ? mx::multiply(in[0], in[6], s) : in[0];
   const auto& g = in[1];
   auto scalar = [dt = in[0].dtype()](float x) { return mx::array(x, dt); };
   auto m = mx::add(mx::multiply(scalar(b1_), in[2], s), mx::multiply(scalar(omb1_), g, s), s);
@@ -345,7 +362,13 @@ std::vector<mx::array> AdamStep::reference(const std::vector<mx::array>& in) {
                    mx::multiply(scalar(omb2_), mx::square(g, s), s), s);
   auto numerator = mx::multiply(in[4], m, s);
   auto denominator = mx::add(mx::multiply(mx::sqrt(v, s), in[5], s), scalar(eps_), s);
-  return {mx::subtract(p, mx::divide(numerator, denominator, s), s), m, v};
+  auto p_new = mx::subtract(p, mx::divide(numerator, denominator, s), s);
+  if (!has_keep_) {
+    return {p_new, m, v};
+  }
+  const auto& keep = in.back();
+  return {mx::where(keep, p_new, in[0], s), mx::where(keep, m, in[2], s),
+          mx::where(keep, v, in[3], s)};
 }
 
 std::vector<mx::array> rmsprop_step(

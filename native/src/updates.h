@@ -25,11 +25,15 @@ namespace fluxlike_native {
 // count change them). b1, b2 and eps are the optimiser's Python floats; 1 - b1 and 1 - b2 are
 // taken in double, as Python does, and all are then rounded to float32 (and to bfloat16 for a
 // bfloat16 parameter), as MLX makes a Python float an array. p, g, m and v are arrays of one
-// shape and dtype. Returns {p', m', v'}.
+// shape and dtype. Returns {p', m', v'}; with `keep` (a 0-d bool, read when the pass runs)
+// false, {p, m, v} themselves: a training step that keeps its state where its gradients are
+// not finite needs no selection of its own afterwards (mx.where over every parameter and
+// moment: on a 4 x 2048 x 2048 MLP, Intel Xeon, 22 ms of a 43 ms update).
 std::vector<mx::array> adam_step(
     const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
     const mx::array& c1, const mx::array& c2, const std::optional<mx::array>& decay,
-    double b1, double b2, double eps, mx::StreamOrDevice s = {});
+    double b1, double b2, double eps, const std::optional<mx::array>& keep = std::nullopt,
+    mx::StreamOrDevice s = {});
 
 // What the update primitives share: their derivatives are those of the same formula in MLX's
 // ops (`reference`: an update differentiated through, as in meta-learning, gets MLX's
@@ -45,13 +49,13 @@ class UpdateStep : public mx::Primitive {
   FLN_DEFINE_GRADS()
 };
 
-// inputs: {p, g, m, v, c1, c2} or {p, g, m, v, c1, c2, decay}; outputs {p', m', v'}.
+// inputs: {p, g, m, v, c1, c2}, then decay (AdamW) and keep where given; outputs {p', m', v'}.
 class AdamStep : public UpdateStep {
  public:
   AdamStep(mx::Stream stream, float b1, float one_minus_b1, float b2, float one_minus_b2,
-           float eps)
+           float eps, bool has_keep = false)
       : UpdateStep(stream), b1_(b1), omb1_(one_minus_b1), b2_(b2), omb2_(one_minus_b2),
-        eps_(eps) {}
+        eps_(eps), has_keep_(has_keep) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
@@ -73,6 +77,7 @@ class AdamStep : public UpdateStep {
 
  private:
   float b1_, omb1_, b2_, omb2_, eps_;
+  bool has_keep_;  // a last input, a 0-d bool: false gives p, m and v back unchanged
 };
 
 // What mlx.optimizers.RMSprop.apply_single computes, bit for bit (as adam_step: each

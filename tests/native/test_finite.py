@@ -118,3 +118,58 @@ def test_the_library_falls_back_to_mlx_ops_where_the_kernel_does_not_apply():
         assert sum_finite({"a": x64, "b": mx.ones(2)}).item() is False
     assert fl.all_finite({"n": mx.array([1, 2])}).item() is True
     assert sum_finite({}).item() is True
+
+
+# ---- the step's selection: keep_if (fluxlike.native.keep_kernel) ------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("flag", [True, False])
+def test_keep_if_is_mx_where_for_fresh_and_held_arrays(dtype, flag):
+    keep = native.keep_kernel()
+    assert keep is not None
+    old = mx.random.normal((33, 7)).astype(dtype)
+    held = mx.random.normal((33, 7)).astype(dtype)
+    f = mx.array(flag)
+    for taken in (held, held * 2, held.T.T, mx.broadcast_to(held[:1], (33, 7))):
+        want = np.array(mx.where(f, taken, old).astype(mx.float32))
+        # fresh: the result takes over the product's buffer, which nothing else holds
+        got = keep(f, taken * 1, old)
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                      np.array(mx.where(f, taken * 1, old).astype(mx.float32)))
+        got = keep(f, taken, old)  # held: copied, never written over
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
+    assert np.array(held.astype(mx.float32)).tolist() == np.array(
+        (held * 1).astype(mx.float32)).tolist()
+
+
+def test_keep_if_derivatives_and_vmap_are_mx_wheres():
+    keep = native.keep_kernel()
+    a, b = mx.random.normal((4, 3)), mx.random.normal((4, 3))
+    for flag in (True, False):
+        f = mx.array(flag)
+        g = mx.grad(lambda a, b, f=f: (keep(f, a * 1, b) * mx.arange(12).reshape(4, 3)).sum(),
+                    argnums=(0, 1))(a, b)
+        w = mx.grad(lambda a, b, f=f: (mx.where(f, a, b) * mx.arange(12).reshape(4, 3)).sum(),
+                    argnums=(0, 1))(a, b)
+        for x, y in zip(g, w, strict=True):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+        t = mx.jvp(lambda a, b, f=f: keep(f, a, b), [a, b],
+                   [mx.ones_like(a), 2 * mx.ones_like(b)])[1]
+        np.testing.assert_array_equal(np.array(t[0]), np.full((4, 3), 1.0 if flag else 2.0))
+    flags = mx.array([True, False, True, False])
+    got = mx.vmap(keep)(flags, a, b)
+    np.testing.assert_array_equal(np.array(got), np.array(mx.where(flags[:, None], a, b)))
+    got = mx.vmap(keep, in_axes=(None, 0, None))(mx.array(False), a, b[0])
+    np.testing.assert_array_equal(np.array(got), np.array(mx.broadcast_to(b[0], (4, 3))))
+
+
+def test_keep_if_refuses_what_mx_where_would_broadcast():
+    keep = native.keep_kernel()
+    with pytest.raises(ValueError, match="keep_if: flag must be a 0-d bool array, got shape "
+                       r"\(2,\) and dtype bool"):
+        keep(mx.array([True, False]), mx.ones(2), mx.zeros(2))
+    with pytest.raises(ValueError, match="keep_if: taken and kept must have one shape and "
+                       r"dtype, got \(2,\) float32 and \(3,\) float32; use mx.where"):
+        keep(mx.array(True), mx.ones(2), mx.zeros(3))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        keep(mx.array(True), mx.ones(2), mx.zeros(2, mx.float16))

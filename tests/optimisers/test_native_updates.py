@@ -284,6 +284,45 @@ def test_edge_parameters_through_fluxlike_adam(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("decay", [None, 0.99])
+def test_keep_gives_the_state_back_when_false_and_the_step_when_true(dtype, decay):
+    """keep: a skipped step's parameter and moments are its inputs bit for bit (NaN included),
+    a kept one the plain kernel's; derivatives and vmap with a flag per member as mx.where of
+    the two."""
+    p, g, m, v = (mx.random.normal((7, 5), key=mx.random.key(i)).astype(dtype)
+                  for i in range(4))
+    p[0, 0], v = float("nan"), mx.abs(v)
+    c1, c2 = mx.array(0.1, dtype), mx.array(1.5, dtype)
+    d = None if decay is None else mx.array(decay, dtype)
+    plain = KERNEL(p, g, m, v, c1, c2, d, 0.9, 0.999, 1e-8)
+    taken = KERNEL(p, g, m, v, c1, c2, d, 0.9, 0.999, 1e-8, keep=mx.array(True))
+    skipped = KERNEL(p, g, m, v, c1, c2, d, 0.9, 0.999, 1e-8, keep=mx.array(False))
+    for a, b in zip(taken, plain, strict=True):
+        assert same(a, b)
+    for a, b in zip(skipped, (p, m, v), strict=True):
+        assert same(a, b)
+    flags = mx.array([True, False, True])
+    ps = mx.stack([p, p * 2, p * 3])
+    batched = mx.vmap(lambda f, p: KERNEL(p, g, m, v, c1, c2, d, 0.9, 0.999, 1e-8, keep=f))(
+        flags, ps)
+    for i, f in enumerate(flags.tolist()):
+        one = KERNEL(ps[i], g, m, v, c1, c2, d, 0.9, 0.999, 1e-8)
+        want = one if f else (ps[i], m, v)
+        for a, b in zip(batched, want, strict=True):
+            assert mx.allclose(a[i], b, rtol=1e-6, atol=0, equal_nan=True).item()
+    q = mx.abs(p) + 1  # (finite, for the derivatives)
+    for f in (True, False):
+        grad = mx.grad(lambda q: KERNEL(q, g, m, v, c1, c2, d, 0.9, 0.999, 1e-8,
+                                        keep=mx.array(f))[0].astype(mx.float32).sum())(q)  # noqa: B023
+        want = mx.grad(lambda q: KERNEL(q, g, m, v, c1, c2, d, 0.9, 0.999, 1e-8)[0]
+                       .astype(mx.float32).sum())(q) if f else mx.ones_like(q)
+        assert mx.allclose(grad, want).item()
+    with pytest.raises(ValueError, match="keep must be a 0-d bool array"):
+        KERNEL(p, g, m, v, c1, c2, d, 0.9, 0.999, 1e-8, keep=mx.array(1.0))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 def test_loss_scaled_steps_keep_the_kernel_and_skip_non_finite_ones(dtype, monkeypatch):
     """With a dynamic loss scale, update wraps the kernel's results in mx.where: a step whose
     gradients are not finite changes nothing, the others match MLX's update bit for bit."""
@@ -336,9 +375,9 @@ def counting_kernel(monkeypatch) -> list[int]:
     calls = [0]
     kernel = native.adam_kernel()
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls[0] += 1
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(native, "adam_kernel",
                         lambda: counted if kernel is not None and native.available() else None)
@@ -478,9 +517,9 @@ def test_fluxlike_rmsprop_takes_the_kernel_and_trains_as_mlx_update(monkeypatch)
     calls = [0]
     kernel = native.rmsprop_kernel()
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls[0] += 1
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(native, "rmsprop_kernel", lambda: counted)
     mine = train(fluxlike.RMSProp(1e-2))
