@@ -23,6 +23,18 @@ bool Convert::is_equivalent(const mx::Primitive& other) const {
   return dt_ == static_cast<const Convert&>(other).dt_;
 }
 
+namespace {
+
+// An element of a cast costs about as much as this many multiply-adds (an estimate: a load, a
+// few integer operations and a store, memory-bound): casts of 2**19 elements and more are
+// shared out over OpenMP's threads, in blocks of 2**16. (On the 4 x 2048 x 2048 MLP's
+// bfloat16 gradient, Intel Xeon with AMX, the weights' casts and their gradients' were
+// ~12% of the step on one thread.)
+constexpr double ELEMENT_MACS = 8;
+constexpr int64_t BLOCK = 1 << 16;
+
+} // namespace
+
 void Convert::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   // A contiguous buffer (row- or column-major, or a broadcast of one: data_size() elements)
@@ -35,7 +47,12 @@ void Convert::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.set_output_array(out);
   encoder.dispatch([src = x.data<void>(), from = x.dtype(), dst = out.data<void>(),
                     to = out.dtype(), n = x.data_size()]() {
-    convert_all(src, from, dst, to, n);
+    auto in = static_cast<const char*>(src);
+    auto o = static_cast<char*>(dst);
+    size_t in_size = mx::size_of(from), out_size = mx::size_of(to);
+    shared_out(static_cast<int64_t>(n), ELEMENT_MACS, BLOCK, [&](int64_t lo, int64_t hi) {
+      convert_all(in + lo * in_size, from, o + lo * out_size, to, static_cast<size_t>(hi - lo));
+    });
   });
 }
 

@@ -290,6 +290,24 @@ inline std::vector<int64_t> window_positions(const std::vector<int64_t>& extent,
   return positions;
 }
 
+// range(lo, hi) over [0, n) for an elementwise pass whose element costs about as much as
+// `element_macs` multiply-adds of a float32 GEMM: on this thread where such a GEMM would run on
+// one (cpu.h: single_thread_macs), else in blocks of `block` elements shared out over OpenMP's
+// threads.
+template <typename Range>
+void shared_out(int64_t n, double element_macs, int64_t block, const Range& range) {
+  if (n <= block || static_cast<double>(n) * element_macs < single_thread_macs()) {
+    range(0, n);
+    return;
+  }
+  int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t lo = b * block;
+    range(lo, lo + block < n ? lo + block : n);
+  }
+}
+
 // `bytes` from MLX's allocator as an output buffer whose data is on a cache line's boundary:
 // MLX's CPU buffers are 8 bytes past a 16-byte one (a size header before the data), and AMX
 // kernels read such a source 1.45x slower (engine.h: Prepared::amx), so that every native

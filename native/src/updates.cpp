@@ -102,21 +102,6 @@ FLN_VECTOR_CLONES void rmsprop_range(const uint16_t* p, const uint16_t* g, const
 constexpr double ELEMENT_MACS = 32;
 constexpr int64_t BLOCK = 1 << 14;
 
-// range(lo, hi) over [0, n): on this thread, or in blocks shared out over OpenMP's.
-template <typename Range>
-void shared_out(int64_t n, const Range& range) {
-  if (n <= BLOCK || static_cast<double>(n) * ELEMENT_MACS < single_thread_macs()) {
-    range(0, n);
-    return;
-  }
-  int64_t blocks = (n + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    int64_t lo = b * BLOCK;
-    range(lo, lo + BLOCK < n ? lo + BLOCK : n);
-  }
-}
-
 // `fn` names the entry and `rule` the MLX optimiser to use instead in the messages.
 struct Names {
   const char* fn;
@@ -324,7 +309,7 @@ void AdamStep::eval_cpu(const std::vector<mx::array>& inputs,
     float d = decay != nullptr ? value(decay, bf16) : 1.0f;
     auto run = [&](auto* type) {
       using T = std::remove_pointer_t<decltype(type)>;
-      shared_out(n, [&](int64_t lo, int64_t hi) {
+      shared_out(n, ELEMENT_MACS, BLOCK, [&](int64_t lo, int64_t hi) {
         adam_range(static_cast<const T*>(p), static_cast<const T*>(g),
                    static_cast<const T*>(m), static_cast<const T*>(v), static_cast<T*>(po),
                    static_cast<T*>(mo), static_cast<T*>(vo), lo, hi, c1v, c2v, d, k);
@@ -407,7 +392,7 @@ void RmsPropStep::eval_cpu(const std::vector<mx::array>& inputs,
     float lrv = value(lr, bf16);
     auto run = [&](auto* type) {
       using T = std::remove_pointer_t<decltype(type)>;
-      shared_out(n, [&](int64_t lo, int64_t hi) {
+      shared_out(n, ELEMENT_MACS, BLOCK, [&](int64_t lo, int64_t hi) {
         rmsprop_range(static_cast<const T*>(p), static_cast<const T*>(g),
                       static_cast<const T*>(v), static_cast<T*>(po), static_cast<T*>(vo), lo,
                       hi, lrv, alpha, oma, eps);
