@@ -11,10 +11,8 @@ For each size ``(M, K, N)`` (an ``(M, K) @ (N, K).T`` linear-layer product) and 
   on the GEMM without one that ``native.matmul_mode`` ``"auto"`` runs), ``--chain``
   independent products per ``mx.eval`` (the time per product: one ``eval`` costs a thread
   wake-up, ~70 us on these VMs, that a model's step pays once), the source an MLX array (8
-  bytes past a 16-byte boundary: an AMX kernel reads an aligned copy of it); ``native
-  source``: the source a native cast's output (bfloat16 on a CPU with AMX: on a cache line's
-  boundary, as every half-precision native output there); ``in graph, one per eval``: one
-  product per ``eval``.
+  bytes past a 16-byte boundary: an AMX kernel reads an aligned copy of it); ``in graph, one
+  per eval``: one product per ``eval``.
 
 Ratios are the standalone time over the in-graph one (1.0: nothing lost around the call). The
 fastest of ``--rounds`` rounds, the variants of a row in turn.
@@ -54,11 +52,10 @@ def fastest(fn: Callable[[], object], calls: int, rounds: int) -> float:
 
 
 def row(ext, m: int, k: int, n: int, dtype: mx.Dtype, chain: int, rounds: int) -> dict:
-    x32 = [mx.random.uniform(-1, 1, (m, k), key=mx.random.key(i)) for i in range(chain)]
-    xs = [x.astype(dtype) for x in x32]  # MLX's buffers: 8 bytes past a 16-byte boundary
-    native_xs = [ext.convert(x, dtype) if dtype != mx.float32 else x for x in x32]
+    xs = [mx.random.uniform(-1, 1, (m, k), key=mx.random.key(i)).astype(dtype)
+          for i in range(chain)]
     w = mx.random.uniform(-1, 1, (n, k), key=mx.random.key(chain)).astype(dtype)
-    mx.eval(xs, native_xs, w)
+    mx.eval(xs, w)
 
     def product(x: mx.array) -> mx.array:
         return ext.matmul(x, w, None, False, True, False, None, False, dtype == mx.bfloat16)
@@ -69,14 +66,12 @@ def row(ext, m: int, k: int, n: int, dtype: mx.Dtype, chain: int, rounds: int) -
     mode = ext.set_matmul_mode("primitive" if dtype == mx.float32 else "auto")
     try:
         graph = fastest(lambda: mx.eval([product(x) for x in xs]), calls, rounds) / chain
-        native = fastest(lambda: mx.eval([product(x) for x in native_xs]), calls,
-                         rounds) / chain
         single = fastest(lambda: mx.eval(product(xs[0])), calls * chain, rounds)
     finally:
         ext.set_matmul_mode(mode)
     plain, impl = ext.standalone_matmul(m, k, n, dtype, reps=reps * rounds)
     reordered, _ = ext.standalone_matmul(m, k, n, dtype, any_layout=True, reps=reps * rounds)
-    return {"graph": graph, "native": native, "single": single, "plain": plain,
+    return {"graph": graph, "single": single, "plain": plain,
             "reordered": reordered, "impl": impl}
 
 
@@ -99,9 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{processor()}; MLX {mx.__version__}; oneDNN {ext.onednn_version()} "
           f"({ext.cpu_isa()}); {args.chain} products per eval, fastest of {args.rounds}\n")
     print("| M x K x N | dtype | kernel | standalone us | weights reordered us | in graph us "
-          "| standalone / in graph | native source us | standalone / that "
-          "| in graph, one per eval us |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| standalone / in graph | in graph, one per eval us |")
+    print("|---|---|---|---|---|---|---|---|")
     for m, k, n in sizes:
         for name in args.dtypes.split(","):
             dtype = getattr(mx, name)
@@ -110,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             r = row(ext, m, k, n, dtype, args.chain, args.rounds)
             print(f"| {m} x {k} x {n} | {name} | {r['impl']} | {r['plain'] * 1e6:.0f} "
                   f"| {r['reordered'] * 1e6:.0f} | {r['graph'] * 1e6:.0f} "
-                  f"| {r['plain'] / r['graph']:.2f} | {r['native'] * 1e6:.0f} "
-                  f"| {r['plain'] / r['native']:.2f} | {r['single'] * 1e6:.0f} |")
+                  f"| {r['plain'] / r['graph']:.2f} | {r['single'] * 1e6:.0f} |")
 
 
 if __name__ == "__main__":

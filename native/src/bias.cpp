@@ -95,7 +95,7 @@ void BiasGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   RowMajor dense(inputs[0], encoder);
   const mx::array& g = *dense;
-  out.set_data(output_malloc(out.nbytes(), out.dtype()));
+  out.set_data(mx::allocator::malloc(out.nbytes()));
   encoder.set_input_array(inputs[0]);
   encoder.set_output_array(out);
   int64_t cols = g.shape(-1);

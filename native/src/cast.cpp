@@ -41,7 +41,7 @@ void Convert::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   // converts as it is, keeping its layout, as MLX's casts do; any other view is copied first.
   const auto& x =
       inputs[0].flags().contiguous ? inputs[0] : row_contiguous_copy(inputs[0], encoder);
-  out.set_data(output_malloc(x.data_size() * out.itemsize(), out.dtype()), x.data_size(),
+  out.set_data(mx::allocator::malloc(x.data_size() * out.itemsize()), x.data_size(),
                x.strides(), x.flags());
   encoder.set_input_array(x);
   encoder.set_output_array(out);

@@ -308,50 +308,12 @@ void shared_out(int64_t n, double element_macs, int64_t block, const Range& rang
   }
 }
 
-// `bytes` from MLX's allocator as an output buffer whose data is on a cache line's boundary:
-// MLX's CPU buffers are 8 bytes past a 16-byte one (a size header before the data), and AMX
-// kernels read such a source 1.45x slower (engine.h: Prepared::amx), so that every native
-// output is aligned for the next product. 64 bytes more are taken, the Buffer MLX sees is
-// moved so that its data (raw_ptr) falls on the boundary, the size header MLX's allocator
-// reads is written before it (mlx/backend/no_gpu/allocator.cpp), and the allocation is freed
-// into MLX's cache with the array. Where the allocator lays its buffers out otherwise
-// (checked on each call), the plain allocation.
-inline mx::allocator::Data aligned_malloc(size_t bytes) {
-  constexpr uintptr_t LINE = 64;
-  auto data = mx::allocator::malloc(bytes + LINE);
-  auto* base = static_cast<char*>(data.buffer().ptr());
-  auto* raw = static_cast<char*>(data.buffer().raw_ptr());
-  if (base == nullptr || raw != base + sizeof(size_t)) {
-    return data;
-  }
-  auto* want = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + LINE - 1) / LINE * LINE);
-  mx::allocator::Buffer moved(want - sizeof(size_t));
-  if (want == raw || moved.raw_ptr() != want) {
-    return data;
-  }
-  *reinterpret_cast<size_t*>(moved.ptr()) = bytes;
-  auto owner = std::make_shared<mx::allocator::Data>(std::move(data));
-  return mx::allocator::Data(moved, [owner](mx::allocator::Buffer) {});
-}
-
-// A native output of `bytes` in dtype `dt`: aligned (above) where an AMX kernel may read it
-// next - a bfloat16 or float16 array on a CPU with AMX - else MLX's own allocation (the 64
-// bytes more would keep MLX's cache from recycling its own buffers of the exact size for
-// them: a float32 recurrence's peak rose 4.1 -> 4.4 MiB).
-inline mx::allocator::Data output_malloc(size_t bytes, mx::Dtype dt) {
-  static const bool amx = isa_has_amx();
-  if (amx && (dt == mx::bfloat16 || dt == mx::float16)) {
-    return aligned_malloc(bytes);
-  }
-  return mx::allocator::malloc(bytes);
-}
-
 // x's elements in a new row-contiguous array, copied by a task queued on the encoder before
 // the kernel that reads it (and kept alive until then as a temporary); any 1-, 2-, 4- or
 // 8-byte dtype.
 inline mx::array row_contiguous_copy(const mx::array& x, mx::cpu::CommandEncoder& encoder) {
   mx::array copy(x.shape(), x.dtype(), nullptr, {});
-  copy.set_data(output_malloc(copy.nbytes(), copy.dtype()));
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
   encoder.add_temporary(copy);
   encoder.dispatch([src = x.data<void>(), dst = copy.data<void>(), shape = x.shape(),
                     strides = x.strides(), size = x.itemsize()]() {
@@ -464,7 +426,7 @@ inline void reuse_or_allocate(mx::array& out, const mx::array& in, bool copied) 
       in.buffer_size() <= out.nbytes() + 16384) {
     out.copy_shared_buffer(in);
   } else {
-    out.set_data(output_malloc(out.nbytes(), out.dtype()));
+    out.set_data(mx::allocator::malloc(out.nbytes()));
   }
 }
 

@@ -551,7 +551,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
       return;
     }
   }
-  out.set_data(output_malloc(out.nbytes(), out.dtype()));
+  out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) return;
   const mx::Shape* xs;
   const mx::Shape* ws;

@@ -130,7 +130,7 @@ void LogisticPrimitive::eval_cpu(const std::vector<mx::array>& inputs, mx::array
       in.shape().back() > 1) {
     // Rows contiguous, strided between (an LSTM's gates: mx.split of one product): row by row
     // into a new buffer, without gathering a copy first.
-    out.set_data(output_malloc(out.nbytes(), out.dtype()));
+    out.set_data(mx::allocator::malloc(out.nbytes()));
     encoder.dispatch([kind = kind_, px = static_cast<const char*>(in.data<void>()),
                       py = static_cast<char*>(out.data<void>()), dt = out.dtype(),
                       shape = in.shape(), strides = in.strides(), size = in.itemsize()]() {

@@ -470,7 +470,7 @@ Plan plan(const View& va, const View& vb, const mx::array& out, bool batched, bo
 } // namespace
 
 void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(output_malloc(out.nbytes(), out.dtype()));
+  out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
     return;
   }

@@ -581,7 +581,7 @@ bool loops_first(const mx::array& y, const PoolParams& p) {
 void MaxPool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& y = outputs[0];
   auto& ws = outputs[1];
-  y.set_data(output_malloc(y.nbytes(), y.dtype()));
+  y.set_data(mx::allocator::malloc(y.nbytes()));
   ws.set_data(mx::allocator::malloc(ws.nbytes()));
   if (y.size() == 0) return;
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -668,7 +668,7 @@ std::vector<mx::array> MaxPool::jvp(
 }
 
 void MaxPoolBackward::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
-  out.set_data(output_malloc(out.nbytes(), out.dtype()));
+  out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) return;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   auto inputs = row_contiguous_all(operands, encoder);

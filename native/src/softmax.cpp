@@ -231,7 +231,7 @@ mx::array softmax_grad(const mx::array& g, const mx::array& y, mx::StreamOrDevic
 }
 
 void Softmax::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
-  out.set_data(output_malloc(out.nbytes(), out.dtype()));
+  out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
     return;
   }
@@ -359,7 +359,7 @@ mx::array log_sum_exp_grad(const mx::array& g, const mx::array& x, const mx::arr
 }
 
 void LogSumExp::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
-  out.set_data(output_malloc(out.nbytes(), out.dtype()));
+  out.set_data(mx::allocator::malloc(out.nbytes()));
   if (out.size() == 0) {
     return;
   }
