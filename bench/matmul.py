@@ -11,8 +11,10 @@ For each size ``(M, K, N)`` (an ``(M, K) @ (N, K).T`` linear-layer product) and 
   on the GEMM without one that ``native.matmul_mode`` ``"auto"`` runs), ``--chain``
   independent products per ``mx.eval`` (the time per product: one ``eval`` costs a thread
   wake-up, ~70 us on these VMs, that a model's step pays once), the source an MLX array (8
-  bytes past a 16-byte boundary: an AMX kernel reads an aligned copy of it); ``in graph, one
-  per eval``: one product per ``eval``.
+  bytes past a 16-byte boundary: an AMX kernel reads an aligned copy of it); ``in graph,
+  packed weights``: ``packed_linear`` on ``pack_weights(w)`` (bfloat16 where the CPU has a
+  packed layout: what autocast inference runs on weights it has seen), against the plain
+  standalone time; ``in graph, one per eval``: one product per ``eval``.
 
 Ratios are the standalone time over the in-graph one (1.0: nothing lost around the call). The
 fastest of ``--rounds`` rounds, the variants of a row in turn.
@@ -60,18 +62,23 @@ def row(ext, m: int, k: int, n: int, dtype: mx.Dtype, chain: int, rounds: int) -
     def product(x: mx.array) -> mx.array:
         return ext.matmul(x, w, None, False, True, False, None, False, dtype == mx.bfloat16)
 
+    packed = ext.pack_weights(w) if dtype == mx.bfloat16 else None
+
     calls = min(200, max(2, int(2e9 / (2 * m * n * k * chain))))
     reps = min(1000, max(5, int(1e9 / (2 * m * n * k))))
     # (float32: on the primitive, not the GEMM 'auto' runs, so that both sides are one kernel)
     mode = ext.set_matmul_mode("primitive" if dtype == mx.float32 else "auto")
     try:
         graph = fastest(lambda: mx.eval([product(x) for x in xs]), calls, rounds) / chain
+        in_packed = None if packed is None else fastest(lambda: mx.eval(
+            [ext.packed_linear(x, w, None, packed, False, dtype) for x in xs]), calls,
+            rounds) / chain
         single = fastest(lambda: mx.eval(product(xs[0])), calls * chain, rounds)
     finally:
         ext.set_matmul_mode(mode)
     plain, impl = ext.standalone_matmul(m, k, n, dtype, reps=reps * rounds)
     reordered, _ = ext.standalone_matmul(m, k, n, dtype, any_layout=True, reps=reps * rounds)
-    return {"graph": graph, "single": single, "plain": plain,
+    return {"graph": graph, "packed": in_packed, "single": single, "plain": plain,
             "reordered": reordered, "impl": impl}
 
 
@@ -94,17 +101,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{processor()}; MLX {mx.__version__}; oneDNN {ext.onednn_version()} "
           f"({ext.cpu_isa()}); {args.chain} products per eval, fastest of {args.rounds}\n")
     print("| M x K x N | dtype | kernel | standalone us | weights reordered us | in graph us "
-          "| standalone / in graph | in graph, one per eval us |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| standalone / in graph | in graph, packed weights us | standalone / that "
+          "| in graph, one per eval us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m, k, n in sizes:
         for name in args.dtypes.split(","):
             dtype = getattr(mx, name)
             if dtype == mx.bfloat16 and not ext.isa_has_bf16():
                 continue  # (in float32 kernels there: not the bfloat16 primitive)
             r = row(ext, m, k, n, dtype, args.chain, args.rounds)
+            packed = ("- | -" if r["packed"] is None else
+                      f"{r['packed'] * 1e6:.0f} | {r['plain'] / r['packed']:.2f}")
             print(f"| {m} x {k} x {n} | {name} | {r['impl']} | {r['plain'] * 1e6:.0f} "
                   f"| {r['reordered'] * 1e6:.0f} | {r['graph'] * 1e6:.0f} "
-                  f"| {r['plain'] / r['graph']:.2f} | {r['single'] * 1e6:.0f} |")
+                  f"| {r['plain'] / r['graph']:.2f} | {packed} | {r['single'] * 1e6:.0f} |")
 
 
 if __name__ == "__main__":

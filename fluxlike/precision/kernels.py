@@ -256,9 +256,15 @@ def _on_kept_casts(state: Context, x: mx.array, weight: mx.array, bias: mx.array
         kept = castcache.casts_if_seen(params, dtype)
         if kept is None:
             return None
-        y = _switch.ext.matmul(convert(x, dtype) if given == _F32 else x, kept[0],  # type: ignore[union-attr]  # NATIVE: in use
-                               kept[1] if bias is not None else None, False, True, fused, None,
-                               False, _switch.bf16)
+        xh = convert(x, dtype) if given == _F32 else x
+        packed = (castcache.packed_weights(weight, kept[0])
+                  if dtype == _BF16 and _switch.bf16 and weight.ndim == 2 else None)
+        if packed is not None:  # the weights in oneDNN's own layout, reordered once
+            y = _switch.ext.packed_linear(xh, kept[0], kept[1] if bias is not None else None,  # type: ignore[union-attr]  # NATIVE: in use
+                                          packed, fused, dtype)
+        else:
+            y = _switch.ext.matmul(xh, kept[0], kept[1] if bias is not None else None,  # type: ignore[union-attr]  # NATIVE: in use
+                                   False, True, fused, None, False, _switch.bf16)
         return y if after is None else after(y)
     return emulation.linear_on_kept(x, params, dtype, act)
 

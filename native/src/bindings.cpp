@@ -13,6 +13,7 @@
 #include "cpu.h"
 #include "finite.h"
 #include "matmul.h"
+#include "packed.h"
 #include "mlx/version.h"
 #include "pool.h"
 #include "relu.h"
@@ -226,6 +227,16 @@ a cached primitive from its third (queued on the creator's thread at its second,
 transposed as a linear layer's weights are (`transposed_b`), in the plain layout MLX's arrays
 have, or reordered once into the layout oneDNN prefers (`any_layout`). The reference that
 in-graph products are measured against (bench/matmul.py).)");
+
+  m.def("pack_weights", &fluxlike_native::pack_weights, "w"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        R"(A linear layer's bfloat16 weights w (out, in) reordered into the layout oneDNN's
+kernel prefers (a 1-D uint8 array), or None where the plain layout is the kernel's own or no
+bfloat16 kernel exists (see packed.h).)");
+  m.def("packed_linear", &fluxlike_native::packed_linear, "x"_a, "w"_a, "bias"_a.none(),
+        "packed"_a, "relu"_a, "out_dtype"_a, nb::kw_only(), "stream"_a = nb::none(),
+        R"(relu?(x @ w.T + bias) for bfloat16 x and w, read from packed = pack_weights(w): the
+native bfloat16 product's bits; derivatives and vmap are the plain product's (see packed.h).)");
 
   m.def(
       "plain_linear",

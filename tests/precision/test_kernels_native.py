@@ -53,10 +53,11 @@ class Counting:
 @pytest.fixture
 def calls(monkeypatch):
     """The dtypes of the linear products the native kernel computed (the companion's
-    ``matmul``, or the everyday float32 call's ``plain_linear`` entry)."""
+    ``matmul``, the everyday float32 call's ``plain_linear`` entry, or inference's product of
+    packed weights, ``packed_linear``)."""
     seen = []
-    monkeypatch.setattr(native.switch, "ext",
-                        Counting(native.switch.ext, seen, ("matmul", "plain_linear")))
+    monkeypatch.setattr(native.switch, "ext", Counting(
+        native.switch.ext, seen, ("matmul", "plain_linear", "packed_linear")))
     return seen
 
 

@@ -251,6 +251,10 @@ def test_converted_linear_runs_the_native_bfloat16_kernel(monkeypatch):
             calls.append(x.dtype)
             return ext.matmul(x, *args, **kwargs)
 
+        def packed_linear(self, x, *args, **kwargs):  # (weights seen before, packed)
+            calls.append(x.dtype)
+            return ext.packed_linear(x, *args, **kwargs)
+
     monkeypatch.setattr(native_module.switch, "ext", Counting())
     half = bf16mix(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
     x = normal(4, 16).astype(mx.bfloat16)
