@@ -316,6 +316,16 @@ mx::array result_in(const mx::array& y, mx::Dtype dt, mx::Dtype odt, bool round_
 
 } // namespace
 
+void run_product(const Prepared& entry, void* src, size_t src_bytes, void* weights, void* bias,
+                 void* dst, const char* fn) {
+  Scratch copy(entry.amx && !aligned(src) ? src_bytes : 0, fn, "an aligned copy of the source");
+  if (copy.get() != nullptr) {
+    src = std::memcpy(copy.get(), src, src_bytes);
+  }
+  execute(entry, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_BIAS, bias},
+                  {DNNL_ARG_DST, dst}}, fn);
+}
+
 MatmulMode set_matmul_mode(MatmulMode mode) {
   return static_cast<MatmulMode>(g_mode.exchange(static_cast<int>(mode)));
 }
@@ -523,14 +533,9 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     pdst = out.data<void>(),
                     relu = relu_,
                     bf16 = out.dtype() == mx::bfloat16,
-                    n = out.size()]() mutable {
+                    n = out.size()]() {
     // (a is dense, row- or column-major: its bytes copied keep its layout.)
-    Scratch a_copy(entry->amx && !aligned(pa) ? a_bytes : 0, FN, "an aligned copy of a");
-    if (a_copy.get() != nullptr) {
-      pa = std::memcpy(a_copy.get(), pa, a_bytes);
-    }
-    execute(*entry, {{DNNL_ARG_SRC, pa}, {DNNL_ARG_WEIGHTS, pb}, {DNNL_ARG_BIAS, pbias},
-                     {DNNL_ARG_DST, pdst}}, FN);
+    run_product(*entry, pa, a_bytes, pb, pbias, pdst, FN);
     if (relu) {
       relu_keeping_nan(pdst, n, bf16);
     }

@@ -3,6 +3,7 @@
 
 #include <optional>
 
+#include "engine.h"
 #include "primitive.h"
 
 namespace fluxlike_native {
@@ -55,6 +56,12 @@ bool first_use_deferred();
 bool direct_gemm_in_use();
 // Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU (probed once).
 bool primitive_is_jit_gemm();
+
+// Runs the matmul `entry` on src (dense, src_bytes long), weights, bias (or null) into dst,
+// waiting for it; an AMX kernel reads an aligned copy of a source off a cache line
+// (engine.h: Prepared::amx). `fn` names the op in an out-of-memory error.
+void run_product(const Prepared& entry, void* src, size_t src_bytes, void* weights, void* bias,
+                 void* dst, const char* fn);
 
 // A oneDNN matmul timed outside MLX (bench/matmul.py's "standalone" rows): see matmul.cpp.
 struct StandaloneTiming {

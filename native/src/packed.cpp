@@ -217,13 +217,8 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
                     pw = aligned_in(const_cast<void*>(packed.data<void>())),
                     pbias = bias ? const_cast<void*>((*bias)->data<void>()) : nullptr,
                     pdst = out.data<void>(), relu = relu_, bf16 = out.dtype() == mx::bfloat16,
-                    n = out.size()]() mutable {
-    Scratch a_copy(entry->amx && !aligned(pa) ? a_bytes : 0, LINEAR_FN, "an aligned copy of x");
-    if (a_copy.get() != nullptr) {
-      pa = std::memcpy(a_copy.get(), pa, a_bytes);
-    }
-    execute(*entry, {{DNNL_ARG_SRC, pa}, {DNNL_ARG_WEIGHTS, pw}, {DNNL_ARG_BIAS, pbias},
-                     {DNNL_ARG_DST, pdst}}, LINEAR_FN);
+                    n = out.size()]() {
+    run_product(*entry, pa, a_bytes, pw, pbias, pdst, LINEAR_FN);
     if (relu) {
       relu_keeping_nan(pdst, n, bf16);
     }
