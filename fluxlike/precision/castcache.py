@@ -181,7 +181,9 @@ def packed_weights(source: mx.array, half: mx.array) -> mx.array | None:
     into the layout oneDNN's kernel prefers and kept with ``source``'s casts, for as long as
     they are (on an Intel Xeon with AMX a 512 x 2048 x 2048 product 2.6 -> 2.1 ms). ``None``
     where there is none (no companion, no bfloat16 kernel, or the kernel's own layout is the
-    plain one). For inference only: call it after a hit of :func:`casts_if_seen`."""
+    plain one). For inference only: call it after a hit of :func:`casts_if_seen` for float32
+    weights (a hit means they are not a tracer). It holds one more bfloat16 copy of the
+    weights, and like the casts it cannot see an in-place change (``w *= 2``)."""
     casts = _casts(source)
     packed = casts.get(_PACKED)
     if packed is None:

@@ -257,8 +257,11 @@ def _on_kept_casts(state: Context, x: mx.array, weight: mx.array, bias: mx.array
         if kept is None:
             return None
         xh = convert(x, dtype) if given == _F32 else x
+        # (Float32 weights only, whose kept casts mean they were seen before: a half
+        # model's own weights may be a transformation's tracers, and would be held twice.)
         packed = (castcache.packed_weights(weight, kept[0])
-                  if dtype == _BF16 and _switch.bf16 and weight.ndim == 2 else None)
+                  if dtype == _BF16 and wdtype == _F32 and _switch.bf16 and weight.ndim == 2
+                  else None)
         if packed is not None:  # the weights in oneDNN's own layout, reordered once
             y = _switch.ext.packed_linear(xh, kept[0], kept[1] if bias is not None else None,  # type: ignore[union-attr]  # NATIVE: in use
                                           packed, fused, dtype)

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -66,9 +67,18 @@ std::shared_ptr<const Layout> layout(int64_t in, int64_t out) {
   return made;
 }
 
-void* aligned_in(void* p) {
+// The packed bytes start at the first cache line's boundary after the array's first byte,
+// which holds their offset (1 to 64): read back from any copy of the array (one MLX made
+// elsewhere, `packed + 0`), whose buffer sits at another address.
+void* packed_at(void* p) {
   auto at = reinterpret_cast<uintptr_t>(p);
-  return reinterpret_cast<void*>((at + LINE - 1) / LINE * LINE);
+  auto offset = static_cast<uint8_t>((at + LINE) / LINE * LINE - at);  // 1..64
+  *static_cast<uint8_t*>(p) = offset;
+  return static_cast<char*>(p) + offset;
+}
+
+const void* packed_in(const void* p) {
+  return static_cast<const char*>(p) + *static_cast<const uint8_t*>(p);
 }
 
 // The product's primitive for `rows` rows reading the packed weights.
@@ -109,7 +119,11 @@ std::optional<mx::array> pack_weights(const mx::array& w, mx::StreamOrDevice s) 
   if (!l) {
     return std::nullopt;
   }
-  auto bytes = static_cast<int>(l->packed.get_size() + LINE);
+  size_t size = l->packed.get_size() + LINE;
+  if (size > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    return std::nullopt;  // (an MLX shape is int32: such weights keep the plain product)
+  }
+  auto bytes = static_cast<int>(size);
   return mx::array({bytes}, mx::uint8, std::make_shared<PackWeights>(stream, bytes), {w});
 }
 
@@ -124,7 +138,7 @@ void PackWeights::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
     dnnl::stream strm(engine());
     auto& eng = engine();
     dnnl::memory from(l->plain, eng, src);
-    dnnl::memory to(l->packed, eng, aligned_in(dst));
+    dnnl::memory to(l->packed, eng, packed_at(dst));
     l->reorder.execute(strm, from, to);
     strm.wait();
   });
@@ -214,11 +228,11 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   }
   encoder.set_output_array(out);
   encoder.dispatch([entry, pa = const_cast<void*>(x->data<void>()), a_bytes = x->nbytes(),
-                    pw = aligned_in(const_cast<void*>(packed.data<void>())),
+                    pw = packed.data<void>(),
                     pbias = bias ? const_cast<void*>((*bias)->data<void>()) : nullptr,
                     pdst = out.data<void>(), relu = relu_, bf16 = out.dtype() == mx::bfloat16,
                     n = out.size()]() {
-    run_product(*entry, pa, a_bytes, pw, pbias, pdst, LINEAR_FN);
+    run_product(*entry, pa, a_bytes, const_cast<void*>(packed_in(pw)), pbias, pdst, LINEAR_FN);
     if (relu) {
       relu_keeping_nan(pdst, n, bf16);
     }
@@ -251,7 +265,15 @@ std::pair<std::vector<mx::array>, std::vector<int>> PackedLinear::vmap(
             "product (fluxlike_native.matmul)");
   std::vector<mx::array> operands(inputs.begin(), inputs.end() - 1);
   std::vector<int> op_axes(axes.begin(), axes.end() - 1);
-  auto prim = plain(operands).primitive_ptr();
+  // The plain product's primitive, made for one member's operands (placeholders of their
+  // shapes, never evaluated), maps them as it maps its own.
+  std::vector<mx::array> member;
+  for (size_t i = 0; i < operands.size(); ++i) {
+    auto shape = operands[i].shape();
+    if (op_axes[i] >= 0) shape.erase(shape.begin() + op_axes[i]);
+    member.push_back(mx::zeros(shape, operands[i].dtype(), stream()));
+  }
+  auto prim = plain(member).primitive_ptr();
   return prim->vmap(operands, op_axes);
 }
 

@@ -17,10 +17,12 @@
 namespace fluxlike_native {
 
 // `w` (out, in) - a linear layer's bfloat16 weights, as the product x @ w.T reads them - in
-// oneDNN's preferred layout: a 1-D uint8 array (the packed bytes, 64 more to align them), or
-// nothing where this CPU's kernel takes the plain layout anyway or no bfloat16 kernel exists
-// (the caller keeps the plain product). Not differentiable (a constant of w: the product's
-// gradient reaches w through its plain input).
+// oneDNN's preferred layout: a 1-D uint8 array (the packed bytes at a cache line's boundary,
+// their offset in its first byte), or nothing where this CPU's kernel takes the plain layout
+// anyway, no bfloat16 kernel exists or the packing would pass 2**31 bytes (the caller keeps
+// the plain product). Not differentiable (a constant of w: the product's gradient reaches w
+// through its plain input). packed_linear checks the packing's size, not its values: it
+// must be pack_weights of the w it is given.
 std::optional<mx::array> pack_weights(const mx::array& w, mx::StreamOrDevice s = {});
 
 // act(x @ w.T + bias) for bfloat16 x (.., in), w (out, in) and `packed` = pack_weights(w),

@@ -132,3 +132,67 @@ def test_autocast_inference_reads_packed_weights_from_the_second_call(monkeypatc
     want = (x.astype(mx.bfloat16) @ layer.weight.astype(mx.bfloat16).T
             + layer.bias.astype(mx.bfloat16))
     np.testing.assert_allclose(doubled, np64(fluxlike.relu(want)), rtol=2e-2, atol=2e-2)
+
+
+def test_weights_too_large_for_an_mlx_shape_keep_the_plain_product():
+    # (2**30 weights: the packing would pass 2**31 bytes; nothing is evaluated here)
+    assert ext().pack_weights(mx.zeros((32768, 32832), mx.bfloat16)) is None
+
+
+@needs_packing
+def test_any_copy_of_a_packing_reads_the_same():
+    e = ext()
+    x = mx.random.normal((33, 70)).astype(mx.bfloat16)
+    w = mx.random.normal((65, 70)).astype(mx.bfloat16)
+    p = e.pack_weights(w)
+    want = np64(e.packed_linear(x, w, None, p, False, mx.float32))
+    copies = [p + 0, mx.array(np.array(p))]
+    copies += [mx.concatenate([mx.zeros((k,), mx.uint8), p])[k:] for k in (1, 8, 24)]
+    for c in copies:  # (at other addresses: the packed bytes' offset travels with them)
+        np.testing.assert_array_equal(np64(e.packed_linear(x, w, None, c, False, mx.float32)),
+                                      want)
+
+
+@needs_packing
+def test_vmap_over_any_operand_is_the_plain_products():
+    e = ext()
+    x = mx.random.normal((5, 12)).astype(mx.bfloat16)
+    w = mx.random.normal((7, 12)).astype(mx.bfloat16)
+    b = mx.random.normal((7,)).astype(mx.bfloat16)
+    p = e.pack_weights(w)
+
+    def mine(x, w, b):
+        return e.packed_linear(x, w, b, p, True, mx.float32)
+
+    def theirs(x, w, b):
+        return e.matmul(x, w, b, False, True, True, mx.float32, False, True)
+
+    cases = [((x.T, w, b), (1, None, None)),  # x mapped on its last axis
+             ((x, mx.stack([w, w * 2]), b), (None, 0, None)),
+             ((x, w, mx.stack([b, b * 2, -b])), (None, None, 0))]
+    for args, axes in cases:
+        np.testing.assert_array_equal(np64(mx.vmap(mine, in_axes=axes)(*args)),
+                                      np64(mx.vmap(theirs, in_axes=axes)(*args)))
+
+
+@needs_packing
+def test_a_half_models_own_weights_are_never_packed(monkeypatch):
+    # (they may be a transformation's tracers - vmap over an ensemble's weights - and a
+    # packing would hold them twice)
+    packings = []
+    made = castcache.packed_weights
+    monkeypatch.setattr(castcache, "packed_weights",
+                        lambda s, h: packings.append(s) or made(s, h))
+    layer = Dense(8, 4)
+    layer.set_dtype(mx.bfloat16)
+    x = mx.random.normal((3, 8)).astype(mx.bfloat16)
+    for _ in range(3):
+        layer(x)
+    stacked = {k: mx.stack([v, 2 * v]) for k, v in layer.parameters().items()}
+
+    def f(params, x):
+        layer.update(params)
+        return layer(x)
+
+    assert mx.vmap(f, in_axes=(0, None))(stacked, x).shape == (2, 3, 4)
+    assert packings == []
