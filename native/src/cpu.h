@@ -30,8 +30,8 @@ constexpr double SINGLE_THREAD_MACS = 1 << 22;
 // threshold: per thread it runs ~6x faster than float32 on AVX-512, and waking a sleeping
 // second thread (OpenMP's passive wait) costs ~50 us on these VMs. In-graph products, Intel
 // Xeon with AMX, 2 cores, 2026-12-04 (bench/results/2026-12-04-amx.md), one thread against
-// two, us: 2**20
-// multiply-adds 8 / 62, 2**23 28 / 74, 2**26 117 / 152, 2**27 231 / 229, 2**28 449 / 346.
+// two, us: 2**20 multiply-adds 8 / 62, 2**23 28 / 74, 2**26 117 / 152, 2**27 231 / 229,
+// 2**28 449 / 346.
 constexpr double AMX_MACS_SCALE = 32;
 
 // The threshold in use (SINGLE_THREAD_MACS unless set_single_thread_macs changed it).
