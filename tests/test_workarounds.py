@@ -81,7 +81,9 @@ def _aborted(code: str, **env: str) -> bool:
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
         timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
-    assert result.returncode in (0, -6, 134), result.stderr[-2000:]  # ok or SIGABRT only
+    # ok, or the exit race's crash: SIGABRT as a rule, SIGSEGV at times (a fresh-clone CI run
+    # on an Intel Xeon, 2026-12-04, plain MLX); anything else is another failure
+    assert result.returncode in (0, -6, 134, -11, 139), result.stderr[-2000:]
     return result.returncode != 0
 
 
