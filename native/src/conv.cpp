@@ -15,6 +15,7 @@
 
 #include "bias.h"
 #include "conv_gemm.h"
+#include "finite.h"
 #include "cache.h"
 #include "common.h"
 #include "cpu.h"
@@ -524,16 +525,6 @@ void in_float32(const ConvPrepared* entry, ConvKind kind, const HalfInput& in0,
   narrow_all(y, odt, po, n);
 }
 
-// Whether n bfloat16 values are all finite (their exponents not all ones).
-bool all_finite_bf16(const void* data, size_t n) {
-  auto* v = static_cast<const uint16_t*>(data);
-  uint16_t worst = 0;
-  for (size_t i = 0; i < n; ++i) {
-    worst = std::max<uint16_t>(worst, v[i] & 0x7f80);
-  }
-  return worst != 0x7f80;
-}
-
 void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   auto inputs = row_contiguous_all(operands, encoder);
@@ -595,7 +586,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
     // (where MLX gives a finite result; Intel Xeon with AMX). Such an input (a scan of it
     // first) goes through float32 kernels, as a CPU without bfloat16 kernels runs it.
     if (entry && entry->amx && kind == ConvKind::Forward && bf16 &&
-        !all_finite_bf16(x.data, x.size)) {
+        !all_finite(x.data, x.size, x.dtype)) {
       auto e32 = lookup(kind, p, xs, ws, ys, mx::float32,
                         b.data ? std::optional<mx::Dtype>(mx::float32) : std::nullopt);
       in_float32(e32.get(), kind, x, w, b, po, mx::bfloat16, relu, n, padded, xs, ws, ys, p);

@@ -85,6 +85,10 @@ mx::array reference(const std::vector<mx::array>& xs, mx::Stream s) {
 
 } // namespace
 
+bool all_finite(const void* data, size_t n, mx::Dtype dtype) {
+  return !any_nonfinite(std::vector<Span>{{data, static_cast<int64_t>(n), dtype}});
+}
+
 mx::array all_finite(const std::vector<mx::array>& xs, mx::StreamOrDevice s) {
   FLN_CHECK(!xs.empty(), "fluxlike_native.all_finite: expected at least one array, got none");
   for (const auto& x : xs) {

@@ -14,6 +14,9 @@ namespace fluxlike_native {
 // time scheduling nodes); here one node and one pass over the bits, branch-free, on OpenMP's
 // threads for a large total. Its derivatives are zero (the output is a bool).
 mx::array all_finite(const std::vector<mx::array>& xs, mx::StreamOrDevice s = {});
+// The same check of n values of `dtype` (float32, bfloat16 or float16) at `data`, as a task
+// runs it.
+bool all_finite(const void* data, size_t n, mx::Dtype dtype);
 
 class AllFinite : public mx::UnaryPrimitive {
  public:

@@ -201,22 +201,7 @@ std::shared_ptr<const Prepared> lookup(
     auto dt = dnnl_type(in_dt, FN);
     dnnl::memory::desc a_md(a.dims, dt, a.strides), b_md(b.dims, dt, b.strides);
     dnnl::memory::desc dst_md(dst_dims, dnnl_type(out_dt, FN), row_major(dst_dims));
-    double macs = static_cast<double>(a.dims.back());
-    for (auto d : dst_dims) macs *= static_cast<double>(d);
-    OneThread one(one_thread_for(macs, in_dt == mx::bfloat16));
-    auto attr = user_scratchpad();
-    dnnl::matmul::primitive_desc pd;
-    if (bias_dt) {
-      dnnl::memory::dims bdims(dst_dims.size(), 1);
-      bdims.back() = dst_dims.back();
-      dnnl::memory::desc bias_md(bdims, dnnl_type(*bias_dt, FN), row_major(bdims));
-      pd = dnnl::matmul::primitive_desc(engine(), a_md, b_md, bias_md, dst_md, attr);
-    } else {
-      pd = dnnl::matmul::primitive_desc(engine(), a_md, b_md, dst_md, attr);
-    }
-    // (Without a bias, its description is empty and no buffer is passed for it.)
-    return std::make_shared<const Prepared>(
-        prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_BIAS, DNNL_ARG_DST}));
+    return prepared_matmul(a_md, b_md, bias_dt, dst_md, FN);
   }, defer_first, [&] {
     return std::function<void()>([a, b, dst_dims, in_dt, out_dt, bias_dt] {
       lookup(a, b, dst_dims, in_dt, out_dt, bias_dt);
@@ -315,6 +300,29 @@ mx::array result_in(const mx::array& y, mx::Dtype dt, mx::Dtype odt, bool round_
 }
 
 } // namespace
+
+std::shared_ptr<const Prepared> prepared_matmul(const dnnl::memory::desc& a,
+                                                const dnnl::memory::desc& b,
+                                                std::optional<mx::Dtype> bias_dt,
+                                                const dnnl::memory::desc& dst, const char* fn) {
+  auto dst_dims = dst.get_dims();
+  double macs = static_cast<double>(a.get_dims().back());
+  for (auto d : dst_dims) macs *= static_cast<double>(d);
+  OneThread one(one_thread_for(macs, a.get_data_type() == dnnl::memory::data_type::bf16));
+  auto attr = user_scratchpad();
+  dnnl::matmul::primitive_desc pd;
+  if (bias_dt) {
+    dnnl::memory::dims bdims(dst_dims.size(), 1);
+    bdims.back() = dst_dims.back();
+    dnnl::memory::desc bias_md(bdims, dnnl_type(*bias_dt, fn), row_major(bdims));
+    pd = dnnl::matmul::primitive_desc(engine(), a, b, bias_md, dst, attr);
+  } else {
+    pd = dnnl::matmul::primitive_desc(engine(), a, b, dst, attr);
+  }
+  // (Without a bias, its description is empty and no buffer is passed for it.)
+  return std::make_shared<const Prepared>(
+      prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_BIAS, DNNL_ARG_DST}));
+}
 
 void run_product(const Prepared& entry, void* src, size_t src_bytes, void* weights, void* bias,
                  void* dst, const char* fn) {
@@ -827,9 +835,7 @@ StandaloneTiming standalone_matmul(int64_t m, int64_t k, int64_t n, mx::Dtype dt
   dnnl::memory::desc a_md({m, k}, odt, tag::ab), dst_md({m, n}, odt, tag::ab);
   dnnl::memory::desc w_user({k, n}, odt, transposed_b ? tag::ba : tag::ab);
   dnnl::memory::desc w_md = any_layout ? dnnl::memory::desc({k, n}, odt, tag::any) : w_user;
-  OneThread one(one_thread_for(static_cast<double>(m) * k * n, dt == mx::bfloat16));
-  dnnl::matmul::primitive_desc pd(eng, a_md, w_md, dst_md, user_scratchpad());
-  auto prepared = prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST});
+  auto prepared = prepared_matmul(a_md, w_md, std::nullopt, dst_md, FN);
   dnnl::stream strm(eng);
   auto filled = [&](const dnnl::memory::desc& md) {
     dnnl::memory f32(dnnl::memory::desc(md.get_dims(), dnnl::memory::data_type::f32, tag::ab),
@@ -846,7 +852,7 @@ StandaloneTiming standalone_matmul(int64_t m, int64_t k, int64_t n, mx::Dtype dt
     return out;
   };
   auto a = filled(a_md), w_plain = filled(w_user);
-  auto w = any_layout ? dnnl::memory(pd.weights_desc(), eng) : w_plain;
+  auto w = any_layout ? dnnl::memory(prepared->md(DNNL_ARG_WEIGHTS), eng) : w_plain;
   if (any_layout) {
     dnnl::reorder(w_plain, w).execute(strm, w_plain, w);
     strm.wait();
@@ -854,7 +860,7 @@ StandaloneTiming standalone_matmul(int64_t m, int64_t k, int64_t n, mx::Dtype dt
   dnnl::memory dst(dst_md, eng);
   std::memset(dst.get_data_handle(), 0, dst_md.get_size());
   auto run = [&] {
-    execute(prepared, {{DNNL_ARG_SRC, a.get_data_handle()}, {DNNL_ARG_WEIGHTS,
+    execute(*prepared, {{DNNL_ARG_SRC, a.get_data_handle()}, {DNNL_ARG_WEIGHTS,
             w.get_data_handle()}, {DNNL_ARG_DST, dst.get_data_handle()}}, FN);
   };
   run();
@@ -866,7 +872,7 @@ StandaloneTiming standalone_matmul(int64_t m, int64_t k, int64_t n, mx::Dtype dt
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
                               .count());
   }
-  return {best, prepared.impl};
+  return {best, prepared->impl};
 }
 
 } // namespace fluxlike_native

@@ -1,6 +1,7 @@
 // fluxlike-native: oneDNN matrix multiplication as an MLX primitive (CPU).
 #pragma once
 
+#include <memory>
 #include <optional>
 
 #include "engine.h"
@@ -56,6 +57,15 @@ bool first_use_deferred();
 bool direct_gemm_in_use();
 // Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU (probed once).
 bool primitive_is_jit_gemm();
+
+// oneDNN's matmul for these descriptions of its source, weights and destination (a bias of
+// `bias_dt` broadcast over the rows where given), created with a user scratchpad on one
+// OpenMP thread below the threshold (cpu.h: one_thread_for; a bfloat16 source counts as
+// AMX's where the CPU has it); `fn` names the op in oneDNN's refusal.
+std::shared_ptr<const Prepared> prepared_matmul(const dnnl::memory::desc& a,
+                                                const dnnl::memory::desc& b,
+                                                std::optional<mx::Dtype> bias_dt,
+                                                const dnnl::memory::desc& dst, const char* fn);
 
 // Runs the matmul `entry` on src (dense, src_bytes long), weights, bias (or null) into dst,
 // waiting for it; an AMX kernel reads an aligned copy of a source off a cache line

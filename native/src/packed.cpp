@@ -20,30 +20,31 @@
 
 namespace fluxlike_native {
 
+// The packed layout of (in, out) bfloat16 weights and the reorder into it from a linear
+// layer's (out, in) row-major weights (see layout() below).
+struct PackedLayout {
+  dnnl::memory::desc plain, packed;
+  dnnl::reorder reorder;
+};
+
 namespace {
 
 const char* FN = "fluxlike_native.pack_weights";
 const char* LINEAR_FN = "fluxlike_native.packed_linear";
 constexpr uintptr_t LINE = 64;
 
-// The packed layout of (in, out) bfloat16 weights and the reorder into it from a linear
-// layer's (out, in) row-major weights; none where the kernel's preferred layout is the plain
-// one or its kernel is not brgemm. Made once per shape, kept for the process.
-struct Layout {
-  dnnl::memory::desc plain, packed;
-  dnnl::reorder reorder;
-};
-
-std::shared_ptr<const Layout> layout(int64_t in, int64_t out) {
+// The layout for (in, out) weights; none where the kernel's preferred layout is the plain one
+// or its kernel is not brgemm. Made once per shape, kept for the process.
+std::shared_ptr<const PackedLayout> layout(int64_t in, int64_t out) {
   static std::mutex mutex;
-  static std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const Layout>> layouts;
+  static std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const PackedLayout>> layouts;
   std::lock_guard<std::mutex> lock(mutex);
   auto key = std::make_pair(in, out);
   auto found = layouts.find(key);
   if (found != layouts.end()) {
     return found->second;
   }
-  std::shared_ptr<const Layout> made;
+  std::shared_ptr<const PackedLayout> made;
   using tag = dnnl::memory::format_tag;
   auto bf16 = dnnl::memory::data_type::bf16;
   auto& eng = engine();
@@ -56,8 +57,8 @@ std::shared_ptr<const Layout> layout(int64_t in, int64_t out) {
     std::string impl = pd.impl_info_str();
     if (packed != plain && packed != dnnl::memory::desc({in, out}, bf16, tag::ab) &&
         impl.rfind("brg", 0) == 0) {
-      made = std::make_shared<const Layout>(
-          Layout{plain, packed,
+      made = std::make_shared<const PackedLayout>(
+          PackedLayout{plain, packed,
                  dnnl::reorder(dnnl::reorder::primitive_desc(eng, plain, eng, packed))});
     }
   } catch (const dnnl::error&) {
@@ -82,7 +83,7 @@ const void* packed_in(const void* p) {
 }
 
 // The product's primitive for `rows` rows reading the packed weights.
-std::shared_ptr<const Prepared> lookup(int64_t rows, int64_t in, int64_t out, const Layout& l,
+std::shared_ptr<const Prepared> lookup(int64_t rows, int64_t in, int64_t out, const PackedLayout& l,
                                        mx::Dtype out_dt, std::optional<mx::Dtype> bias_dt) {
   CacheKey key{-7, rows, in, out, static_cast<int64_t>(out_dt.val()),
                bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1};
@@ -90,16 +91,7 @@ std::shared_ptr<const Prepared> lookup(int64_t rows, int64_t in, int64_t out, co
     using tag = dnnl::memory::format_tag;
     dnnl::memory::desc a({rows, in}, dnnl::memory::data_type::bf16, tag::ab);
     dnnl::memory::desc y({rows, out}, dnnl_type(out_dt, LINEAR_FN), tag::ab);
-    OneThread one(one_thread_for(static_cast<double>(rows) * in * out, true));
-    dnnl::matmul::primitive_desc pd;
-    if (bias_dt) {
-      dnnl::memory::desc b({1, out}, dnnl_type(*bias_dt, LINEAR_FN), tag::ab);
-      pd = dnnl::matmul::primitive_desc(engine(), a, l.packed, b, y, user_scratchpad());
-    } else {
-      pd = dnnl::matmul::primitive_desc(engine(), a, l.packed, y, user_scratchpad());
-    }
-    return std::make_shared<const Prepared>(
-        prepare(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_BIAS, DNNL_ARG_DST}));
+    return prepared_matmul(a, l.packed, bias_dt, y, LINEAR_FN);
   });
 }
 
@@ -124,7 +116,7 @@ std::optional<mx::array> pack_weights(const mx::array& w, mx::StreamOrDevice s) 
     return std::nullopt;  // (an MLX shape is int32: such weights keep the plain product)
   }
   auto bytes = static_cast<int>(size);
-  return mx::array({bytes}, mx::uint8, std::make_shared<PackWeights>(stream, bytes), {w});
+  return mx::array({bytes}, mx::uint8, std::make_shared<PackWeights>(stream, bytes, l), {w});
 }
 
 void PackWeights::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -133,8 +125,8 @@ void PackWeights::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   out.set_data(mx::allocator::malloc(out.nbytes()));
   encoder.set_input_array(inputs[0]);
   encoder.set_output_array(out);
-  auto l = layout(w->shape(1), w->shape(0));
-  encoder.dispatch([l, src = const_cast<void*>(w->data<void>()), dst = out.data<void>()]() {
+  encoder.dispatch([l = layout_, src = const_cast<void*>(w->data<void>()),
+                    dst = out.data<void>()]() {
     dnnl::stream strm(engine());
     auto& eng = engine();
     dnnl::memory from(l->plain, eng, src);
@@ -200,7 +192,7 @@ mx::array packed_linear(const mx::array& x, const mx::array& w,
   }
   inputs.push_back(packed);
   return mx::array(shape, out_dtype,
-                   std::make_shared<PackedLinear>(stream, bias.has_value(), relu, out_dtype),
+                   std::make_shared<PackedLinear>(stream, bias.has_value(), relu, out_dtype, l),
                    std::move(inputs));
 }
 
@@ -221,8 +213,7 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   }
   int64_t in = w.shape(1), n_out = w.shape(0);
   int64_t rows = in == 0 ? 0 : static_cast<int64_t>(x->size()) / in;
-  auto l = layout(in, n_out);
-  auto entry = lookup(rows, in, n_out, *l, out.dtype(), bias_dt);
+  auto entry = lookup(rows, in, n_out, *layout_, out.dtype(), bias_dt);
   for (const auto& i : inputs) {
     encoder.set_input_array(i);
   }

@@ -9,12 +9,15 @@
 // row count (checked for 1 to 2048 rows): one packing serves every batch.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "primitive.h"
 
 namespace fluxlike_native {
+
+struct PackedLayout;  // (packed.cpp: the layout of one weights shape, made once)
 
 // `w` (out, in) - a linear layer's bfloat16 weights, as the product x @ w.T reads them - in
 // oneDNN's preferred layout: a 1-D uint8 array (the packed bytes at a cache line's boundary,
@@ -36,7 +39,8 @@ mx::array packed_linear(const mx::array& x, const mx::array& w, const std::optio
 
 class PackWeights : public mx::UnaryPrimitive {
  public:
-  PackWeights(mx::Stream stream, int bytes) : mx::UnaryPrimitive(stream), bytes_(bytes) {}
+  PackWeights(mx::Stream stream, int bytes, std::shared_ptr<const PackedLayout> layout)
+      : mx::UnaryPrimitive(stream), bytes_(bytes), layout_(std::move(layout)) {}
 
   FLN_DEFINE_EVAL_CPU_ONLY("fluxlike_native.pack_weights has no GPU kernel")
   FLN_DEFINE_GRADS()
@@ -49,13 +53,16 @@ class PackWeights : public mx::UnaryPrimitive {
 
  private:
   int bytes_;  // the packed layout's size and 64 to align it
+  std::shared_ptr<const PackedLayout> layout_;
 };
 
 // inputs {x, w, bias?, packed}.
 class PackedLinear : public mx::UnaryPrimitive {
  public:
-  PackedLinear(mx::Stream stream, bool has_bias, bool relu, mx::Dtype out_dtype)
-      : mx::UnaryPrimitive(stream), has_bias_(has_bias), relu_(relu), out_dtype_(out_dtype) {}
+  PackedLinear(mx::Stream stream, bool has_bias, bool relu, mx::Dtype out_dtype,
+               std::shared_ptr<const PackedLayout> layout)
+      : mx::UnaryPrimitive(stream), has_bias_(has_bias), relu_(relu), out_dtype_(out_dtype),
+        layout_(std::move(layout)) {}
 
   FLN_DEFINE_EVAL_CPU_ONLY("fluxlike_native.packed_linear has no GPU kernel")
   FLN_DEFINE_GRADS()
@@ -68,6 +75,7 @@ class PackedLinear : public mx::UnaryPrimitive {
   bool has_bias_;
   bool relu_;
   mx::Dtype out_dtype_;
+  std::shared_ptr<const PackedLayout> layout_;  // the weights' packed layout
 
   // The same product on the plain weights (what the derivatives and vmap are taken of).
   mx::array plain(const std::vector<mx::array>& inputs);
