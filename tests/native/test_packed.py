@@ -56,8 +56,9 @@ def test_the_packed_product_is_the_native_products_bits(rows, inner, out, lead, 
     np.testing.assert_array_equal(np64(got), np64(want))
 
 
-@needs_packing
-def test_derivatives_and_vmap_are_the_plain_products():
+def small_product():
+    """Operands (x, w, b) of a small bfloat16 product, w's packing, and the two spellings of
+    relu(x @ w.T + b) in float32: ``mine(x, w, b)`` packed, ``theirs(x, w, b)`` plain."""
     e = ext()
     x = mx.random.normal((5, 12)).astype(mx.bfloat16)
     w = mx.random.normal((7, 12)).astype(mx.bfloat16)
@@ -65,26 +66,27 @@ def test_derivatives_and_vmap_are_the_plain_products():
     packed = e.pack_weights(w)
 
     def mine(x, w, b):
-        return e.packed_linear(x, w, b, packed, True, mx.float32).sum()
+        return e.packed_linear(x, w, b, packed, True, mx.float32)
 
     def theirs(x, w, b):
-        return e.matmul(x, w, b, False, True, True, mx.float32, False, True).sum()
+        return e.matmul(x, w, b, False, True, True, mx.float32, False, True)
 
-    for a, r in zip(mx.grad(mine, argnums=(0, 1, 2))(x, w, b),
-                    mx.grad(theirs, argnums=(0, 1, 2))(x, w, b), strict=True):
+    return (x, w, b), packed, mine, theirs
+
+
+@needs_packing
+def test_derivatives_are_the_plain_products():
+    e = ext()
+    (x, w, b), packed, mine, theirs = small_product()
+    for a, r in zip(mx.grad(lambda *t: mine(*t).sum(), argnums=(0, 1, 2))(x, w, b),
+                    mx.grad(lambda *t: theirs(*t).sum(), argnums=(0, 1, 2))(x, w, b),
+                    strict=True):
         np.testing.assert_array_equal(np64(a), np64(r))
     g = mx.grad(lambda p: e.packed_linear(x, w, b, p, False, mx.float32).sum())(packed)
     assert g.dtype == mx.uint8 and not g.any().item()  # (a constant of w)
     t = [mx.ones_like(x), mx.ones_like(w), mx.ones_like(b)]
-    np.testing.assert_array_equal(
-        np64(mx.jvp(lambda x, w, b: e.packed_linear(x, w, b, packed, False, mx.float32),
-                    [x, w, b], t)[1][0]),
-        np64(mx.jvp(lambda x, w, b: e.matmul(x, w, b, False, True, False, mx.float32, False,
-                                             True), [x, w, b], t)[1][0]))
-    xs = mx.stack([x, x * 2])
-    np.testing.assert_array_equal(
-        np64(mx.vmap(lambda x: e.packed_linear(x, w, b, packed, False, mx.bfloat16))(xs)),
-        np64(mx.vmap(lambda x: e.matmul(x, w, b, False, True, False, None, False, True))(xs)))
+    np.testing.assert_array_equal(np64(mx.jvp(mine, [x, w, b], t)[1][0]),
+                                  np64(mx.jvp(theirs, [x, w, b], t)[1][0]))
 
 
 def test_bad_weights_and_packings_are_refused():
@@ -155,19 +157,9 @@ def test_any_copy_of_a_packing_reads_the_same():
 
 @needs_packing
 def test_vmap_over_any_operand_is_the_plain_products():
-    e = ext()
-    x = mx.random.normal((5, 12)).astype(mx.bfloat16)
-    w = mx.random.normal((7, 12)).astype(mx.bfloat16)
-    b = mx.random.normal((7,)).astype(mx.bfloat16)
-    p = e.pack_weights(w)
-
-    def mine(x, w, b):
-        return e.packed_linear(x, w, b, p, True, mx.float32)
-
-    def theirs(x, w, b):
-        return e.matmul(x, w, b, False, True, True, mx.float32, False, True)
-
-    cases = [((x.T, w, b), (1, None, None)),  # x mapped on its last axis
+    (x, w, b), _, mine, theirs = small_product()
+    cases = [((mx.stack([x, x * 2]), w, b), (0, None, None)),
+             ((x.T, w, b), (1, None, None)),  # x mapped on its last axis
              ((x, mx.stack([w, w * 2]), b), (None, 0, None)),
              ((x, w, mx.stack([b, b * 2, -b])), (None, None, 0))]
     for args, axes in cases:
