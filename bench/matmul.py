@@ -19,9 +19,19 @@ For each size ``(M, K, N)`` (an ``(M, K) @ (N, K).T`` linear-layer product) and 
 Ratios are the standalone time over the in-graph one (1.0: nothing lost around the call). The
 fastest of ``--rounds`` rounds, the variants of a row in turn.
 
+``--rows KxN`` (issue 27) times instead a bfloat16 ``(M, K) @ (N, K).T`` product in the graph
+at each row count of ``--row-counts``: on its primitive for any row count (``auto``, where
+``_ext.any_rows_kernel()``: brgemm, AMX) against a primitive per shape (matmul mode
+``"primitive"``), in steady state (one product per ``eval``, the fastest of ``--rounds``) and
+on a row count's first call (the layer's primitive for any row count already made; the
+per-shape one creates its primitive then; so does ``auto`` below ``any_rows_min()`` rows;
+oneDNN's own primitive cache, on unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``, may hold a
+shape the per-shape pass made, which ``auto``'s pass then creates faster).
+
     .venv/bin/python bench/matmul.py
     .venv/bin/python bench/matmul.py --sizes 512x2048x2048,128x256x256 --rounds 7
     .venv/bin/python bench/matmul.py --quick        # tiny sizes: a smoke run
+    .venv/bin/python bench/matmul.py --rows 256x512,2048x2048
 """
 
 from __future__ import annotations
@@ -82,6 +92,41 @@ def row(ext, m: int, k: int, n: int, dtype: mx.Dtype, chain: int, rounds: int) -
             "reordered": reordered, "impl": impl}
 
 
+def rows_table(ext, k: int, n: int, counts: list[int], rounds: int) -> None:
+    """Prints the ``--rows`` table's rows for one ``K x N`` layer (see the module's text)."""
+    x = mx.random.uniform(-1, 1, (max(counts) + 1, k), key=mx.random.key(0)).astype(mx.bfloat16)
+    w = mx.random.uniform(-1, 1, (n, k), key=mx.random.key(1)).astype(mx.bfloat16)
+    mx.eval(x, w)
+
+    def call(m: int) -> float:
+        start = time.perf_counter()
+        mx.eval(ext.matmul(x[:m], w, None, False, True, False, None, False, True))
+        return time.perf_counter() - start
+
+    before = ext.set_matmul_mode("primitive")
+    try:
+        firsts = {}
+        ext.clear_cache()
+        firsts["primitive"] = [call(m) for m in counts]
+        ext.set_matmul_mode("auto")
+        ext.clear_cache()
+        # (the layer's primitives for any row count made beforehand, for both thread counts)
+        call(1)
+        call(max(counts) + 1)
+        firsts["auto"] = [call(m) for m in counts]
+        for i, m in enumerate(counts):
+            calls = min(200, max(3, int(2e8 / (2 * m * n * k))))
+            steady = {}
+            for mode in ("auto", "primitive"):
+                ext.set_matmul_mode(mode)
+                steady[mode] = fastest(lambda m=m: call(m), calls, rounds)
+            print(f"| {m} x {k} x {n} | {steady['primitive'] * 1e6:.1f} "
+                  f"| {steady['auto'] * 1e6:.1f} | {steady['auto'] / steady['primitive']:.2f} "
+                  f"| {firsts['primitive'][i] * 1e6:.0f} | {firsts['auto'][i] * 1e6:.0f} |")
+    finally:
+        ext.set_matmul_mode(before)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="512x2048x2048,128x256x256",
@@ -90,10 +135,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chain", type=int, default=16, help="products per eval (default 16)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds")
+    parser.add_argument("--rows", help="KxN layers, comma-separated: row counts instead")
+    parser.add_argument("--row-counts", default="1,2,4,7,8,9,16,33,64,65,100,128,257,512,2048",
+                        help="with --rows (default 1,2,4,7,8,9,16,33,64,65,100,128,257,512,2048)")
     args = parser.parse_args(argv)
     ext = _loader.switch.ext
     if ext is None:
         sys.exit("bench/matmul.py needs the native companion (./dev setup)")
+    if args.rows:
+        mx.set_cache_limit(max(mx.set_cache_limit(0), 1 << 32))
+        counts = [int(v) for v in args.row_counts.split(",")]
+        print(f"{processor()}; MLX {mx.__version__}; oneDNN {ext.onednn_version()} "
+              f"({ext.cpu_isa()}); bfloat16; any_rows_kernel: {ext.any_rows_kernel()}, "
+              f"from {ext.any_rows_min()} rows (and 1); steady: fastest of {args.rounds}\n")
+        print("| M x K x N | per shape us | auto us | auto / per shape | first call, per shape "
+              "us | first call, auto us |")
+        print("|---|---|---|---|---|---|")
+        if not ext.isa_has_bf16():
+            print("(no native bfloat16 kernels on this CPU: nothing to time)")
+            return
+        for layer in args.rows.split(","):
+            k, n = (int(v) for v in layer.split("x"))
+            rows_table(ext, k, n, counts, args.rounds)
+        return
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     if args.quick:
         sizes, args.chain, args.rounds = [(8, 16, 16)], 2, 2

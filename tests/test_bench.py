@@ -261,3 +261,20 @@ def test_matmul_bench_quick_run():
     from fluxlike_native import _ext
     assert rows == (["bfloat16"] if _ext.isa_has_bf16() else []) + ["float32"], done.stdout
     assert "MLX " in done.stdout.splitlines()[0] and "oneDNN " in done.stdout.splitlines()[0]
+
+
+@needs_native
+def test_matmul_bench_rows_run():
+    """bench/matmul.py --rows: a bfloat16 layer at each row count asked for, steady and first
+    calls, per shape against auto (where the CPU has native bfloat16), the processor named."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "matmul.py"), "--rows", "16x24",
+         "--row-counts", "1,9", "--rounds", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^\| (\d+) x 16 x 24 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9]+ "
+                      r"\| [0-9]+ \|$", done.stdout, re.M)
+    from fluxlike_native import _ext
+    assert rows == (["1", "9"] if _ext.isa_has_bf16() else []), done.stdout
+    assert "any_rows_kernel" in done.stdout.splitlines()[0], done.stdout

@@ -197,8 +197,9 @@ compute_dtype fuses casts of float32 operands to it into the product.)");
       R"(How unbatched float32 products run, process-wide; returns the old mode. 'gemm': on
 oneDNN's GEMM without a primitive, any row count; 'reused': a shape's first uses on that GEMM,
 a cached primitive from its third (queued on the creator's thread at its second, cache.h);
-'primitive': a cached primitive per shape from its first use; 'auto' (the default): 'gemm'
-(see matmul.h).)");
+'primitive': a cached primitive per shape from its first use (bfloat16 products too, which
+otherwise may run on a primitive for any row count: any_rows_kernel); 'auto' (the default):
+'gemm' (see matmul.h).)");
   m.def(
       "matmul_mode",
       []() -> std::string {
@@ -210,6 +211,22 @@ a cached primitive from its third (queued on the creator's thread at its second,
         "Whether unbatched float32 products run on oneDNN's GEMM without a primitive now.");
   m.def("primitive_is_jit_gemm", &fluxlike_native::primitive_is_jit_gemm,
         "Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU.");
+  m.def("any_rows_kernel", &fluxlike_native::any_rows_kernel,
+        "Whether bfloat16 products may run on a primitive made for any row count (oneDNN's "
+        "runtime dimension; brgemm, on AMX) here and now (not in matmul mode 'primitive').");
+  m.def(
+      "set_any_rows_min",
+      [](int64_t rows) {
+        FLN_CHECK(rows >= 1, "fluxlike_native.set_any_rows_min: rows must be at least 1, got ",
+                  rows);
+        return fluxlike_native::set_any_rows_min(rows);
+      },
+      "rows"_a,
+      "Sets the fewest rows (besides 1) a bfloat16 product runs on its primitive for any row "
+      "count with (default 8); returns the old.");
+  m.def("any_rows_min", &fluxlike_native::any_rows_min,
+        "The fewest rows (besides 1) a bfloat16 product runs on its primitive for any row "
+        "count with.");
 
   m.def(
       "standalone_matmul",

@@ -54,12 +54,31 @@ Prepared prepare(const dnnl::primitive_desc_base& pd, std::initializer_list<int>
   return p;
 }
 
-void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* fn) {
+namespace {
+
+// `md` with each runtime dimension given `size` (a plain layout: the strides are kept).
+dnnl::memory::desc sized(const dnnl::memory::desc& md, int64_t size) {
+  auto dims = md.get_dims();
+  bool runtime = false;
+  for (auto& d : dims) {
+    if (d == DNNL_RUNTIME_DIM_VAL) {
+      d = size;
+      runtime = true;
+    }
+  }
+  return runtime ? dnnl::memory::desc(dims, md.get_data_type(), md.get_strides()) : md;
+}
+
+} // namespace
+
+void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* fn,
+             int64_t runtime) {
   auto& eng = engine();
   std::unordered_map<int, dnnl::memory> mem;
   for (const auto& [arg, ptr] : args) {
     if (ptr != nullptr) {
-      mem.emplace(arg, dnnl::memory(p.md(arg), eng, ptr));
+      mem.emplace(arg, dnnl::memory(runtime < 0 ? p.md(arg) : sized(p.md(arg), runtime), eng,
+                                    ptr));
     }
   }
   Buffer scratch(p.scratch_bytes, fn);
@@ -71,9 +90,9 @@ void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* f
   strm.wait();
 }
 
-void execute(const Prepared& p, ExecArgs args, const char* fn) {
+void execute(const Prepared& p, ExecArgs args, const char* fn, int64_t runtime) {
   dnnl::stream strm(engine());
-  execute(p, strm, args, fn);
+  execute(p, strm, args, fn, runtime);
 }
 
 } // namespace fluxlike_native

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -65,8 +66,11 @@ Prepared prepare(const dnnl::primitive_desc_base& pd, std::initializer_list<int>
 using ExecArgs = std::initializer_list<std::pair<int, void*>>;
 
 // Runs `p` on `args` with a scratchpad of its own, on `strm`, and waits for it; `fn` names
-// the op in an out-of-memory error.
-void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* fn);
-void execute(const Prepared& p, ExecArgs args, const char* fn);
+// the op in an out-of-memory error. A primitive described with a runtime dimension
+// (DNNL_RUNTIME_DIM_VAL: a matmul for any row count) is given its size for this call as
+// `runtime` (every runtime dimension of the arguments' descriptions takes it).
+void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* fn,
+             int64_t runtime = -1);
+void execute(const Prepared& p, ExecArgs args, const char* fn, int64_t runtime = -1);
 
 } // namespace fluxlike_native

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -187,9 +188,10 @@ std::shared_ptr<const Prepared> lookup(
     mx::Dtype in_dt,
     mx::Dtype out_dt,
     std::optional<mx::Dtype> bias_dt,
-    bool defer_first = false) {
+    bool defer_first = false,
+    std::optional<bool> one_thread = std::nullopt) {
   CacheKey key;
-  key.reserve(8 + 5 * a.dims.size());
+  key.reserve(9 + 5 * a.dims.size());
   key.push_back(static_cast<int64_t>(in_dt.val()));
   key.push_back(static_cast<int64_t>(out_dt.val()));
   key.push_back(bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1);
@@ -197,11 +199,14 @@ std::shared_ptr<const Prepared> lookup(
   for (auto* part : {&a.dims, &a.strides, &b.dims, &b.strides, &dst_dims}) {
     key.insert(key.end(), part->begin(), part->end());
   }
+  if (one_thread) {  // (a key one longer: no shape's)
+    key.push_back(*one_thread);
+  }
   return cached<Prepared>(Op::Matmul, std::move(key), FN, "matmul", [&] {
     auto dt = dnnl_type(in_dt, FN);
     dnnl::memory::desc a_md(a.dims, dt, a.strides), b_md(b.dims, dt, b.strides);
     dnnl::memory::desc dst_md(dst_dims, dnnl_type(out_dt, FN), row_major(dst_dims));
-    return prepared_matmul(a_md, b_md, bias_dt, dst_md, FN);
+    return prepared_matmul(a_md, b_md, bias_dt, dst_md, FN, one_thread);
   }, defer_first, [&] {
     return std::function<void()>([a, b, dst_dims, in_dt, out_dt, bias_dt] {
       lookup(a, b, dst_dims, in_dt, out_dt, bias_dt);
@@ -304,11 +309,15 @@ mx::array result_in(const mx::array& y, mx::Dtype dt, mx::Dtype odt, bool round_
 std::shared_ptr<const Prepared> prepared_matmul(const dnnl::memory::desc& a,
                                                 const dnnl::memory::desc& b,
                                                 std::optional<mx::Dtype> bias_dt,
-                                                const dnnl::memory::desc& dst, const char* fn) {
+                                                const dnnl::memory::desc& dst, const char* fn,
+                                                std::optional<bool> one_thread) {
   auto dst_dims = dst.get_dims();
-  double macs = static_cast<double>(a.get_dims().back());
-  for (auto d : dst_dims) macs *= static_cast<double>(d);
-  OneThread one(one_thread_for(macs, a.get_data_type() == dnnl::memory::data_type::bf16));
+  if (!one_thread) {
+    double macs = static_cast<double>(a.get_dims().back());
+    for (auto d : dst_dims) macs *= static_cast<double>(d);
+    one_thread = one_thread_for(macs, a.get_data_type() == dnnl::memory::data_type::bf16);
+  }
+  OneThread one(*one_thread);
   auto attr = user_scratchpad();
   dnnl::matmul::primitive_desc pd;
   if (bias_dt) {
@@ -325,13 +334,77 @@ std::shared_ptr<const Prepared> prepared_matmul(const dnnl::memory::desc& a,
 }
 
 void run_product(const Prepared& entry, void* src, size_t src_bytes, void* weights, void* bias,
-                 void* dst, const char* fn) {
+                 void* dst, const char* fn, int64_t rows) {
   Scratch copy(entry.amx && !aligned(src) ? src_bytes : 0, fn, "an aligned copy of the source");
   if (copy.get() != nullptr) {
     src = std::memcpy(copy.get(), src, src_bytes);
   }
   execute(entry, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_BIAS, bias},
-                  {DNNL_ARG_DST, dst}}, fn);
+                  {DNNL_ARG_DST, dst}}, fn, rows);
+}
+
+// ---- bfloat16 products for any row count -------------------------------------------------
+//
+// oneDNN 3.2 makes a bfloat16 matmul for a row count given at each call (DNNL_RUNTIME_DIM_VAL):
+// on AMX its brgemm kernel, as fast as a primitive per shape from 8 rows (0.98-1.2x at 8 to
+// 63 rows, 0.90-1.11x at 64 to 2,048; faster at 1 row, 0.76-0.92x; 1.1-2.3x slower at 2 to 7)
+// - bench/results/2026-12-05-any-rows.md. So a layer whose batch or sequence length varies
+// needs one primitive per weight shape and thread count (two at most), not one per row count.
+// It rounds like the shape's own primitive except in a last row past a block (rows 2-7, 9,
+// 17, 33, 65, ..., 2,049 differ in float32 results by an ulp or so); a shape always runs on
+// the same kernel, so a product keeps its bits from call to call. Not used without AMX
+// (avx512_core_bf16 gets oneDNN's jit GEMM for it: 1.00-1.07x, its rounding not checked), nor
+// for a product over a varying depth (a weight gradient's sum over the rows): runtime K gave
+// the jit GEMM, 1.3-3.5x slower than brgemm.
+
+namespace {
+
+std::atomic<int64_t> g_any_rows_min{8};
+
+bool any_rows_usable() {
+  static const bool usable = [] {
+    auto bf16 = dnnl::memory::data_type::bf16;
+    constexpr auto R = DNNL_RUNTIME_DIM_VAL;
+    dnnl::memory::desc a({R, 64}, bf16, dnnl::memory::dims{64, 1});
+    dnnl::memory::desc b({64, 64}, bf16, dnnl::memory::dims{1, 64});
+    dnnl::memory::desc c({R, 64}, bf16, dnnl::memory::dims{64, 1});
+    try {
+      dnnl::matmul::primitive_desc pd(engine(), a, b, c, user_scratchpad());
+      return std::string(pd.impl_info_str()).rfind("brg", 0) == 0;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return usable;
+}
+
+} // namespace
+
+bool any_rows_kernel() {
+  return any_rows_usable() && matmul_mode() != MatmulMode::Primitive;
+}
+
+int64_t set_any_rows_min(int64_t rows) {
+  return g_any_rows_min.exchange(rows);
+}
+
+int64_t any_rows_min() {
+  return g_any_rows_min.load();
+}
+
+AnyRows any_rows(int64_t rows, const std::function<std::shared_ptr<const Prepared>()>& per_shape,
+                 const std::function<std::shared_ptr<const Prepared>()>& for_any_rows) {
+  if (any_rows_kernel() && (rows == 1 || rows >= any_rows_min())) {
+    try {
+      auto entry = for_any_rows();
+      if (entry->impl.rfind("brg", 0) == 0) {
+        return {entry, rows};
+      }
+    } catch (const std::runtime_error&) {
+      // (oneDNN refused these operands for any row count: the shape's own primitive)
+    }
+  }
+  return {per_shape(), -1};
 }
 
 MatmulMode set_matmul_mode(MatmulMode mode) {
@@ -455,6 +528,7 @@ struct Plan {
   std::shared_ptr<const Prepared> entry;
   Lead la, lb;
   bool direct = false;
+  int64_t rows = -1;  // the row count to run `entry` with, where it is for any row count
 };
 
 // The plan for operands seen as `va` and `vb`: an unbatched float32 product (`gemm_ok`) on
@@ -478,6 +552,22 @@ Plan plan(const View& va, const View& vb, const mx::array& out, bool batched, bo
       }
       p.direct = mode == MatmulMode::Gemm || (mode == MatmulMode::Reused && !p.entry);
     }
+  }
+  // A bfloat16 product over row-major rows: its primitive for any row count where that is as
+  // fast (see any_rows).
+  int64_t k = va.dims.back();
+  if (!p.direct && !p.entry && !batched && in_dt == mx::bfloat16 && va.strides[0] == k &&
+      va.strides[1] == 1) {
+    int64_t m = va.dims[0], n = vb.dims[1];
+    auto chosen = any_rows(m, [&] {
+      return lookup(va, vb, p.dst_dims, in_dt, out_dt, bias_dt);
+    }, [&] {
+      View a{{DNNL_RUNTIME_DIM_VAL, k}, va.strides};
+      bool one = one_thread_for(static_cast<double>(m) * k * n, true);
+      return lookup(a, vb, {DNNL_RUNTIME_DIM_VAL, n}, in_dt, out_dt, bias_dt, false, one);
+    });
+    p.entry = chosen.entry;
+    p.rows = chosen.rows;
   }
   if (!p.direct && !p.entry) {
     p.entry = lookup(va, vb, p.dst_dims, in_dt, out_dt, bias_dt);
@@ -534,6 +624,7 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     return;
   }
   encoder.dispatch([entry = pl.entry,
+                    rows = pl.rows,
                     pa = const_cast<void*>(a.data<void>()),
                     a_bytes = a.nbytes(),
                     pb = const_cast<void*>(b.data<void>()),
@@ -543,7 +634,7 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     bf16 = out.dtype() == mx::bfloat16,
                     n = out.size()]() {
     // (a is dense, row- or column-major: its bytes copied keep its layout.)
-    run_product(*entry, pa, a_bytes, pb, pbias, pdst, FN);
+    run_product(*entry, pa, a_bytes, pb, pbias, pdst, FN, rows);
     if (relu) {
       relu_keeping_nan(pdst, n, bf16);
     }

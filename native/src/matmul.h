@@ -1,6 +1,8 @@
 // fluxlike-native: oneDNN matrix multiplication as an MLX primitive (CPU).
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -65,13 +67,37 @@ bool primitive_is_jit_gemm();
 std::shared_ptr<const Prepared> prepared_matmul(const dnnl::memory::desc& a,
                                                 const dnnl::memory::desc& b,
                                                 std::optional<mx::Dtype> bias_dt,
-                                                const dnnl::memory::desc& dst, const char* fn);
+                                                const dnnl::memory::desc& dst, const char* fn,
+                                                std::optional<bool> one_thread = std::nullopt);
 
 // Runs the matmul `entry` on src (dense, src_bytes long), weights, bias (or null) into dst,
 // waiting for it; an AMX kernel reads an aligned copy of a source off a cache line
-// (engine.h: Prepared::amx). `fn` names the op in an out-of-memory error.
+// (engine.h: Prepared::amx); an entry for any row count runs on `rows` rows. `fn` names the
+// op in an out-of-memory error.
 void run_product(const Prepared& entry, void* src, size_t src_bytes, void* weights, void* bias,
-                 void* dst, const char* fn);
+                 void* dst, const char* fn, int64_t rows = -1);
+
+// ---- bfloat16 products for any row count (matmul.cpp) ---------------------------------------
+
+
+// Whether bfloat16 products may run on a primitive made for any row count (oneDNN's runtime
+// dimension): oneDNN's kernel for it is brgemm here (AMX), and matmul_mode() is not Primitive.
+bool any_rows_kernel();
+// The fewest rows (besides 1) a product runs on it with (8 unless set; set returns the old).
+int64_t set_any_rows_min(int64_t rows);
+int64_t any_rows_min();
+
+struct AnyRows {
+  std::shared_ptr<const Prepared> entry;
+  int64_t rows;  // the row count to run it with; -1 for a primitive of the shape
+};
+
+// The primitive for a bfloat16 product of `rows` rows: `for_any_rows()` (the cached one for
+// any row count, made once per weight shape and thread count) where any_rows_kernel() and
+// `rows` is 1 or at least any_rows_min(); else `per_shape()`. Which of the two a product
+// gets depends on its shape only: its bits are the same on every call (matmul.cpp).
+AnyRows any_rows(int64_t rows, const std::function<std::shared_ptr<const Prepared>()>& per_shape,
+                 const std::function<std::shared_ptr<const Prepared>()>& for_any_rows);
 
 // A oneDNN matmul timed outside MLX (bench/matmul.py's "standalone" rows): see matmul.cpp.
 struct StandaloneTiming {

@@ -82,16 +82,18 @@ const void* packed_in(const void* p) {
   return static_cast<const char*>(p) + *static_cast<const uint8_t*>(p);
 }
 
-// The product's primitive for `rows` rows reading the packed weights.
-std::shared_ptr<const Prepared> lookup(int64_t rows, int64_t in, int64_t out, const PackedLayout& l,
-                                       mx::Dtype out_dt, std::optional<mx::Dtype> bias_dt) {
+// The product's primitive for `rows` rows reading the packed weights (DNNL_RUNTIME_DIM_VAL:
+// for any row count, made for `one_thread`'s thread count).
+std::shared_ptr<const Prepared> lookup(int64_t rows, int64_t in, int64_t out,
+                                       const std::shared_ptr<const PackedLayout>& l,
+                                       mx::Dtype out_dt, std::optional<mx::Dtype> bias_dt,
+                                       std::optional<bool> one_thread = std::nullopt) {
   CacheKey key{-7, rows, in, out, static_cast<int64_t>(out_dt.val()),
-               bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1};
+               bias_dt ? static_cast<int64_t>(bias_dt->val()) : -1, one_thread.value_or(-1)};
   return cached<Prepared>(Op::Matmul, std::move(key), LINEAR_FN, "packed matmul", [&] {
-    using tag = dnnl::memory::format_tag;
-    dnnl::memory::desc a({rows, in}, dnnl::memory::data_type::bf16, tag::ab);
-    dnnl::memory::desc y({rows, out}, dnnl_type(out_dt, LINEAR_FN), tag::ab);
-    return prepared_matmul(a, l.packed, bias_dt, y, LINEAR_FN);
+    dnnl::memory::desc a({rows, in}, dnnl::memory::data_type::bf16, dnnl::memory::dims{in, 1});
+    dnnl::memory::desc y({rows, out}, dnnl_type(out_dt, LINEAR_FN), dnnl::memory::dims{out, 1});
+    return prepared_matmul(a, l->packed, bias_dt, y, LINEAR_FN, one_thread);
   });
 }
 
@@ -213,17 +215,24 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   }
   int64_t in = w.shape(1), n_out = w.shape(0);
   int64_t rows = in == 0 ? 0 : static_cast<int64_t>(x->size()) / in;
-  auto entry = lookup(rows, in, n_out, *layout_, out.dtype(), bias_dt);
+  auto chosen = any_rows(rows, [&] {
+    return lookup(rows, in, n_out, layout_, out.dtype(), bias_dt);
+  }, [&] {
+    bool one = one_thread_for(static_cast<double>(rows) * in * n_out, true);
+    return lookup(DNNL_RUNTIME_DIM_VAL, in, n_out, layout_, out.dtype(), bias_dt, one);
+  });
   for (const auto& i : inputs) {
     encoder.set_input_array(i);
   }
   encoder.set_output_array(out);
-  encoder.dispatch([entry, pa = const_cast<void*>(x->data<void>()), a_bytes = x->nbytes(),
+  encoder.dispatch([entry = chosen.entry, rows = chosen.rows,
+                    pa = const_cast<void*>(x->data<void>()), a_bytes = x->nbytes(),
                     pw = packed.data<void>(),
                     pbias = bias ? const_cast<void*>((*bias)->data<void>()) : nullptr,
                     pdst = out.data<void>(), relu = relu_, bf16 = out.dtype() == mx::bfloat16,
                     n = out.size()]() {
-    run_product(*entry, pa, a_bytes, const_cast<void*>(packed_in(pw)), pbias, pdst, LINEAR_FN);
+    run_product(*entry, pa, a_bytes, const_cast<void*>(packed_in(pw)), pbias, pdst, LINEAR_FN,
+                rows);
     if (relu) {
       relu_keeping_nan(pdst, n, bf16);
     }
