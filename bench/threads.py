@@ -6,9 +6,13 @@ that the next kernel finds it awake. Beside other busy processes that spinning t
 they (and MLX's own threads) need, and a descheduled team member stalls a whole kernel. The
 policy is read once, when libgomp loads, so each variant runs in a process of its own:
 
-- ``default``: libgomp's own (fluxlike sets nothing);
+- ``default``: fluxlike's own (no variable set: fluxlike sets ``OMP_WAIT_POLICY=PASSIVE``
+  while it loads the companion, ``fluxlike/native/_loader.py``);
+- ``libgomp``: libgomp's own policy (``GOMP_SPINCOUNT=300000``, its default spin, which
+  keeps fluxlike from setting a policy);
 - ``spin N``: ``GOMP_SPINCOUNT=N``;
-- ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once);
+- ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once), set by hand: the same policy as
+  ``default`` (their difference is the machine's noise);
 - ``off``: ``FLUXLIKE_NATIVE=0`` (MLX's kernels, and OpenBLAS's threads).
 
 Each process times training steps of each model (median ms of a step, after warm-up); the
@@ -35,6 +39,7 @@ from machine import processor
 HERE = Path(__file__).resolve().parent
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
+    "libgomp": {"GOMP_SPINCOUNT": "300000"},  # (libgomp's own: fluxlike then sets nothing)
     "spin 10000": {"GOMP_SPINCOUNT": "10000"},
     "spin 1000": {"GOMP_SPINCOUNT": "1000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},

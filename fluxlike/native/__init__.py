@@ -158,7 +158,10 @@ def matmul_mode(mode: str | None = None) -> str | None:
       GEMM), a small float32 max pooling (and its backward pass) and a softmax of at most
       2**16 entries make no primitive on a shape's first uses (MLX's convolution, loops),
       only from the third (as ``"reused"``), and a softmax of at most 2**14 entries none
-      (its loops are as fast);
+      (its loops are as fast); and on AMX a bfloat16 product of 1 or 8+ row-major rows (a
+      linear layer, its input gradient) runs on one primitive per weight shape made for any
+      row count (oneDNN's runtime dimension; the same speed, the shape's own rounding but in
+      a last row past a block, the same bits on every call), not one per row count;
     - ``"auto"`` (the default): ``"gemm"`` on every CPU. Below AVX-512 oneDNN's float32 matmul
       primitive is that GEMM anyway; on AVX-512 it is a brgemm kernel that rounds its sums
       otherwise, so ``"reused"`` changes a shape's results in their last bits from its third
