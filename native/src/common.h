@@ -102,24 +102,54 @@ inline dnnl::memory::desc act_md(const mx::Shape& s, mx::Dtype dt) {
 }
 
 // dst[i] = the i-th element of a strided array in row-major order (any strides, negative or
-// zero too; MLX does not export its CPU copy to extensions).
+// zero too; MLX does not export its CPU copy to extensions). Axes of size 1 are dropped and an
+// axis that continues the next one's run is merged into it; the last axis left is copied as
+// a run (memcpy where its stride is 1), the others stepped once per run: an attention head's
+// transposed (B, H, L, D) view of a (B, L, H, D) array is B x H x L runs of D elements.
 template <typename T>
 inline void gather(const T* src, T* dst, const mx::Shape& shape, const mx::Strides& strides) {
-  size_t n = 1;
-  for (auto d : shape) {
-    n *= static_cast<size_t>(d);
+  std::vector<int64_t> dims, steps;  // the collapsed axes, outermost first
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 0) {
+      return;
+    }
+    if (shape[d] == 1) {
+      continue;
+    }
+    if (!dims.empty() && steps.back() == strides[d] * shape[d]) {
+      dims.back() *= shape[d];  // (axis d continues the previous one's run)
+      steps.back() = strides[d];
+    } else {
+      dims.push_back(shape[d]);
+      steps.push_back(strides[d]);
+    }
   }
-  int nd = static_cast<int>(shape.size());
-  std::vector<int64_t> index(nd, 0);
+  if (dims.empty()) {
+    dst[0] = src[0];
+    return;
+  }
+  int outer = static_cast<int>(dims.size()) - 1;
+  int64_t run = dims.back(), step = steps.back();
+  int64_t runs = 1;
+  for (int d = 0; d < outer; ++d) {
+    runs *= dims[d];
+  }
+  std::vector<int64_t> index(static_cast<size_t>(outer), 0);
   int64_t offset = 0;
-  for (size_t i = 0; i < n; ++i) {
-    dst[i] = src[offset];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++index[d] < shape[d]) {
-        offset += strides[d];
+  for (int64_t r = 0; r < runs; ++r, dst += run) {
+    if (step == 1) {
+      std::memcpy(dst, src + offset, static_cast<size_t>(run) * sizeof(T));
+    } else {
+      for (int64_t j = 0; j < run; ++j) {
+        dst[j] = src[offset + j * step];
+      }
+    }
+    for (int d = outer - 1; d >= 0; --d) {
+      if (++index[d] < dims[d]) {
+        offset += steps[d];
         break;
       }
-      offset -= strides[d] * (shape[d] - 1);
+      offset -= steps[d] * (dims[d] - 1);
       index[d] = 0;
     }
   }

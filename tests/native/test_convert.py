@@ -137,3 +137,28 @@ def test_a_broadcast_converts_its_data_not_its_view():
     mx.eval(y)
     assert mx.get_peak_memory() < 1 << 20
     assert y.shape == b.shape and (y == 1.5).all().item()
+
+
+@needs_native
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), source=st.sampled_from(FLOATS), target=st.sampled_from(FLOATS))
+def test_any_strided_view_is_read_in_row_major_order(data, source, target):
+    """A view of any strides (axes permuted, sliced with steps, reversed, of size 1 or 0,
+    broadcast) is gathered element for element as MLX reads it (common.h: gather, which
+    copies whole runs of the innermost merged axes)."""
+    shape = data.draw(st.lists(st.integers(0, 5), min_size=0, max_size=5), label="shape")
+    x = mx.arange(int(np.prod(shape)), dtype=mx.float32).reshape(shape).astype(source)
+    if x.ndim:
+        x = x.transpose(data.draw(st.permutations(range(x.ndim)), label="axes"))
+        index = []
+        for size in x.shape:
+            step = data.draw(st.sampled_from([1, 1, 2, -1, -2]), label="step")
+            start = data.draw(st.integers(0, max(size - 1, 0)), label="start") if size else 0
+            index.append(slice(start if step > 0 else size - 1 - start, None, step))
+        x = x[tuple(index)]
+        if data.draw(st.booleans(), label="broadcast"):
+            axis = data.draw(st.integers(0, x.ndim), label="axis")
+            x = mx.broadcast_to(mx.expand_dims(x, axis), (*x.shape[:axis], 3, *x.shape[axis:]))
+    got = _ext().convert(x, target)
+    assert got.shape == x.shape
+    np.testing.assert_array_equal(_bits(got), _bits(x.astype(target)))
