@@ -54,31 +54,31 @@ Prepared prepare(const dnnl::primitive_desc_base& pd, std::initializer_list<int>
   return p;
 }
 
-namespace {
-
-// `md` with each runtime dimension given `size` (a plain layout: the strides are kept).
 dnnl::memory::desc sized(const dnnl::memory::desc& md, int64_t size) {
   auto dims = md.get_dims();
-  bool runtime = false;
   for (auto& d : dims) {
     if (d == DNNL_RUNTIME_DIM_VAL) {
       d = size;
-      runtime = true;
     }
   }
-  return runtime ? dnnl::memory::desc(dims, md.get_data_type(), md.get_strides()) : md;
+  return dnnl::memory::desc(dims, md.get_data_type(), md.get_strides());
 }
 
-} // namespace
-
 void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* fn,
-             int64_t runtime) {
+             const ExecMds& actual) {
   auto& eng = engine();
   std::unordered_map<int, dnnl::memory> mem;
+  auto md = [&](int arg) -> const dnnl::memory::desc& {
+    for (const auto& [id, given] : actual) {
+      if (id == arg) {
+        return given;
+      }
+    }
+    return p.md(arg);
+  };
   for (const auto& [arg, ptr] : args) {
     if (ptr != nullptr) {
-      mem.emplace(arg, dnnl::memory(runtime < 0 ? p.md(arg) : sized(p.md(arg), runtime), eng,
-                                    ptr));
+      mem.emplace(arg, dnnl::memory(md(arg), eng, ptr));
     }
   }
   Buffer scratch(p.scratch_bytes, fn);
@@ -90,9 +90,9 @@ void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* f
   strm.wait();
 }
 
-void execute(const Prepared& p, ExecArgs args, const char* fn, int64_t runtime) {
+void execute(const Prepared& p, ExecArgs args, const char* fn, const ExecMds& actual) {
   dnnl::stream strm(engine());
-  execute(p, strm, args, fn, runtime);
+  execute(p, strm, args, fn, actual);
 }
 
 } // namespace fluxlike_native

@@ -65,12 +65,19 @@ Prepared prepare(const dnnl::primitive_desc_base& pd, std::initializer_list<int>
 // (DNNL_ARG_*, buffer) pairs; a null buffer is left out (an optional bias).
 using ExecArgs = std::initializer_list<std::pair<int, void*>>;
 
+// This call's descriptions of the arguments that a primitive describes with runtime
+// dimensions or strides (DNNL_RUNTIME_DIM_VAL: a matmul for any row count or shape), as
+// (DNNL_ARG_*, description) pairs.
+using ExecMds = std::vector<std::pair<int, dnnl::memory::desc>>;
+
+// `md` with each runtime dimension given `size` (a plain layout whose strides are fixed).
+dnnl::memory::desc sized(const dnnl::memory::desc& md, int64_t size);
+
 // Runs `p` on `args` with a scratchpad of its own, on `strm`, and waits for it; `fn` names
-// the op in an out-of-memory error. A primitive described with a runtime dimension
-// (DNNL_RUNTIME_DIM_VAL: a matmul for any row count) is given its size for this call as
-// `runtime` (every runtime dimension of the arguments' descriptions takes it).
+// the op in an out-of-memory error. `actual` describes the arguments `p` has runtime
+// dimensions or strides for (the others: `p`'s own descriptions).
 void execute(const Prepared& p, dnnl::stream& strm, ExecArgs args, const char* fn,
-             int64_t runtime = -1);
-void execute(const Prepared& p, ExecArgs args, const char* fn, int64_t runtime = -1);
+             const ExecMds& actual = {});
+void execute(const Prepared& p, ExecArgs args, const char* fn, const ExecMds& actual = {});
 
 } // namespace fluxlike_native

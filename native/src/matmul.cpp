@@ -334,13 +334,13 @@ std::shared_ptr<const Prepared> prepared_matmul(const dnnl::memory::desc& a,
 }
 
 void run_product(const Prepared& entry, void* src, size_t src_bytes, void* weights, void* bias,
-                 void* dst, const char* fn, int64_t rows) {
+                 void* dst, const char* fn, const ExecMds& actual) {
   Scratch copy(entry.amx && !aligned(src) ? src_bytes : 0, fn, "an aligned copy of the source");
   if (copy.get() != nullptr) {
     src = std::memcpy(copy.get(), src, src_bytes);
   }
   execute(entry, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_BIAS, bias},
-                  {DNNL_ARG_DST, dst}}, fn, rows);
+                  {DNNL_ARG_DST, dst}}, fn, actual);
 }
 
 // ---- bfloat16 products for any row count -------------------------------------------------
@@ -392,6 +392,14 @@ int64_t any_rows_min() {
   return g_any_rows_min.load();
 }
 
+ExecMds AnyRows::actual() const {
+  if (rows < 0) {
+    return {};
+  }
+  return {{DNNL_ARG_SRC, sized(entry->md(DNNL_ARG_SRC), rows)},
+          {DNNL_ARG_DST, sized(entry->md(DNNL_ARG_DST), rows)}};
+}
+
 AnyRows any_rows(int64_t rows, const std::function<std::shared_ptr<const Prepared>()>& per_shape,
                  const std::function<std::shared_ptr<const Prepared>()>& for_any_rows) {
   if (any_rows_kernel() && (rows == 1 || rows >= any_rows_min())) {
@@ -406,6 +414,58 @@ AnyRows any_rows(int64_t rows, const std::function<std::shared_ptr<const Prepare
   }
   return {per_shape(), -1};
 }
+
+namespace {
+
+// ---- small batched bfloat16 products for any shape ---------------------------------------
+//
+// Attention's products (q @ k^T, p @ v) change their row, column and inner sizes with the
+// sequence length, so a primitive per shape is made for every new length (two a token in
+// generation, shared by the layers: 0.1-0.8 ms each, against a 1-8 us product). oneDNN 3.2
+// makes one for sizes and strides given at each call, with each operand's unit stride fixed:
+// its jit GEMM (`gemm:jit:bf16`; all strides at runtime gives its reference kernel), 1.6-4.8x
+// the brgemm per-shape primitive's time at these sizes (1 x 4 heads x L x 32, L = 1-128: 2-21
+// against 1.1-12 us, one thread) and the same bits in bfloat16 results
+// (bench/results/2026-12-05-any-rows.md). So a batched bfloat16 product of at most
+// ANY_SHAPE_MACS multiply-adds runs on it, one per batch shape and operand layout; larger
+// ones, where the kernel's time outweighs a creation, keep a primitive per shape. A given
+// shape always runs the same kernel (its bits the same on every call).
+constexpr double ANY_SHAPE_MACS = 1 << 20;
+
+// The primitive for batched operands of va's and vb's batch dims and unit-stride axes, any
+// sizes of the last two axes (nullptr where oneDNN's kernel for it is its reference one).
+std::shared_ptr<const Prepared> any_shape(const View& va, const View& vb, mx::Dtype in_dt,
+                                          mx::Dtype out_dt) {
+  constexpr auto R = DNNL_RUNTIME_DIM_VAL;
+  size_t nd = va.dims.size();
+  auto unit = [&](const View& v) { return v.strides[nd - 1] == 1 ? nd - 1 : nd - 2; };
+  size_t ua = unit(va), ub = unit(vb);
+  CacheKey key{-9, static_cast<int64_t>(in_dt.val()), static_cast<int64_t>(out_dt.val()),
+               static_cast<int64_t>(nd), static_cast<int64_t>(ua), static_cast<int64_t>(ub)};
+  key.insert(key.end(), va.dims.begin(), va.dims.end() - 2);
+  key.insert(key.end(), vb.dims.begin(), vb.dims.end() - 2);
+  auto entry = cached<Prepared>(Op::Matmul, std::move(key), FN, "matmul", [&] {
+    // dims: the batch dims, then two runtime ones; strides: runtime but the unit one
+    auto runtime = [&](dnnl::memory::dims dims, size_t u, dnnl::memory::data_type dt) {
+      dims.resize(nd - 2);
+      dims.push_back(R);
+      dims.push_back(R);
+      dnnl::memory::dims strides(nd, R);
+      strides[u] = 1;
+      return dnnl::memory::desc(dims, dt, strides);
+    };
+    auto dt = dnnl_type(in_dt, FN);
+    dnnl::memory::dims dst(nd);
+    for (size_t i = 0; i + 2 < nd; ++i) {
+      dst[i] = std::max(va.dims[i], vb.dims[i]);
+    }
+    return prepared_matmul(runtime(va.dims, ua, dt), runtime(vb.dims, ub, dt), std::nullopt,
+                           runtime(dst, nd - 1, dnnl_type(out_dt, FN)), FN, true);
+  });
+  return entry->impl.rfind("ref", 0) == 0 ? nullptr : entry;
+}
+
+} // namespace
 
 MatmulMode set_matmul_mode(MatmulMode mode) {
   return static_cast<MatmulMode>(g_mode.exchange(static_cast<int>(mode)));
@@ -528,7 +588,7 @@ struct Plan {
   std::shared_ptr<const Prepared> entry;
   Lead la, lb;
   bool direct = false;
-  int64_t rows = -1;  // the row count to run `entry` with, where it is for any row count
+  ExecMds actual;  // the operands' descriptions where `entry` is for any row count or shape
 };
 
 // The plan for operands seen as `va` and `vb`: an unbatched float32 product (`gemm_ok`) on
@@ -567,7 +627,24 @@ Plan plan(const View& va, const View& vb, const mx::array& out, bool batched, bo
       return lookup(a, vb, {DNNL_RUNTIME_DIM_VAL, n}, in_dt, out_dt, bias_dt, false, one);
     });
     p.entry = chosen.entry;
-    p.rows = chosen.rows;
+    p.actual = chosen.actual();
+  }
+  if (!p.direct && !p.entry && batched && in_dt == mx::bfloat16 && !bias_dt &&
+      any_rows_kernel()) {
+    double macs = static_cast<double>(va.dims.back());
+    for (auto d : p.dst_dims) {
+      macs *= static_cast<double>(d);
+    }
+    if (macs <= ANY_SHAPE_MACS) {
+      if (auto entry = any_shape(va, vb, in_dt, out_dt)) {
+        p.entry = entry;
+        auto dt = dnnl_type(in_dt, FN);
+        p.actual = {{DNNL_ARG_SRC, dnnl::memory::desc(va.dims, dt, va.strides)},
+                    {DNNL_ARG_WEIGHTS, dnnl::memory::desc(vb.dims, dt, vb.strides)},
+                    {DNNL_ARG_DST, dnnl::memory::desc(p.dst_dims, dnnl_type(out_dt, FN),
+                                                      row_major(p.dst_dims))}};
+      }
+    }
   }
   if (!p.direct && !p.entry) {
     p.entry = lookup(va, vb, p.dst_dims, in_dt, out_dt, bias_dt);
@@ -624,7 +701,7 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     return;
   }
   encoder.dispatch([entry = pl.entry,
-                    rows = pl.rows,
+                    actual = std::move(pl.actual),
                     pa = const_cast<void*>(a.data<void>()),
                     a_bytes = a.nbytes(),
                     pb = const_cast<void*>(b.data<void>()),
@@ -634,7 +711,7 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     bf16 = out.dtype() == mx::bfloat16,
                     n = out.size()]() {
     // (a is dense, row- or column-major: its bytes copied keep its layout.)
-    run_product(*entry, pa, a_bytes, pb, pbias, pdst, FN, rows);
+    run_product(*entry, pa, a_bytes, pb, pbias, pdst, FN, actual);
     if (relu) {
       relu_keeping_nan(pdst, n, bf16);
     }

@@ -72,10 +72,10 @@ std::shared_ptr<const Prepared> prepared_matmul(const dnnl::memory::desc& a,
 
 // Runs the matmul `entry` on src (dense, src_bytes long), weights, bias (or null) into dst,
 // waiting for it; an AMX kernel reads an aligned copy of a source off a cache line
-// (engine.h: Prepared::amx); an entry for any row count runs on `rows` rows. `fn` names the
-// op in an out-of-memory error.
+// (engine.h: Prepared::amx); `actual` describes the operands an entry for any row count or
+// shape runs on (engine.h: execute). `fn` names the op in an out-of-memory error.
 void run_product(const Prepared& entry, void* src, size_t src_bytes, void* weights, void* bias,
-                 void* dst, const char* fn, int64_t rows = -1);
+                 void* dst, const char* fn, const ExecMds& actual = {});
 
 // ---- bfloat16 products for any row count (matmul.cpp) ---------------------------------------
 
@@ -90,6 +90,9 @@ int64_t any_rows_min();
 struct AnyRows {
   std::shared_ptr<const Prepared> entry;
   int64_t rows;  // the row count to run it with; -1 for a primitive of the shape
+
+  // The descriptions its source and result take for the call (none for a shape's own).
+  ExecMds actual() const;
 };
 
 // The primitive for a bfloat16 product of `rows` rows: `for_any_rows()` (the cached one for

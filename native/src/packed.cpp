@@ -225,14 +225,14 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
     encoder.set_input_array(i);
   }
   encoder.set_output_array(out);
-  encoder.dispatch([entry = chosen.entry, rows = chosen.rows,
+  encoder.dispatch([entry = chosen.entry, actual = chosen.actual(),
                     pa = const_cast<void*>(x->data<void>()), a_bytes = x->nbytes(),
                     pw = packed.data<void>(),
                     pbias = bias ? const_cast<void*>((*bias)->data<void>()) : nullptr,
                     pdst = out.data<void>(), relu = relu_, bf16 = out.dtype() == mx::bfloat16,
                     n = out.size()]() {
     run_product(*entry, pa, a_bytes, const_cast<void*>(packed_in(pw)), pbias, pdst, LINEAR_FN,
-                rows);
+                actual);
     if (relu) {
       relu_keeping_nan(pdst, n, bf16);
     }

@@ -7,8 +7,13 @@ primitive per shape. The kernel rounds like the per-shape primitive except in th
 past a block (an ulp or so in float32); a given shape always runs on the same kernel, so a
 product keeps its bits from call to call.
 
-Skipped where that kernel is not brgemm (no AMX, or oneDNN capped below it): bfloat16 products
-there keep a primitive per shape, as tests/native/test_shapes.py and test_matmul.py check.
+A batched bfloat16 product of at most 2**20 multiply-adds (attention's ``q @ k^T`` and
+``p @ v`` at generation's sizes) runs on one primitive per batch shape and operand layout made
+for any sizes of its last two axes (oneDNN's jit GEMM), larger ones on a primitive per shape.
+
+Skipped where the runtime-row kernel is not brgemm (no AMX, or oneDNN capped below it):
+bfloat16 products there keep a primitive per shape, as tests/native/test_shapes.py and
+test_matmul.py check.
 """
 
 from __future__ import annotations
@@ -212,3 +217,39 @@ def test_threads_evaluating_many_row_counts_at_once():
 
     in_threads(work, 4)
     assert made()[1] == 1
+
+
+def attention(q: mx.array, k: mx.array, out: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+    """``q @ k^T`` and ``(q @ k^T) @ k`` as batched products (attention's two)."""
+    s = _ext.matmul(q, k, None, False, True, False, out, True, True)
+    return s, _ext.matmul(s.astype(mx.bfloat16), k, None, False, False, False, out, True, True)
+
+
+def test_small_batched_products_make_one_primitive_per_layout_for_any_length():
+    """Attention at generation's sizes (1 x 4 heads x L x 32 up to 2**20 multiply-adds, L up
+    to 90): one primitive for q @ k^T and one for p @ v, whatever L; larger, one per shape
+    (bench/results/2026-12-05-any-rows.md)."""
+    q, k, _ = operands(4 * 120 * 32, 1, 1)
+    q, k = q.reshape(1, 4, 120, 32), q[::-1].reshape(1, 4, 120, 32)
+    for length in range(2, 91):  # (one token: p @ v sums one entry, in float32 kernels)
+        mx.eval(attention(q[:, :, :length], k[:, :, :length]))
+    assert made() == (2, 2)
+    assert {impl for impl, _ in _ext.cache_impls()} == {"gemm:jit:bf16"}
+    for length in (91, 120):  # 4 * L * L * 32 > 2**20
+        mx.eval(attention(q[:, :, :length], k[:, :, :length]))
+    assert made() == (6, 6)
+
+
+@pytest.mark.parametrize("out", [None, mx.float32], ids=["bf16", "f32"])
+def test_small_batched_products_round_as_the_shapes_own_within_an_ulp(out):
+    q, k, _ = operands(2 * 3 * 64 * 40, 1, 1, seed=3)
+    q, k = q.reshape(2, 3, 64, 40), q[::-1].reshape(2, 3, 64, 40)
+    for length in (1, 2, 7, 17, 33, 64):
+        qs, ks = q[:, :, :length], k[:, :, :length]
+        got = [np.array(t.astype(mx.float32)) for t in attention(qs, ks, out)]
+        again = [np.array(t.astype(mx.float32)) for t in attention(qs, ks, out)]
+        want = [per_shape(lambda i=i, qs=qs, ks=ks: attention(qs, ks, out)[i]) for i in range(2)]
+        for g, a, w in zip(got, again, want, strict=True):
+            np.testing.assert_array_equal(g, a)  # the same bits on every call
+            tol = (np.abs(w) * 2.0**-8 if out is None else 0.0) + 2.0**-20 * np.abs(w).max()
+            np.testing.assert_array_less(np.abs(g - w), tol + 1e-30)
