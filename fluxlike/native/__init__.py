@@ -166,7 +166,11 @@ def matmul_mode(mode: str | None = None) -> str | None:
       primitive is that GEMM anyway; on AVX-512 it is a brgemm kernel that rounds its sums
       otherwise, so ``"reused"`` changes a shape's results in their last bits from its third
       call on (the same training run twice in one process ends apart), and ``"primitive"``
-      creates one per row count; the GEMM is 0.77-1.11x the brgemm primitive's time there.
+      creates one per row count. There a linear layer's forward product (``x @ W.T``) of
+      2**29 multiply-adds or more runs on its primitive (0.77-0.91x the GEMM's time, its
+      creation less than the difference); smaller ones and the backward layouts (where the
+      GEMM is the faster) on the GEMM. Which kernel a product runs depends on its shape and
+      layout only, so it gives the same bits on every call.
 
     >>> from fluxlike import native
     >>> native.matmul_mode() in (None, "gemm")

@@ -208,7 +208,8 @@ otherwise may run on a primitive for any row count: any_rows_kernel); 'auto' (th
       },
       "The mode unbatched float32 products run in now ('auto' resolved).");
   m.def("direct_gemm", &fluxlike_native::direct_gemm_in_use,
-        "Whether unbatched float32 products run on oneDNN's GEMM without a primitive now.");
+        "Whether unbatched float32 products run on oneDNN's GEMM without a primitive now (in "
+        "mode 'auto' on AVX-512, all but forward products of 2**29 multiply-adds or more).");
   m.def("primitive_is_jit_gemm", &fluxlike_native::primitive_is_jit_gemm,
         "Whether oneDNN's float32 matmul primitive is its jit GEMM on this CPU.");
   m.def("any_rows_kernel", &fluxlike_native::any_rows_kernel,

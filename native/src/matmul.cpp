@@ -591,6 +591,28 @@ struct Plan {
   ExecMds actual;  // the operands' descriptions where `entry` is for any row count or shape
 };
 
+// Whether matmul_mode "auto" runs a float32 product on its primitive rather than the GEMM:
+// where the primitive is not the GEMM (brgemm, AVX-512), a linear layer's forward layout (a
+// row-major, b read transposed) of at least AUTO_PRIMITIVE_MACS multiply-adds. There the
+// brgemm primitive takes 0.77-0.91x the GEMM's time (512 x 2048 x 2048 11.8 against 13.3 ms,
+// 128 x 2048 x 2048 3.1 against 4.1; Intel Xeon with AMX, 2026-12-05) and its creation
+// (0.3 ms) less than that difference, so even a shape's first call is no slower; at 2**27
+// (512 x 512 x 512: 0.88x) a creation would make the first call 1.25x the GEMM's. The
+// products of the backward layouts (dx = dy W, dW = dy^T x) are 1.07-1.18x slower on the
+// primitive at these sizes and stay on the GEMM. The choice depends on the shape and layout
+// only: a product gives the same bits on every call.
+constexpr double AUTO_PRIMITIVE_MACS = 1 << 29;
+
+bool large_forward(const Lead& la, const Lead& lb, const View& va, const View& vb) {
+  if (matmul_mode() != MatmulMode::Auto || primitive_is_jit_gemm() || la.trans != 'N' ||
+      lb.trans != 'T') {
+    return false;
+  }
+  double macs = static_cast<double>(va.dims[0]) * static_cast<double>(va.dims[1]) *
+      static_cast<double>(vb.dims[1]);
+  return macs >= AUTO_PRIMITIVE_MACS;
+}
+
 // The plan for operands seen as `va` and `vb`: an unbatched float32 product (`gemm_ok`) on
 // the GEMM always (Gemm), or for a shape's first uses (Reused: its primitive from its third
 // use, cache.h: cached()), where the GEMM can read both operands; else the primitive for the description.
@@ -611,6 +633,9 @@ Plan plan(const View& va, const View& vb, const mx::array& out, bool batched, bo
         p.entry = lookup(va, vb, p.dst_dims, in_dt, out_dt, bias_dt, /*defer_first=*/true);
       }
       p.direct = mode == MatmulMode::Gemm || (mode == MatmulMode::Reused && !p.entry);
+      if (p.direct && large_forward(p.la, p.lb, va, vb)) {
+        p.direct = false;  // (the primitive, per shape, below)
+      }
     }
   }
   // A bfloat16 product over row-major rows: its primitive for any row count where that is as

@@ -46,7 +46,9 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
 // - Primitive: a cached primitive per shape from its first use (as before 2026-12-04);
 // - Auto (the default): Gemm on every CPU (below AVX-512 the float32 matmul primitive is
 //   that GEMM anyway, `gemm:jit:f32`; on AVX-512 Reused mixed two kernels' roundings over a
-//   shape's calls: matmul.cpp, effective_mode).
+//   shape's calls: matmul.cpp, effective_mode), but for a linear layer's forward product of
+//   2**29 or more multiply-adds where the primitive is brgemm: its primitive (matmul.cpp:
+//   large_forward).
 enum class MatmulMode { Auto = 0, Primitive = 1, Gemm = 2, Reused = 3 };
 MatmulMode set_matmul_mode(MatmulMode mode);  // returns the old mode
 MatmulMode matmul_mode();

@@ -173,6 +173,32 @@ def test_auto_is_gemm_and_a_product_keeps_its_bits_from_call_to_call():
             np.testing.assert_array_equal(a, b)
 
 
+def test_auto_runs_a_large_forward_product_on_its_primitive_where_that_is_brgemm():
+    """From 2**29 multiply-adds a linear layer's forward product (x @ W^T) runs on its
+    primitive where that is not the GEMM (brgemm, AVX-512: 0.77-0.91x the GEMM's time): the
+    primitive's bits from the first call on; the backward layouts and smaller products on the
+    GEMM (no primitive). Where the primitive is the jit GEMM: the GEMM for all."""
+    x, w = mx.random.normal((128, 2048)), mx.random.normal((2048, 2048))
+    g = mx.random.normal((128, 2048))
+    mx.eval(x, w, g)
+    _ext.set_matmul_mode("primitive")
+    want = np.array(linear(x, w))
+    _ext.clear_cache()
+    _ext.set_matmul_mode("auto")
+    calls = [np.array(linear(x, w)) for _ in range(3)]
+    brgemm = not _ext.primitive_is_jit_gemm()
+    assert _ext.cache_info()["ops"]["matmul"]["creations"] == (1 if brgemm else 0)
+    for got in calls:
+        if brgemm:
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, calls[0])
+    # dx = g @ W, dW = g^T @ x, and a forward product one row short of 2**29: the GEMM
+    mx.eval(_ext.matmul(g, w, None, False, False, False, None, False, False),
+            _ext.matmul(g, x, None, True, False, False, None, False, False),
+            linear(x[:127], w))
+    assert _ext.cache_info()["ops"]["matmul"]["creations"] == (1 if brgemm else 0)
+
+
 def test_set_matmul_mode_returns_the_old_and_names_the_choices():
     assert _ext.set_matmul_mode("gemm") == "auto"
     assert _ext.set_matmul_mode("primitive") == "gemm"
