@@ -226,18 +226,22 @@ std::shared_ptr<const Prepared> lookup(
 
 std::atomic<int> g_mode{static_cast<int>(MatmulMode::Auto)};
 
+// The name of oneDNN's matmul for a (rows x 64) @ (64 x 64, read transposed) product of `dt`
+// operands (rows: 64, or DNNL_RUNTIME_DIM_VAL for any row count); "" where it has none.
+std::string probe_impl(int64_t rows, dnnl::memory::data_type dt) {
+  dnnl::memory::desc a({rows, 64}, dt, dnnl::memory::dims{64, 1});
+  dnnl::memory::desc b({64, 64}, dt, dnnl::memory::dims{1, 64});
+  dnnl::memory::desc c({rows, 64}, dt, dnnl::memory::dims{64, 1});
+  try {
+    return dnnl::matmul::primitive_desc(engine(), a, b, c, user_scratchpad()).impl_info_str();
+  } catch (const dnnl::error&) {
+    return "";
+  }
+}
+
 bool probe_jit_gemm() {
-  static const bool jit = [] {
-    dnnl::memory::desc a({64, 64}, dnnl::memory::data_type::f32, dnnl::memory::dims{64, 1});
-    dnnl::memory::desc b({64, 64}, dnnl::memory::data_type::f32, dnnl::memory::dims{1, 64});
-    dnnl::memory::desc c({64, 64}, dnnl::memory::data_type::f32, dnnl::memory::dims{64, 1});
-    try {
-      dnnl::matmul::primitive_desc pd(engine(), a, b, c, user_scratchpad());
-      return std::string(pd.impl_info_str()).rfind("gemm:jit", 0) == 0;
-    } catch (const dnnl::error&) {
-      return false;
-    }
-  }();
+  static const bool jit =
+      probe_impl(64, dnnl::memory::data_type::f32).rfind("gemm:jit", 0) == 0;
   return jit;
 }
 
@@ -362,19 +366,8 @@ namespace {
 std::atomic<int64_t> g_any_rows_min{8};
 
 bool any_rows_usable() {
-  static const bool usable = [] {
-    auto bf16 = dnnl::memory::data_type::bf16;
-    constexpr auto R = DNNL_RUNTIME_DIM_VAL;
-    dnnl::memory::desc a({R, 64}, bf16, dnnl::memory::dims{64, 1});
-    dnnl::memory::desc b({64, 64}, bf16, dnnl::memory::dims{1, 64});
-    dnnl::memory::desc c({R, 64}, bf16, dnnl::memory::dims{64, 1});
-    try {
-      dnnl::matmul::primitive_desc pd(engine(), a, b, c, user_scratchpad());
-      return std::string(pd.impl_info_str()).rfind("brg", 0) == 0;
-    } catch (const dnnl::error&) {
-      return false;
-    }
-  }();
+  static const bool usable =
+      probe_impl(DNNL_RUNTIME_DIM_VAL, dnnl::memory::data_type::bf16).rfind("brg", 0) == 0;
   return usable;
 }
 
