@@ -107,6 +107,17 @@ View view(const mx::array& x, bool trans, bool flatten) {
     std::swap(v.dims[n - 1], v.dims[n - 2]);
     std::swap(v.strides[n - 1], v.strides[n - 2]);
   }
+  // An axis of size 1 is never stepped, so MLX leaves its stride as it came (0 for a
+  // broadcast, L * D for the last row of a (1, L, D) array): given the stride that continues
+  // the next axis, one shape has one description - its key, its kernel (a 1-row product on
+  // the primitive for any row count whatever its source) and a stride oneDNN takes at
+  // execution (a broadcast's 0 was refused where a runtime-stride primitive ran).
+  for (int i = static_cast<int>(v.dims.size()) - 1; i >= 0; --i) {
+    if (v.dims[i] == 1) {
+      v.strides[i] = i + 1 < static_cast<int>(v.dims.size())
+          ? v.strides[i + 1] * std::max<int64_t>(v.dims[i + 1], 1) : 1;
+    }
+  }
   return v;
 }
 

@@ -172,6 +172,11 @@ def test_input_gradients_run_on_it_and_match_the_per_shape_primitive():
     for m in (16, 64, 128, 300):
         dx, dw = grads(m)
         mx.eval(dx, dw)
+    # one primitive each for the product and dx, whatever the rows; dW: one per row count
+    assert made() == (2 + 4, 2 + 4)
+    for m in (16, 64, 128, 300):
+        dx, dw = grads(m)
+        mx.eval(dx, dw)
         want_dx = per_shape(lambda m=m: grads(m)[0])
         want_dw = per_shape(lambda m=m: grads(m)[1])
         np.testing.assert_array_equal(np.array(dx.astype(mx.float32))[:-1], want_dx[:-1])
@@ -253,3 +258,35 @@ def test_small_batched_products_round_as_the_shapes_own_within_an_ulp(out):
             np.testing.assert_array_equal(g, a)  # the same bits on every call
             tol = (np.abs(w) * 2.0**-8 if out is None else 0.0) + 2.0**-20 * np.abs(w).max()
             np.testing.assert_array_less(np.abs(g - w), tol + 1e-30)
+
+
+def test_a_row_sliced_from_a_longer_array_is_one_row_like_any_other():
+    """The last row of a (1, L, D) array (its row stride L * D, never stepped) runs on the
+    primitive for any row count, as a fresh row does: one primitive for every L, the same bits
+    as the 3-D form of the same row."""
+    _, w, _ = operands(1, 256, 96)
+    h = mx.random.normal((1, 40, 256)).astype(mx.bfloat16)
+    for length in range(1, 41):
+        got = linear(h[:, length - 1, :], w, out=mx.float32)
+        np.testing.assert_array_equal(np.array(got),
+                                      np.array(linear(h[:, length - 1:length, :], w,
+                                                      out=mx.float32)[0]))
+        np.testing.assert_array_equal(np.array(linear(h[:, :length, :][:, -1, :], w,
+                                                      out=mx.float32)), np.array(got))
+    assert made() == (1, 1)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_a_broadcast_operand_of_one_column_runs_as_its_copy(trans_b):
+    """A batched product whose b is a broadcast (stride 0 on its axes of size 1) with one
+    column: the strides given oneDNN at execution are ones it takes (a stride of 0 was
+    refused), and the result is the product's."""
+    x = mx.random.normal((2, 3, 4, 16)).astype(mx.bfloat16)
+    v = mx.random.normal((16,)).astype(mx.bfloat16)
+    b = mx.broadcast_to(v, (1, 1, 1, 16)) if trans_b else mx.broadcast_to(v[:, None],
+                                                                           (1, 1, 16, 1))
+    got = _ext.matmul(x, b, None, False, trans_b, False, mx.float32, True, True)
+    want = _ext.matmul(x, mx.array(np.array(b.astype(mx.float32))).astype(mx.bfloat16), None,
+                       False, trans_b, False, mx.float32, True, True)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    assert got.shape == (2, 3, 4, 1)

@@ -141,11 +141,13 @@ def test_a_broadcast_converts_its_data_not_its_view():
 
 @needs_native
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data(), source=st.sampled_from(FLOATS), target=st.sampled_from(FLOATS))
-def test_any_strided_view_is_read_in_row_major_order(data, source, target):
+@given(data=st.data(), pair=st.sampled_from([(s, t) for s in FLOATS for t in FLOATS if s != t]))
+def test_any_strided_view_is_read_in_row_major_order(data, pair):
     """A view of any strides (axes permuted, sliced with steps, reversed, of size 1 or 0,
     broadcast) is gathered element for element as MLX reads it (common.h: gather, which
-    copies whole runs of the innermost merged axes)."""
+    copies whole runs of the innermost merged axes; 2- and 4-byte elements: a cast to the
+    same dtype is astype's own, not gathered)."""
+    source, target = pair
     shape = data.draw(st.lists(st.integers(0, 5), min_size=0, max_size=5), label="shape")
     x = mx.arange(int(np.prod(shape)), dtype=mx.float32).reshape(shape).astype(source)
     if x.ndim:
