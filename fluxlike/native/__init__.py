@@ -161,7 +161,9 @@ def matmul_mode(mode: str | None = None) -> str | None:
       (its loops are as fast); and on AMX a bfloat16 product of 1 or 8+ row-major rows (a
       linear layer, its input gradient) runs on one primitive per weight shape made for any
       row count (oneDNN's runtime dimension; the same speed, the shape's own rounding but in
-      a last row past a block, the same bits on every call), not one per row count;
+      a last row past a block, the same bits on every call), not one per row count, and a
+      batched bfloat16 product of at most 2**20 multiply-adds (attention's in generation) on
+      one per batch shape and layout for any length;
     - ``"auto"`` (the default): ``"gemm"`` on every CPU. Below AVX-512 oneDNN's float32 matmul
       primitive is that GEMM anyway; on AVX-512 it is a brgemm kernel that rounds its sums
       otherwise, so ``"reused"`` changes a shape's results in their last bits from its third

@@ -65,7 +65,8 @@ bool primitive_is_jit_gemm();
 // oneDNN's matmul for these descriptions of its source, weights and destination (a bias of
 // `bias_dt` broadcast over the rows where given), created with a user scratchpad on one
 // OpenMP thread below the threshold (cpu.h: one_thread_for; a bfloat16 source counts as
-// AMX's where the CPU has it); `fn` names the op in oneDNN's refusal.
+// AMX's where the CPU has it) or as `one_thread` says (descriptions with runtime dimensions,
+// whose size the caller knows); `fn` names the op in oneDNN's refusal.
 std::shared_ptr<const Prepared> prepared_matmul(const dnnl::memory::desc& a,
                                                 const dnnl::memory::desc& b,
                                                 std::optional<mx::Dtype> bias_dt,
@@ -81,9 +82,9 @@ void run_product(const Prepared& entry, void* src, size_t src_bytes, void* weigh
 
 // ---- bfloat16 products for any row count (matmul.cpp) ---------------------------------------
 
-
 // Whether bfloat16 products may run on a primitive made for any row count (oneDNN's runtime
 // dimension): oneDNN's kernel for it is brgemm here (AMX), and matmul_mode() is not Primitive.
+// (Small batched bfloat16 products then run on one for any shape too: matmul.cpp, any_shape.)
 bool any_rows_kernel();
 // The fewest rows (besides 1) a product runs on it with (8 unless set; set returns the old).
 int64_t set_any_rows_min(int64_t rows);
