@@ -163,6 +163,64 @@ def test_convolution_of_non_finite_weights_at_the_padding_is_mlx_s(dtype, k, gro
         close(got, want, rtol=1e-5 if dtype == mx.float32 else 1e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("geometry", [  # x length, kernel, stride, (low, high) padding
+    (1, 3, 2, (1, 1)), (1, 2, 2, (1, 0)), (1, 3, 2, (2, 0)), (1, 3, 1, (1, 1)), (2, 3, 2, (2, 2))])
+@pytest.mark.parametrize("channels", [2, 4])
+def test_a_bfloat16_weight_gradient_of_a_tap_meeting_only_padding_is_zero(geometry, channels):
+    """A kernel tap that no output position puts on an input entry has a zero gradient (MLX's);
+    oneDNN 3.2's bfloat16 kernels on AMX wrote garbage there (even NaN): float32 kernels
+    compute such a weight gradient."""
+    length, k, stride, pad = geometry
+    mx.random.seed(channels + length)
+    x = mx.random.normal((2, length, length, channels)).astype(mx.bfloat16)
+    w = mx.random.normal((3, k, k, channels)).astype(mx.bfloat16)
+    padding = ([pad[0]] * 2, [pad[1]] * 2)
+
+    def grad(conv):  # type: ignore[no-untyped-def]
+        return mx.grad(lambda w: conv(x, w).astype(mx.float32).sum())(w)
+
+    mine = grad(lambda x, w: native.conv(x, w, stride=stride, padding=padding))
+    theirs = grad(lambda x, w: mx.conv_general(x, w, stride=stride, padding=padding))
+    assert np.isfinite(np64(mine)).all()
+    close(mine, theirs, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_a_bfloat16_convolution_of_odd_input_channels_is_mlx_s_beside_non_finite_inputs(
+        channels):
+    """One group of an odd channel count: x and w get a zero channel (so that oneDNN's
+    bfloat16 kernels read no neighbour of a pixel's last channel, whose non-finite value made
+    NaN beside it) and run in bfloat16 kernels; the padding's gradients are slices. NaN and
+    infinities where MLX's convolution has them, the rest and both gradients within
+    bfloat16's rounding."""
+    mx.random.seed(channels)
+    x = mx.random.normal((2, 6, 6, channels)).astype(mx.bfloat16)
+    w = mx.random.normal((4, 3, 3, channels)).astype(mx.bfloat16)
+    x[0, 2, 2, channels - 1] = -mx.inf
+    x[1, 4, 0, 0] = mx.nan
+    for relu in (False, True):
+        got = native.conv(x, w, padding=1, act="relu" if relu else None)
+        want = mx.conv_general(x, w, padding=1)
+        close(got, mx.maximum(want, 0) if relu else want, rtol=1e-2, atol=1e-2)
+    x = mx.random.normal((2, 6, 6, channels)).astype(mx.bfloat16)
+    g = mx.random.normal((2, 6, 6, 4)).astype(mx.bfloat16)
+
+    def grads(conv):  # type: ignore[no-untyped-def]
+        return mx.grad(lambda x, w: (conv(x, w).astype(mx.float32) * g).sum(),
+                       argnums=(0, 1))(x, w)
+
+    mine = grads(lambda x, w: native.conv(x, w, padding=1))
+    theirs = grads(lambda x, w: mx.conv_general(x, w, padding=1))
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        close(a, b, rtol=2e-2, atol=5e-2)
+    if native.bfloat16_native():  # (the zero channel, in the graph)
+        import io
+        dot = io.StringIO()
+        mx.export_to_dot(dot, native.conv(x, w, padding=1))
+        assert "Pad" in dot.getvalue()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fill", [-np.inf, np.nan, "lowest"])
 def test_max_pool_of_special_windows_is_mlx_s(dtype, fill):
