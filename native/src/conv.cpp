@@ -408,24 +408,14 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
   }
   // oneDNN 3.2's bfloat16 convolution with an odd number of input channels per group reads
   // them in pairs, the last with its neighbour (the next group's or pixel's first) times a zero
-  // weight: an infinite or NaN neighbour made NaN where MLX gives a finite result. One group
-  // (an RGB or grey input's first layer): a zero channel more (below; the small CNN's
-  // bfloat16 step 3.3 -> 2.9 ms, Intel Xeon with AMX, 2026-12-05, its first layer no longer
-  // widened, computed in float32 and rounded). Several: float32 kernels.
+  // weight: an infinite or NaN neighbour made NaN where MLX gives a finite result. Float32
+  // kernels (an RGB input's first layer among them). (A zero channel more on x and w, padded
+  // in the graph with mx::pad, ran the small CNN's bfloat16 step 3.3 -> 2.9-3.0 ms on an Intel
+  // Xeon with AMX, 2026-12-05, but MLX's Pad has no output shapes: mx.compile(shapeless=True)
+  // of such a convolution failed. Not kept; padding inside the primitive would do it.)
   bool paired = w.shape().back() % 2 == 1;
   FLN_CHECK(x.size() != 0 && w.size() != 0, FN, ": empty operands (x ", shape_str(x.shape()),
             ", w ", shape_str(w.shape()), "); use mx.conv_general");
-  if (paired && p.groups == 1 && dt == mx::bfloat16 && native_bf16 && isa_has_bf16()) {
-    // One group: x and w given one more input channel of zeros (each term it adds is 0 * 0),
-    // so that the bfloat16 kernels read no neighbour; the padding's gradient is a slice.
-    // (The small CNN's 1-channel first layer in bfloat16 kernels rather than float32 ones.)
-    auto widen = [&](const mx::array& a) {
-      std::vector<std::pair<int, int>> pads(a.ndim(), {0, 0});
-      pads.back() = {0, 1};
-      return mx::pad(a, pads, mx::array(0.0f, a.dtype()), "constant", stream);
-    };
-    return forward(widen(x), widen(w), bias, p, stream, relu, false);
-  }
   bool upcast = in_float32_kernels(dt, native_bf16 && !paired);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
