@@ -414,11 +414,11 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
   // Xeon with AMX, 2026-12-05, but MLX's Pad has no output shapes: mx.compile(shapeless=True)
   // of such a convolution failed. Not kept; padding inside the primitive would do it.)
   bool paired = w.shape().back() % 2 == 1;
-  FLN_CHECK(x.size() != 0 && w.size() != 0, FN, ": empty operands (x ", shape_str(x.shape()),
-            ", w ", shape_str(w.shape()), "); use mx.conv_general");
   bool upcast = in_float32_kernels(dt, native_bf16 && !paired);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
+  FLN_CHECK(x.size() != 0 && w.size() != 0, FN, ": empty operands (x ", shape_str(x.shape()),
+            ", w ", shape_str(w.shape()), "); use mx.conv_general");
   return forward(x, w, bias, p, stream, relu, upcast);
 }
 
