@@ -30,11 +30,18 @@ def test_a_product_of_a_misaligned_source_is_the_aligned_ones_bit_for_bit():
         pytest.skip("no bfloat16 kernels on this CPU")
     x0 = mx.random.normal((64, 96)).astype(mx.bfloat16)
     w = mx.random.normal((80, 96)).astype(mx.bfloat16)
+    # 32 copies of x0 in one buffer, each one element past the last one's end: copy j starts
+    # 2 * (6145 j + 1) bytes in, which is every even offset from a cache line once over j < 32
+    # whatever the buffer's own address (one buffer: its address cannot move between copies)
+    n = x0.size
+    flat = mx.concatenate([mx.concatenate([mx.zeros((1,), mx.bfloat16), x0.reshape(-1)])] * 32)
+    mx.eval(flat)
     got = {}
-    for k in range(64):  # x0's values at 2-byte offsets from a cache line
-        x = mx.concatenate([mx.zeros((k,), mx.bfloat16), x0.reshape(-1)])[k:].reshape(64, 96)
+    for j in range(32):
+        start = j * (n + 1) + 1
+        x = flat[start : start + n].reshape(64, 96)
         y = _ext.matmul(x, w, None, False, True, False, mx.float32, False, True)
         got[address(x) % 64] = np.array(y)
-    assert 0 in got and len(got) >= 8
+    assert sorted(got) == list(range(0, 64, 2)), sorted(got)
     for offset, y in got.items():
         np.testing.assert_array_equal(y, got[0], err_msg=f"a source {offset} bytes past a line")
