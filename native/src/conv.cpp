@@ -187,6 +187,51 @@ void run(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, void* bias,
   }
 }
 
+// A bfloat16 convolution of an odd channel count (one group) in bfloat16 kernels: oneDNN 3.2
+// reads bfloat16 channels in pairs, the last with its neighbour (the next pixel's first) times a
+// zero weight, so an infinite or NaN neighbour made NaN where MLX gives a finite result. Here
+// the operands that carry the channels (x, w) are copied with a zero channel more, the
+// primitive is made for c + 1 channels, and a result that carries them (dx, dw) is computed
+// with c + 1 and copied out without the last. A 1-channel first layer (images) in float32
+// kernels cost twice its bfloat16 time: the widened float32 copies and the rounding of a large
+// output.
+void copy_channels(const uint16_t* from, size_t from_c, uint16_t* to, size_t to_c, size_t rows) {
+  size_t c = std::min(from_c, to_c);
+  for (size_t r = 0; r < rows; ++r) {
+    std::memcpy(to + r * to_c, from + r * from_c, c * sizeof(uint16_t));
+    if (to_c > c) to[r * to_c + c] = 0;
+  }
+}
+
+void run_widened(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, void* bias,
+                 void* out, const mx::Shape& xs, const mx::Shape& ws) {
+  size_t c = static_cast<size_t>(ws.back()), x_rows = 1, w_rows = 1;
+  for (size_t i = 0; i + 1 < xs.size(); ++i) x_rows *= static_cast<size_t>(xs[i]);
+  for (size_t i = 0; i + 1 < ws.size(); ++i) w_rows *= static_cast<size_t>(ws[i]);
+  size_t x_bytes = x_rows * (c + 1) * sizeof(uint16_t), w_bytes = w_rows * (c + 1) * sizeof(uint16_t);
+  auto widened = [&](const void* from, size_t rows, Buffer& to) {
+    copy_channels(static_cast<const uint16_t*>(from), c, static_cast<uint16_t*>(to.p), c + 1,
+                  rows);
+    return to.p;
+  };
+  auto narrowed = [&](const Buffer& from, size_t rows) {
+    copy_channels(static_cast<const uint16_t*>(from.p), c + 1, static_cast<uint16_t*>(out), c,
+                  rows);
+  };
+  if (kind == ConvKind::Forward) {
+    Buffer x(x_bytes, FN, "x with a zero channel more"), w(w_bytes, FN, "w with a zero channel more");
+    run(e, kind, widened(in0, x_rows, x), widened(in1, w_rows, w), bias, out);
+  } else if (kind == ConvKind::BackwardData) {
+    Buffer w(w_bytes, FN, "w with a zero channel more"), dx(x_bytes, FN, "dx with a channel more");
+    run(e, kind, in0, widened(in1, w_rows, w), nullptr, dx.p);
+    narrowed(dx, x_rows);
+  } else {
+    Buffer x(x_bytes, FN, "x with a zero channel more"), dw(w_bytes, FN, "dw with a channel more");
+    run(e, kind, widened(in0, x_rows, x), in1, nullptr, dw.p);
+    narrowed(dw, w_rows);
+  }
+}
+
 // MLX's CPU convolution multiplies its zero padding by the weights where it runs as an explicit
 // GEMM (mlx/backend/cpu/conv.cpp, 0.32: kernel dilation 1 and one group, or 1-D): 0 * inf and
 // 0 * NaN make NaN in each output whose window reaches into the padding at a weight that is not
@@ -407,13 +452,10 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
               "dtype or float32");
   }
   // oneDNN 3.2's bfloat16 convolution with an odd number of input channels per group reads
-  // them in pairs, the last with its neighbour (the next group's or pixel's first) times a zero
-  // weight: an infinite or NaN neighbour made NaN where MLX gives a finite result. Float32
-  // kernels (an RGB input's first layer among them). (A zero channel more on x and w, padded
-  // in the graph with mx::pad, ran the small CNN's bfloat16 step 3.3 -> 2.9-3.0 ms on an Intel
-  // Xeon with AMX, 2026-12-05, but MLX's Pad has no output shapes: mx.compile(shapeless=True)
-  // of such a convolution failed. Not kept; padding inside the primitive would do it.)
-  bool paired = w.shape().back() % 2 == 1;
+  // them in pairs, the last with its neighbour times a zero weight (see run_widened): one
+  // group is given a zero channel more inside the primitive; several groups (the neighbour is
+  // the next group's first channel) run in float32 kernels.
+  bool paired = w.shape().back() % 2 == 1 && p.groups != 1;
   bool upcast = in_float32_kernels(dt, native_bf16 && !paired);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
@@ -582,6 +624,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
   } else {
     xs = &in0.shape(), ws = &out.shape(), ys = &in1.shape();
   }
+  bool widen = dt == mx::bfloat16 && p_.groups == 1 && ws->back() % 2 == 1;  // run_widened
   if (!entry) {
     // A backward pass's first uses in float32 kernels (one group, up to FIRST_USE_MAX_MACS)
     // run oneDNN's GEMM over the input's patches (conv_gemm.h) while its primitive is made
@@ -589,7 +632,13 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
     // a creation costs several of them.
     bool gemm_first = kind_ != ConvKind::Forward && dt == mx::float32 && p_.groups == 1 &&
         first_use_deferred() && macs_of(*ws, *ys) <= FIRST_USE_MAX_MACS;
-    entry = lookup(kind_, p_, *xs, *ws, *ys, dt, bias_dt, gemm_first);
+    if (widen) {
+      auto xw = *xs, ww = *ws;
+      xw.back() += 1, ww.back() += 1;
+      entry = lookup(kind_, p_, xw, ww, *ys, dt, bias_dt);
+    } else {
+      entry = lookup(kind_, p_, *xs, *ws, *ys, dt, bias_dt, gemm_first);
+    }
   }
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
   if (upcast_) {
@@ -608,7 +657,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
                     padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
                     ys = *ys, p = p_, bias_bf16 = has_bias_ && bias_dt == mx::bfloat16,
                     x = half_input(in0), w = half_input(in1),
-                    b = has_bias_ ? half_input(inputs[2]) : HalfInput{}]() {
+                    b = has_bias_ ? half_input(inputs[2]) : HalfInput{}, widen]() {
     // oneDNN 3.2's AMX convolution reads input entries beside a window's edge times zero
     // weights: an infinite or NaN input made NaN in outputs whose windows do not reach it
     // (where MLX gives a finite result; Intel Xeon with AMX). Such an input (a scan of it
@@ -620,7 +669,9 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
       in_float32(e32.get(), kind, x, w, b, po, mx::bfloat16, relu, n, padded, xs, ws, ys, p);
       return;
     }
-    if (entry) {
+    if (widen) {
+      run_widened(*entry, kind, p0, p1, pbias, po, xs, ws);
+    } else if (entry) {
       run(*entry, kind, p0, p1, pbias, po);
     } else {
       conv_backward_gemm(kind, static_cast<const float*>(p0), static_cast<const float*>(p1),

@@ -441,3 +441,48 @@ def test_bfloat16_upcast_convolution_has_no_cast_nodes_and_runs_in_compile():
     ref = _ext.conv_backward_data(y.astype(mx.float32), w.astype(mx.float32),
                                   list(x.shape[1:]), [1, 1], [1, 1], [1, 1], [1, 1], 1, False)
     np.testing.assert_array_equal(np64(dx), np64(ref.astype(mx.bfloat16)))
+
+
+# ---- bfloat16 of an odd channel count: a zero channel more inside the primitive ---------------
+
+@needs_native
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("case", [((2, 7, 7), (5, 3, 3), 1, 1), ((3, 9), (4, 4), 2, 2),
+                                  ((2, 4, 5, 4), (3, 2, 3, 2), 1, 0)], ids=str)
+def test_a_bfloat16_convolution_of_odd_channels_is_the_one_with_a_zero_channel_more(case,
+                                                                                    channels):
+    """x and w given a zero channel more (an even count, which oneDNN's bfloat16 kernels read in
+    pairs) by the primitive itself: the output and both gradients are, bit for bit, those of
+    the convolution of explicitly padded operands (without their last channel), from the same
+    cached primitive - bfloat16 kernels, not float32 ones."""
+    from fluxlike_native import _ext
+    if not _ext.isa_has_bf16():
+        pytest.skip("no bfloat16 kernels on this CPU: odd channels run as every bfloat16 one")
+    xs, ws, stride, pad = case
+    mx.random.seed(channels)
+    x = mx.random.normal((*xs, channels)).astype(mx.bfloat16)
+    w = mx.random.normal((*ws, channels)).astype(mx.bfloat16)
+    g = mx.random.normal(native.conv(x, w, stride=stride, padding=pad).shape).astype(mx.bfloat16)
+
+    def widened(t):
+        return mx.concatenate([t, mx.zeros((*t.shape[:-1], 1), t.dtype)], axis=-1)
+
+    def run(x, w):  # the output and its gradients with respect to x and w
+        def f(x, w):
+            return native.conv(x, w, stride=stride, padding=pad, act="relu")
+
+        y, vjp = mx.vjp(f, [x, w], [g])
+        return [y[0], *vjp]
+
+    mx.eval(x, w, g, widened(x), widened(w))
+    _ext.clear_cache()
+    odd = run(x, w)
+    mx.eval(odd)
+    made = _ext.cache_info()["ops"]["conv"]["creations"]
+    even = run(widened(x), widened(w))
+    mx.eval(even)
+    assert _ext.cache_info()["ops"]["conv"]["creations"] == made  # the same primitives
+    np.testing.assert_array_equal(np64(odd[0]), np64(even[0]))
+    for a, b in zip(odd[1:], even[1:], strict=True):
+        assert a.shape[-1] == channels and a.dtype == mx.bfloat16
+        np.testing.assert_array_equal(np64(a), np64(b[..., :channels]))
