@@ -28,8 +28,14 @@
 namespace mx = mlx::core;
 
 // Elementwise passes are built for AVX-512 and AVX2 too (GCC picks one when the module loads):
-// the module itself targets the baseline x86-64.
+// the module itself targets the baseline x86-64. The AVX-512 clone is x86-64-v4 (AVX512F, BW,
+// CD, DQ, VL), chosen by the CPU's features: an "arch=skylake-avx512" clone is chosen by CPU
+// model, so that no other AVX-512 processor (an Intel Xeon with AMX, AMD Zen 4) ever ran it.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define FLN_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
 #define FLN_VECTOR_CLONES __attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
+#endif
 
 namespace fluxlike_native {
 

@@ -25,6 +25,25 @@ void relu_grad_loop(const G* g, const Y* y, G* out, size_t n, Y inf) {
   }
 }
 
+// Its four instantiations, each built for AVX-512 and AVX2 as well (a template instantiated
+// in the task's lambda was baseline x86-64 only: 14% of a small CNN's first-layer backward).
+FLN_VECTOR_CLONES void relu_grad_hh(const uint16_t* g, const uint16_t* y, uint16_t* out,
+                                    size_t n, uint16_t inf) {
+  relu_grad_loop(g, y, out, n, inf);
+}
+FLN_VECTOR_CLONES void relu_grad_hf(const uint16_t* g, const uint32_t* y, uint16_t* out,
+                                    size_t n, uint32_t inf) {
+  relu_grad_loop(g, y, out, n, inf);
+}
+FLN_VECTOR_CLONES void relu_grad_fh(const uint32_t* g, const uint16_t* y, uint32_t* out,
+                                    size_t n, uint16_t inf) {
+  relu_grad_loop(g, y, out, n, inf);
+}
+FLN_VECTOR_CLONES void relu_grad_ff(const uint32_t* g, const uint32_t* y, uint32_t* out,
+                                    size_t n, uint32_t inf) {
+  relu_grad_loop(g, y, out, n, inf);
+}
+
 // +inf's bit pattern in a float32, bfloat16 or float16.
 uint32_t inf_bits(mx::Dtype d) {
   return d == mx::float32 ? 0x7F800000u : d == mx::bfloat16 ? 0x7F80u : 0x7C00u;
@@ -86,18 +105,16 @@ void ReluGrad::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   void* po = out.data<void>();
   bool g16 = g->itemsize() == 2, y16 = y->itemsize() == 2;
   encoder.dispatch([pg, py, po, n, g16, y16, inf = inf_bits(y->dtype())]() {
-    auto loop = [&](auto* gt, auto* yt) {
-      using G = std::remove_pointer_t<decltype(gt)>;
-      using Y = std::remove_pointer_t<decltype(yt)>;
-      relu_grad_loop(static_cast<const G*>(pg), static_cast<const Y*>(py), static_cast<G*>(po),
-                     n, static_cast<Y>(inf));
-    };
-    uint16_t* half = nullptr;  // (types only)
-    uint32_t* full = nullptr;
+    auto h = [](const void* p) { return static_cast<const uint16_t*>(p); };
+    auto f = [](const void* p) { return static_cast<const uint32_t*>(p); };
     if (g16) {
-      y16 ? loop(half, half) : loop(half, full);
+      auto out = static_cast<uint16_t*>(po);
+      y16 ? relu_grad_hh(h(pg), h(py), out, n, static_cast<uint16_t>(inf))
+          : relu_grad_hf(h(pg), f(py), out, n, inf);
     } else {
-      y16 ? loop(full, half) : loop(full, full);
+      auto out = static_cast<uint32_t*>(po);
+      y16 ? relu_grad_fh(f(pg), h(py), out, n, static_cast<uint16_t>(inf))
+          : relu_grad_ff(f(pg), f(py), out, n, inf);
     }
   });
 }
