@@ -111,6 +111,26 @@ def test_large_parameter_is_shared_out_and_still_exact(weight_decay, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("weight_decay", [None, 0.01])
+def test_a_parameter_past_the_caches_streams_its_results_and_is_still_exact(weight_decay):
+    """From 2**20 float32 elements the results are written by non-temporal stores (a vector
+    loop between scalar ends): the same bits, special values included, wherever they fall."""
+    run_both((1025, 1031), 2, weight_decay, 1e-3, (0.9, 0.999), 1e-8, 1.0, False)
+    n = (1 << 20) + 13
+    g = mx.random.normal((n,), key=mx.random.key(3))
+    at = mx.array([0, 1, 2, 7, 8, 4095, 65536, n // 2, n - 9, n - 1])
+    g[at] = mx.array([float("nan"), float("inf"), -float("inf"), 1e38, -0.0, 3e-45, 0.0,
+                      float("nan"), -1e38, float("inf")])
+    p = mx.random.normal((n,), key=mx.random.key(4))
+    opt = mlx_optimizer(weight_decay, 1e-2, (0.9, 0.999), 1e-8)
+    opt.init({"w": p})
+    new = opt.apply_gradients({"w": g}, {"w": p})["w"]
+    pk, mk, vk = kernel_step(opt, g, p, mx.zeros_like(p), mx.zeros_like(p))
+    mx.eval(new, pk, mk, vk)
+    assert same(pk, new) and same(mk, opt.state["w"]["m"]) and same(vk, opt.state["w"]["v"])
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 def test_non_finite_gradients_propagate_as_in_mlx(dtype):
     g = mx.array([0.0, 1.0, float("nan"), float("inf"), -float("inf"), 1e38, -0.0, 3e-45],
