@@ -387,6 +387,32 @@ bool special_window(U y, U g) {
       (sizeof(U) == 4 && y == static_cast<U>(0xFF7F0000u)) || (g & B::magnitude) >= B::inf;
 }
 
+// Whether any of m windows is special: a branch-free scan the compiler vectorises, built for
+// AVX-512 and AVX2 too. (The loop with special_window's short-circuits was scalar: 0.2-0.45 ms
+// over a small CNN's first bfloat16 pooling, 64 x 14 x 14 x 16 outputs, its time doubling
+// with the code's placement from one build to the next; Intel Xeon with AMX.)
+template <typename U>
+bool any_special(const U* y, const U* g, size_t m) {
+  using B = Bits<U>;
+  unsigned hit = 0;
+  for (size_t i = 0; i < m; ++i) {
+    U yi = y[i];
+    hit |= static_cast<unsigned>((yi & B::magnitude) > B::inf) |
+        static_cast<unsigned>(yi == B::neg_inf) | static_cast<unsigned>(yi == B::lowest) |
+        static_cast<unsigned>(sizeof(U) == 4 && yi == static_cast<U>(0xFF7F0000u)) |
+        static_cast<unsigned>((g[i] & B::magnitude) >= B::inf);
+  }
+  return hit != 0;
+}
+
+FLN_VECTOR_CLONES bool any_special_windows(const uint16_t* y, const uint16_t* g, size_t m) {
+  return any_special(y, g, m);
+}
+
+FLN_VECTOR_CLONES bool any_special_windows(const uint32_t* y, const uint32_t* g, size_t m) {
+  return any_special(y, g, m);
+}
+
 // (e: the primitive, or nullptr for max_pool_backward_loops, float32 only.)
 template <typename U>
 void backward_sharing(const Prepared* e, const void* pd, void* pw, const void* px,
@@ -409,9 +435,7 @@ void backward_sharing(const Prepared* e, const void* pd, void* pw, const void* p
   // A window of one entry: MLX's max over it is the entry itself, its gradient g.
   int64_t entries = 1;
   for (int q : p.kernel) entries *= q;
-  bool any = false;
-  for (size_t i = 0; i < m && entries > 1; ++i) any = any || special_window<U>(y[i], dy[i]);
-  if (!any) {
+  if (entries == 1 || !any_special_windows(y, dy, m)) {
     pass(pd);
     return;
   }
