@@ -34,12 +34,21 @@ struct Span {
   mx::Dtype dtype;
 };
 
+// Its two widths, built for AVX-512 and AVX2 too (the template alone is baseline x86-64).
+FLN_VECTOR_CLONES bool any_nonfinite32(const uint32_t* x, int64_t n) {
+  return any_nonfinite(x, n, 0x7F800000u);
+}
+
+FLN_VECTOR_CLONES bool any_nonfinite16(const uint16_t* x, int64_t n, uint16_t mask) {
+  return any_nonfinite(x, n, mask);
+}
+
 bool any_nonfinite(const Span& s, int64_t lo, int64_t hi) {
   if (s.dtype == mx::float32) {
-    return any_nonfinite(static_cast<const uint32_t*>(s.data) + lo, hi - lo, 0x7F800000u);
+    return any_nonfinite32(static_cast<const uint32_t*>(s.data) + lo, hi - lo);
   }
   auto mask = static_cast<uint16_t>(s.dtype == mx::bfloat16 ? 0x7F80u : 0x7C00u);
-  return any_nonfinite(static_cast<const uint16_t*>(s.data) + lo, hi - lo, mask);
+  return any_nonfinite16(static_cast<const uint16_t*>(s.data) + lo, hi - lo, mask);
 }
 
 // An element of the check counts as this many multiply-adds against the one-thread threshold

@@ -105,6 +105,15 @@ bool any_nan(const U* x, size_t n, U magnitude, U inf) {
   return found != 0;
 }
 
+// Its two widths, built for AVX-512 and AVX2 too (the template alone is baseline x86-64).
+FLN_VECTOR_CLONES bool any_nan16(const uint16_t* x, size_t n) {
+  return any_nan<uint16_t>(x, n, 0x7FFF, 0x7F80);
+}
+
+FLN_VECTOR_CLONES bool any_nan32(const uint32_t* x, size_t n) {
+  return any_nan<uint32_t>(x, n, 0x7FFFFFFFu, 0x7F800000u);
+}
+
 // Sets output i's workspace entry (uint8 or int32) to `offset`, the maximum's place in its
 // window (row-major over the window's axes, padding counted), as oneDNN writes it: the jvp
 // and the tied windows' gradients read it.
@@ -332,13 +341,13 @@ void keep_nan(const void* x, void* y, Workspace ws, const mx::Shape& xs, const m
               const PoolParams& p, bool bf16, size_t n) {
   if (bf16) {
     auto* bits = static_cast<const uint16_t*>(x);
-    if (any_nan<uint16_t>(bits, n, 0x7FFF, 0x7F80)) {
+    if (any_nan16(bits, n)) {
       nan_windows<uint16_t>(bits, static_cast<uint16_t*>(y), ws, xs, ys, p, 0x7FFF, 0x7F80, 0x7FC0);
     }
     lowest_windows<uint16_t>(bits, static_cast<uint16_t*>(y), ws, xs, ys, p, 0xFF7F, 0xFF80);
   } else {
     auto* bits = static_cast<const uint32_t*>(x);
-    if (any_nan<uint32_t>(bits, n, 0x7FFFFFFFu, 0x7F800000u)) {
+    if (any_nan32(bits, n)) {
       nan_windows<uint32_t>(bits, static_cast<uint32_t*>(y), ws, xs, ys, p, 0x7FFFFFFFu,
                             0x7F800000u, 0x7FC00000u);
     }
