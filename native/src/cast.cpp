@@ -51,7 +51,12 @@ void Convert::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     auto o = static_cast<char*>(dst);
     size_t in_size = mx::size_of(from), out_size = mx::size_of(to);
     shared_out(static_cast<int64_t>(n), ELEMENT_MACS, BLOCK, [&](int64_t lo, int64_t hi) {
-      convert_all(in + lo * in_size, from, o + lo * out_size, to, static_cast<size_t>(hi - lo));
+      auto a = in + lo * in_size;
+      auto b = o + lo * out_size;
+      auto count = static_cast<size_t>(hi - lo);
+      if (!convert_streaming(a, from, b, to, count, n)) {
+        convert_all(a, from, b, to, count);
+      }
     });
   });
 }

@@ -260,6 +260,11 @@ void narrow_all(const float* src, mx::Dtype dt, void* dst, size_t n);
 // n values of dtype `from` at src as dtype `to` at dst, all three float dtypes (as MLX converts
 // each: a half dtype to the other through float32).
 void convert_all(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_t n);
+// The same for bfloat16 -> float32 with non-temporal stores, where a cast of `total` elements
+// (n of them here) is larger than the caches and the CPU has AVX2; false (nothing done)
+// elsewhere.
+bool convert_streaming(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_t n,
+                       size_t total);
 // n float32 values in place rounded to dtype `dt` (bfloat16 or float16; float32: unchanged),
 // as astype to it and back rounds them.
 void round_all(float* x, mx::Dtype dt, size_t n);

@@ -25,6 +25,46 @@ FLN_VECTOR_CLONES void narrow_all(const float* src, uint16_t* dst, size_t n) {
   }
 }
 
+// bfloat16 widened with its results written by non-temporal stores, for casts larger than the
+// caches (a new output buffer: ordinary stores read each of its lines first, 4 of the 10 bytes
+// an element moves; widening is exact: the same bits). Elements before the output's first
+// 16-byte boundary and after the last whole vector take the loop above. Under autocast these
+// are the float32 gradients of the parameters, read next by the finite check and the update:
+// 7.2 -> 3.8% of a 4 x 2048 MLP's step. (Narrowing the same way was slower, 6.3 -> 7.7%: the
+// bfloat16 weights are read by the next product at once, from memory once streamed.)
+namespace {
+
+__attribute__((target("avx2"))) void widen_streaming(const uint16_t* src, float* dst,
+                                                     size_t n) {
+  size_t i = 0;
+  while (i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0) ++i;
+  widen_all(src, dst, i);
+  for (; i + 8 <= n; i += 8) {
+    auto bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    bits = _mm256_slli_epi32(bits, 16);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(bits));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 4), _mm256_extracti128_si256(bits, 1));
+  }
+  widen_all(src + i, dst + i, n - i);
+  _mm_sfence();  // (the stores are weakly ordered: done before the task is)
+}
+
+} // namespace
+
+// Streaming from 2**20 elements (4 MB of float32, past this Xeon's 4 MB of L2 per core).
+constexpr size_t STREAM_MIN = size_t{1} << 20;
+
+bool convert_streaming(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_t n,
+                       size_t total) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (!avx2 || total < STREAM_MIN) return false;
+  if (from == mx::bfloat16 && to == mx::float32) {
+    widen_streaming(static_cast<const uint16_t*>(src), static_cast<float*>(dst), n);
+    return true;
+  }
+  return false;
+}
+
 // float16 as MLX converts it: widened exactly, narrowed to nearest even (a NaN to MLX's NaN of
 // its sign). F16C's conversions, eight at a time, where the CPU has them (every AVX2 CPU does;
 // chosen by feature, as target_clones' "arch=" clones are chosen by CPU model); elsewhere

@@ -54,6 +54,20 @@ def test_every_half_value_as_astype(source, target):
 
 
 @needs_native
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_a_bfloat16_cast_past_the_caches_is_astype_s(offset):
+    """From 2**20 elements bfloat16 widens with non-temporal stores (a vector loop between
+    scalar ends, shared out over threads): every bit pattern, at any offset from a 16-byte
+    boundary (a slice of a larger buffer) and with a ragged end, as astype gives them."""
+    n = (1 << 20) + 37
+    every = _every(mx.bfloat16)
+    x = mx.concatenate([every] * (n // 65536 + 2))[offset : offset + n]
+    mx.eval(x)
+    np.testing.assert_array_equal(_bits(_ext().convert(x, mx.float32)),
+                                  _bits(x.astype(mx.float32)))
+
+
+@needs_native
 @pytest.mark.parametrize("target", [mx.bfloat16, mx.float16], ids=str)
 def test_float32_bit_patterns_as_astype(target):
     """A million random float32 patterns (NaNs of every payload and sign among them), halves'
