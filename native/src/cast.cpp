@@ -41,8 +41,12 @@ void Convert::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   // converts as it is, keeping its layout, as MLX's casts do; any other view is copied first.
   const auto& x =
       inputs[0].flags().contiguous ? inputs[0] : row_contiguous_copy(inputs[0], encoder);
-  out.set_data(mx::allocator::malloc(x.data_size() * out.itemsize()), x.data_size(),
-               x.strides(), x.flags());
+  if (x.flags().row_contiguous && x.data_size() == x.size()) {
+    set_aligned_data(out);  // (a product's source, read in place)
+  } else {
+    out.set_data(mx::allocator::malloc(x.data_size() * out.itemsize()), x.data_size(),
+                 x.strides(), x.flags());
+  }
   encoder.set_input_array(x);
   encoder.set_output_array(out);
   encoder.dispatch([src = x.data<void>(), from = x.dtype(), dst = out.data<void>(),

@@ -684,7 +684,7 @@ Plan plan(const View& va, const View& vb, const mx::array& out, bool batched, bo
 } // namespace
 
 void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  set_aligned_data(out);  // (the next product's source, read in place)
   if (out.size() == 0) {
     return;
   }

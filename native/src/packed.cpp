@@ -199,7 +199,7 @@ mx::array packed_linear(const mx::array& x, const mx::array& w,
 }
 
 void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  set_aligned_data(out);  // (the next product's source, read in place)
   if (out.size() == 0) {
     return;
   }

@@ -45,3 +45,28 @@ def test_a_product_of_a_misaligned_source_is_the_aligned_ones_bit_for_bit():
     assert sorted(got) == list(range(0, 64, 2)), sorted(got)
     for offset, y in got.items():
         np.testing.assert_array_equal(y, got[0], err_msg=f"a source {offset} bytes past a line")
+
+
+def test_native_outputs_start_on_a_cache_line_and_read_as_any_array():
+    """A product's and a cast's output start on a cache line (64 bytes into a buffer 64 bytes
+    larger), so that the next product reads it in place, not a copy; the data reads, slices
+    and is taken over by the next op (donated) as any array's."""
+    from fluxlike_native import _ext
+    x = mx.random.normal((37, 24))
+    w = mx.random.normal((16, 24))
+    for dtype in (mx.float32, mx.bfloat16):
+        xs, ws = x.astype(dtype), w.astype(dtype)
+
+        def product(xs=xs, ws=ws):  # (a new array each call)
+            return _ext.matmul(xs, ws, None, False, True, False, None, False, True)
+
+        cast = _ext.convert(x, mx.bfloat16) if dtype == mx.bfloat16 else _ext.convert(
+            x.astype(mx.bfloat16), mx.float32)
+        y = product()
+        assert address(y) % 64 == 0 and address(cast) % 64 == 0
+        want = np.array(xs.astype(mx.float32)) @ np.array(ws.astype(mx.float32)).T
+        got = np.array(y.astype(mx.float32))
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        np.testing.assert_array_equal(np.array(y[3:7, ::2].astype(mx.float32)), got[3:7, ::2])
+        np.testing.assert_array_equal(np.array(mx.negative(product()).astype(mx.float32)),
+                                      -got)
