@@ -10,8 +10,10 @@ For each size ``(M, K, N)`` (an ``(M, K) @ (N, K).T`` linear-layer product) and 
 - ``in graph``: ``fluxlike_native._ext.matmul`` on MLX arrays (float32 on its primitive, not
   on the GEMM without one that ``native.matmul_mode`` ``"auto"`` runs), ``--chain``
   independent products per ``mx.eval`` (the time per product: one ``eval`` costs a thread
-  wake-up, ~70 us on these VMs, that a model's step pays once), the source an MLX array (8
-  bytes past a 16-byte boundary: an AMX kernel reads an aligned copy of it); ``in graph,
+  wake-up, ~70 us on these VMs, that a model's step pays once), the source made by a native
+  op as in a model (a cast here; a layer's product there), whose output starts on a cache
+  line (an MLX-made buffer lies 8 bytes past a 16-byte boundary, and an AMX kernel reads an
+  aligned copy of such a source: ~0.2 ms more at 512 x 2048 x 2048); ``in graph,
   packed weights``: ``packed_linear`` on ``pack_weights(w)`` (bfloat16 where the CPU has a
   packed layout: what autocast inference runs on weights it has seen), against the plain
   standalone time; ``in graph, one per eval``: one product per ``eval``.
@@ -64,7 +66,9 @@ def fastest(fn: Callable[[], object], calls: int, rounds: int) -> float:
 
 
 def row(ext, m: int, k: int, n: int, dtype: mx.Dtype, chain: int, rounds: int) -> dict:
-    xs = [mx.random.uniform(-1, 1, (m, k), key=mx.random.key(i)).astype(dtype)
+    # (the sources made as a model's are, by a native op - autocast's cast here, a layer's
+    # product in a model - whose outputs start on a cache line: read in place)
+    xs = [ext.convert(mx.random.uniform(-1, 1, (m, k), key=mx.random.key(i)), dtype)
           for i in range(chain)]
     w = mx.random.uniform(-1, 1, (n, k), key=mx.random.key(chain)).astype(dtype)
     mx.eval(xs, w)
