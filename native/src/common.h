@@ -459,9 +459,6 @@ inline std::vector<mx::array> row_contiguous_all(const std::vector<mx::array>& i
   return dense;
 }
 
-// An elementwise pass's output buffer: its input's where nothing else holds it (and it was
-// not `copied` for the pass), as MLX's elementwise ops do (a new buffer per layer would raise
-// the peak of a backward pass that MLX's scheduler queues ahead), else a new one.
 // A new row-major buffer for `out` whose data starts on a cache line: 64 bytes more, the data
 // that far into it. MLX's own buffers lie 8 bytes past a 16-byte boundary, which oneDNN's AMX
 // kernels read ~1.45x slower, so a product copies such a source first (matmul.cpp:
@@ -483,6 +480,10 @@ inline void set_aligned_data(mx::array& out) {
   out.set_data(std::move(data), out.size(), std::move(strides), flags, offset);
 }
 
+// An elementwise pass's output buffer: its input's where nothing else holds it (and it was
+// not `copied` for the pass), as MLX's elementwise ops do (a new buffer per layer would raise
+// the peak of a backward pass that MLX's scheduler queues ahead), else a new one on a
+// cache line.
 inline void reuse_or_allocate(mx::array& out, const mx::array& in, bool copied) {
   if (!copied && in.is_donatable() && in.itemsize() == out.itemsize() &&
       in.buffer_size() <= out.nbytes() + 16384) {

@@ -220,7 +220,8 @@ void run_widened(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, voi
   size_t c = static_cast<size_t>(ws.back()), x_rows = 1, w_rows = 1;
   for (size_t i = 0; i + 1 < xs.size(); ++i) x_rows *= static_cast<size_t>(xs[i]);
   for (size_t i = 0; i + 1 < ws.size(); ++i) w_rows *= static_cast<size_t>(ws[i]);
-  size_t x_bytes = x_rows * (c + 1) * sizeof(uint16_t), w_bytes = w_rows * (c + 1) * sizeof(uint16_t);
+  size_t x_bytes = x_rows * (c + 1) * sizeof(uint16_t);
+  size_t w_bytes = w_rows * (c + 1) * sizeof(uint16_t);
   auto widened = [&](const void* from, size_t rows, Buffer& to) {
     copy_channels(static_cast<const uint16_t*>(from), c, static_cast<uint16_t*>(to.p), c + 1,
                   rows);
@@ -231,14 +232,17 @@ void run_widened(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, voi
                   rows);
   };
   if (kind == ConvKind::Forward) {
-    Buffer x(x_bytes, FN, "x with a zero channel more"), w(w_bytes, FN, "w with a zero channel more");
+    Buffer x(x_bytes, FN, "x with a zero channel more");
+    Buffer w(w_bytes, FN, "w with a zero channel more");
     run(e, kind, widened(in0, x_rows, x), widened(in1, w_rows, w), bias, out);
   } else if (kind == ConvKind::BackwardData) {
-    Buffer w(w_bytes, FN, "w with a zero channel more"), dx(x_bytes, FN, "dx with a channel more");
+    Buffer w(w_bytes, FN, "w with a zero channel more");
+    Buffer dx(x_bytes, FN, "dx with a channel more");
     run(e, kind, in0, widened(in1, w_rows, w), nullptr, dx.p);
     narrowed(dx, x_rows);
   } else {
-    Buffer x(x_bytes, FN, "x with a zero channel more"), dw(w_bytes, FN, "dw with a channel more");
+    Buffer x(x_bytes, FN, "x with a zero channel more");
+    Buffer dw(w_bytes, FN, "dw with a channel more");
     run(e, kind, widened(in0, x_rows, x), in1, nullptr, dw.p);
     narrowed(dw, w_rows);
   }

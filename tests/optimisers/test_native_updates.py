@@ -79,6 +79,18 @@ def run_both(shape, steps, weight_decay, lr, betas, eps, scale, transpose, seed=
         assert same(mk, state["m"]) and same(vk, state["v"]), f"moments differ at {t + 1}"
 
 
+def first_step_both(p: mx.array, g: mx.array, weight_decay: float | None) -> mx.array:
+    """A first Adam(W) step (lr 1e-2) of ``p`` with gradient ``g`` by MLX's optimiser and by
+    the kernel; asserts they agree bit for bit and returns the kernel's parameter."""
+    opt = mlx_optimizer(weight_decay, 1e-2, (0.9, 0.999), 1e-8)
+    opt.init({"w": p})
+    new = opt.apply_gradients({"w": g}, {"w": p})["w"]
+    pk, mk, vk = kernel_step(opt, g, p, mx.zeros_like(p), mx.zeros_like(p))
+    mx.eval(new, pk, mk, vk)
+    assert same(pk, new) and same(mk, opt.state["w"]["m"]) and same(vk, opt.state["w"]["v"])
+    return pk
+
+
 @needs_kernel
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -122,13 +134,7 @@ def test_a_parameter_past_the_caches_streams_its_results_and_is_still_exact(weig
     at = mx.array([0, 1, 2, 7, 8, 4095, 65536, n // 2, n - 9, n - 1])
     g[at] = mx.array([float("nan"), float("inf"), -float("inf"), 1e38, -0.0, 3e-45, 0.0,
                       float("nan"), -1e38, float("inf")])
-    p = mx.random.normal((n,), key=mx.random.key(4))
-    opt = mlx_optimizer(weight_decay, 1e-2, (0.9, 0.999), 1e-8)
-    opt.init({"w": p})
-    new = opt.apply_gradients({"w": g}, {"w": p})["w"]
-    pk, mk, vk = kernel_step(opt, g, p, mx.zeros_like(p), mx.zeros_like(p))
-    mx.eval(new, pk, mk, vk)
-    assert same(pk, new) and same(mk, opt.state["w"]["m"]) and same(vk, opt.state["w"]["v"])
+    first_step_both(mx.random.normal((n,), key=mx.random.key(4)), g, weight_decay)
 
 
 @needs_kernel
@@ -138,12 +144,7 @@ def test_non_finite_gradients_propagate_as_in_mlx(dtype):
                  dtype)
     p = mx.array([1.0, -1.0, 2.0, 0.0, -0.0, 5.0, 0.0, 1.0], dtype)
     for weight_decay in (None, 0.1):
-        opt = mlx_optimizer(weight_decay, 1e-2, (0.9, 0.999), 1e-8)
-        opt.init({"w": p})
-        new = opt.apply_gradients({"w": g}, {"w": p})["w"]
-        pk, mk, vk = kernel_step(opt, g, p, mx.zeros_like(p), mx.zeros_like(p))
-        mx.eval(new, pk, mk, vk)
-        assert same(pk, new) and same(mk, opt.state["w"]["m"]) and same(vk, opt.state["w"]["v"])
+        pk = first_step_both(p, g, weight_decay)
         assert mx.isnan(pk[2:5]).all().item()  # NaN and ±inf gradients: NaN parameters
 
 
