@@ -215,6 +215,8 @@ void copy_channels(const uint16_t* from, size_t from_c, uint16_t* to, size_t to_
   }
 }
 
+// (The copies in MLX's buffer cache, as Scratch keeps them: a large fresh allocation would be
+// mapped and faulted in at every call.)
 void run_widened(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, void* bias,
                  void* out, const mx::Shape& xs, const mx::Shape& ws) {
   size_t c = static_cast<size_t>(ws.back()), x_rows = 1, w_rows = 1;
@@ -222,28 +224,28 @@ void run_widened(const ConvPrepared& e, ConvKind kind, void* in0, void* in1, voi
   for (size_t i = 0; i + 1 < ws.size(); ++i) w_rows *= static_cast<size_t>(ws[i]);
   size_t x_bytes = x_rows * (c + 1) * sizeof(uint16_t);
   size_t w_bytes = w_rows * (c + 1) * sizeof(uint16_t);
-  auto widened = [&](const void* from, size_t rows, Buffer& to) {
-    copy_channels(static_cast<const uint16_t*>(from), c, static_cast<uint16_t*>(to.p), c + 1,
+  auto widened = [&](const void* from, size_t rows, Scratch& to) {
+    copy_channels(static_cast<const uint16_t*>(from), c, static_cast<uint16_t*>(to.get()), c + 1,
                   rows);
-    return to.p;
+    return to.get();
   };
-  auto narrowed = [&](const Buffer& from, size_t rows) {
-    copy_channels(static_cast<const uint16_t*>(from.p), c + 1, static_cast<uint16_t*>(out), c,
+  auto narrowed = [&](Scratch& from, size_t rows) {
+    copy_channels(static_cast<const uint16_t*>(from.get()), c + 1, static_cast<uint16_t*>(out), c,
                   rows);
   };
   if (kind == ConvKind::Forward) {
-    Buffer x(x_bytes, FN, "x with a zero channel more");
-    Buffer w(w_bytes, FN, "w with a zero channel more");
+    Scratch x(x_bytes, FN, "x with a zero channel more");
+    Scratch w(w_bytes, FN, "w with a zero channel more");
     run(e, kind, widened(in0, x_rows, x), widened(in1, w_rows, w), bias, out);
   } else if (kind == ConvKind::BackwardData) {
-    Buffer w(w_bytes, FN, "w with a zero channel more");
-    Buffer dx(x_bytes, FN, "dx with a channel more");
-    run(e, kind, in0, widened(in1, w_rows, w), nullptr, dx.p);
+    Scratch w(w_bytes, FN, "w with a zero channel more");
+    Scratch dx(x_bytes, FN, "dx with a channel more");
+    run(e, kind, in0, widened(in1, w_rows, w), nullptr, dx.get());
     narrowed(dx, x_rows);
   } else {
-    Buffer x(x_bytes, FN, "x with a zero channel more");
-    Buffer dw(w_bytes, FN, "dw with a channel more");
-    run(e, kind, widened(in0, x_rows, x), in1, nullptr, dw.p);
+    Scratch x(x_bytes, FN, "x with a zero channel more");
+    Scratch dw(w_bytes, FN, "dw with a channel more");
+    run(e, kind, widened(in0, x_rows, x), in1, nullptr, dw.get());
     narrowed(dw, w_rows);
   }
 }
