@@ -34,8 +34,6 @@ mx::array bias_grad_ops(const mx::array& g, mx::Dtype bias_dt, mx::Dtype round_d
   return summed.dtype() == bias_dt ? summed : mx::astype(summed, bias_dt, s);
 }
 
-// rows x cols values of dtype `dt` (row-major) summed down each column into `acc` (float32,
-// zeroed), each column's rows added in order.
 // A few columns (a small convolution's channels: 16 of 50,000 rows) summed in registers: the
 // general loop below stores and reloads each column's sum at every row (it cannot know that
 // acc is not x), a dependency through memory that cost 2x.
@@ -49,6 +47,8 @@ void add_rows_fixed(const float* __restrict x, int64_t rows, float* __restrict a
   for (int64_t j = 0; j < C; ++j) acc[j] = a[j];
 }
 
+// rows x cols values of dtype `dt` (row-major) summed down each column into `acc` (float32,
+// zeroed), each column's rows added in order.
 FLN_VECTOR_CLONES void add_rows(const float* x, int64_t rows, int64_t cols, float* acc) {
   switch (cols) {
     case 8: return add_rows_fixed<8>(x, rows, acc);

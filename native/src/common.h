@@ -260,6 +260,9 @@ void narrow_all(const float* src, mx::Dtype dt, void* dst, size_t n);
 // n values of dtype `from` at src as dtype `to` at dst, all three float dtypes (as MLX converts
 // each: a half dtype to the other through float32).
 void convert_all(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_t n);
+// Whether the CPU itself has AVX2 (whatever oneDNN's ISA is held to): the hand-written
+// vector loops' condition.
+bool has_avx2();
 // The same for bfloat16 -> float32 with non-temporal stores, where a cast of `total` elements
 // (n of them here) is larger than the caches and the CPU has AVX2; false (nothing done)
 // elsewhere.

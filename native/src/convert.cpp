@@ -51,13 +51,20 @@ __attribute__((target("avx2"))) void widen_streaming(const uint16_t* src, float*
 
 } // namespace
 
+bool has_avx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();  // (this may run from a static initialiser: before libgcc's own)
+    return __builtin_cpu_supports("avx2");
+  }();
+  return has;
+}
+
 // Streaming from 2**20 elements (4 MB of float32, past this Xeon's 4 MB of L2 per core).
 constexpr size_t STREAM_MIN = size_t{1} << 20;
 
 bool convert_streaming(const void* src, mx::Dtype from, void* dst, mx::Dtype to, size_t n,
                        size_t total) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (!avx2 || total < STREAM_MIN) return false;
+  if (total < STREAM_MIN || !has_avx2()) return false;
   if (from == mx::bfloat16 && to == mx::float32) {
     widen_streaming(static_cast<const uint16_t*>(src), static_cast<float*>(dst), n);
     return true;

@@ -97,9 +97,8 @@ __attribute__((target("avx2"))) void adam_range_streaming(
 // 28.9 -> 15.8 ms (the threshold at 2**20 against 2**17, Intel Xeon with AMX). Smaller ones
 // (a small MLP's whole update fits in L2) keep ordinary stores.
 bool streams(int64_t n, const void* po, const void* mo, const void* vo) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
   auto at = [](const void* x) { return reinterpret_cast<uintptr_t>(x) % 16; };
-  return avx2 && n >= (int64_t{1} << 17) && at(po) % 4 == 0 && at(po) == at(mo) &&
+  return n >= (int64_t{1} << 17) && has_avx2() && at(po) % 4 == 0 && at(po) == at(mo) &&
       at(po) == at(vo);
 }
 
