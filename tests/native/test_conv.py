@@ -457,7 +457,8 @@ def test_a_bfloat16_convolution_of_odd_channels_is_the_one_with_a_zero_channel_m
     cached primitive - bfloat16 kernels, not float32 ones."""
     from fluxlike_native import _ext
     if not _ext.isa_has_bf16():
-        pytest.skip("no bfloat16 kernels on this CPU: odd channels run as every bfloat16 one")
+        pytest.skip("no bfloat16 kernels on this CPU: every bfloat16 convolution, odd channels "
+                    "or not, runs in float32 kernels")
     xs, ws, stride, pad = case
     mx.random.seed(channels)
     x = mx.random.normal((*xs, channels)).astype(mx.bfloat16)
