@@ -126,7 +126,9 @@ def linear(
     ``None``, ``"relu"`` or fluxlike's/``mlx.nn``'s ``relu`` are fused into the kernel
     (applied in the kernel's task, NaN kept); any other function is applied to the result.
     The result is ``(..., out)`` in the operands' dtype (or ``out_dtype=mx.float32``); its
-    gradients with respect to ``w`` are row-major, in ``w``'s dtype.
+    gradients with respect to ``w`` are row-major, in ``w``'s dtype, except in bfloat16
+    kernels for an operand or bias that is fluxlike's cast of a float32 array (autocast's
+    weights): that one gets the float32 product or sum, which the cast passes on unrounded.
 
     >>> import mlx.core as mx
     >>> from fluxlike import native

@@ -32,7 +32,9 @@ namespace fluxlike_native {
 // graph needs no cast node (autocast's float32 weights). out_dtype is `compute` (default) or
 // float32; `rounded` rounds a float32 result to `compute` too (what astype to it and back
 // gives: the gradient of a float32 operand). Every gradient and tangent is what the casts and
-// the product would give, bit for bit; an operand's gradient has its dtype.
+// the product would give, bit for bit; an operand's gradient has its dtype. (Not fused: in
+// bfloat16 kernels an unbatched product's operand or bias that is convert()'s cast of a float32
+// array gets the float32 product or sum as its gradient, not rounded: matmul.cpp.)
 mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
                  bool batched, bool native_bf16, mx::StreamOrDevice s = {},

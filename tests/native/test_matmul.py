@@ -286,6 +286,45 @@ def test_bfloat16_gradients():
 
 
 @needs_native
+def test_an_operand_narrowed_from_float32_gets_the_float32_product_as_its_gradient():
+    """Autocast's float32 weights reach a bfloat16 product through a cast: in oneDNN's
+    bfloat16 kernels the product's gradient for such an operand is the float32-accumulated
+    product itself, passed through the cast's gradient unchanged (not rounded to bfloat16 and
+    widened again), for the weight, its bias and a float32 input alike; a bfloat16 operand that is
+    not a cast (a bfloat16 model's weight) still gets a bfloat16 gradient. In float32 kernels
+    (no avx512_core_bf16, or FLUXLIKE_NATIVE_BF16=float32) the gradient stays the rounded one,
+    and so it does through MLX's ``astype``, whose gradient takes only its output's dtype."""
+    from fluxlike.precision.castcache import convert
+    x, w, b, ct = rand((48, 96)), rand((40, 96)), rand((40,)), rand((48, 40))
+    xb, wb, cb = (t.astype(mx.bfloat16) for t in (x, w, ct))
+
+    def f(x, w, b):
+        return native.linear(*(convert(t, mx.bfloat16) for t in (x, w, b)))
+
+    _, (dx, dw, db) = mx.vjp(f, [x, w, b], [cb])
+    exact_dw = np64(cb).T @ np64(xb)  # the float64 products of the operands the kernel read
+    exact_dx = np64(cb) @ np64(wb)
+    assert dx.dtype == dw.dtype == db.dtype == mx.float32
+    in_bf16_kernels = native.native_info().bfloat16 == "native"
+    for got, exact in ((dw, exact_dw), (dx, exact_dx), (db, np64(cb).sum(axis=0))):
+        rounded = np.array(got.astype(mx.bfloat16).astype(mx.float32))
+        if in_bf16_kernels:
+            np.testing.assert_allclose(np.array(got), exact, rtol=1e-5, atol=1e-5)
+            assert (np.array(got) != rounded).mean() > 0.9  # not bfloat16 values
+        else:
+            np.testing.assert_array_equal(np.array(got), rounded)
+            np.testing.assert_allclose(np.array(got), exact, rtol=2 ** -8, atol=1e-2)
+    _, (through_astype,) = mx.vjp(lambda w: native.linear(xb, w.astype(mx.bfloat16)), [w], [cb])
+    np.testing.assert_array_equal(  # astype's gradient: bfloat16, widened
+        np.array(through_astype), np.array(through_astype.astype(mx.bfloat16).astype(mx.float32)))
+    # a bfloat16 parameter's own gradient: bfloat16, rounded once
+    _, (own,) = mx.vjp(lambda w: native.linear(xb, w), [wb], [cb])
+    assert own.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(own.astype(mx.float32)), exact_dw, rtol=2 ** -8,
+                               atol=1e-2)
+
+
+@needs_native
 @pytest.mark.parametrize("gdtype", [*DTYPES, mx.float16], ids=str)
 @pytest.mark.parametrize("ydtype", [*DTYPES, mx.float16], ids=str)
 def test_relu_grad_is_where_positive(gdtype, ydtype):
