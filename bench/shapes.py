@@ -136,7 +136,7 @@ def first_calls(rounds: int, max_length: int) -> None:
     times back to back, on, off and off again, in a rotating order (the first also warms
     MLX's allocator); the ratio of the two off calls is the machine's noise floor. Rounds
     alternate the creation policy (``native.background_creation``): a shape's primitive,
-    from its second use, made on the worker thread or on the evaluating thread, each round
+    from its third use, made on the worker thread or on the evaluating thread, each round
     order seen under both."""
     ext = native.switch.loaded
     if ext is None:

@@ -149,15 +149,15 @@ def matmul_mode(mode: str | None = None) -> str | None:
     resolved), ``None`` where the companion is not in use.
 
     - ``"gemm"``: on oneDNN's GEMM without a primitive: nothing to create for a new row count;
-    - ``"reused"``: a shape's first uses on that GEMM, a cached primitive from its third use
-      (queued on a worker thread at the second, :func:`background_creation`; from the second
+    - ``"reused"``: a shape's first uses on that GEMM, a cached primitive from its fourth use
+      (queued on a worker thread at the third, :func:`background_creation`; from the third
       where that is off);
     - ``"primitive"``: a cached primitive per shape from its first use (before 2026-12-04).
       It also governs the other ops: otherwise a float32 convolution of at most 2**23
       multiply-adds (2**18 dilated or grouped; its backward passes, one group, on oneDNN's
       GEMM), a small float32 max pooling (and its backward pass) and a softmax of at most
       2**16 entries make no primitive on a shape's first uses (MLX's convolution, loops),
-      only from the third (as ``"reused"``), and a softmax of at most 2**14 entries none
+      only from the fourth (as ``"reused"``), and a softmax of at most 2**14 entries none
       (its loops are as fast); and on AMX a bfloat16 product of 1 or 8+ row-major rows (a
       linear layer, its input gradient) runs on one primitive per weight shape made for any
       row count (oneDNN's runtime dimension; the same speed, the shape's own rounding but in
@@ -166,7 +166,7 @@ def matmul_mode(mode: str | None = None) -> str | None:
       one per batch shape and layout for any length;
     - ``"auto"`` (the default): ``"gemm"`` on every CPU. Below AVX-512 oneDNN's float32 matmul
       primitive is that GEMM anyway; on AVX-512 it is a brgemm kernel that rounds its sums
-      otherwise, so ``"reused"`` changes a shape's results in their last bits from its third
+      otherwise, so ``"reused"`` changes a shape's results in their last bits from its fourth
       call on (the same training run twice in one process ends apart), and ``"primitive"``
       creates one per row count. There a linear layer's forward product (``x @ W.T``) of
       2**29 multiply-adds or more runs on its primitive (0.77-0.91x the GEMM's time, its
@@ -196,17 +196,18 @@ def background_creation(on: bool | None = None) -> bool | None:
     not in use.
 
     It concerns the calls :func:`matmul_mode` lists, which can run without a primitive (MLX's
-    convolution, plain loops, oneDNN's GEMM). A shape's first use creates nothing; its second
-    queues the primitive on the worker thread and runs without it too, so that neither waits
-    for a creation (0.2-0.5 ms each on AVX2, several times a small call); from the third, a
-    call uses the primitive, creating it itself if the worker has not stored it yet (it never
-    waits on the worker). The worker runs at Linux's idle priority (``SCHED_IDLE``: only on a
-    core nothing else wants) and creates each primitive for the evaluating thread's OpenMP
-    thread count, as the evaluating thread would. So a shape's first two calls run the other
-    way and the later ones its primitive, whatever the timing (the two differ in float32
-    rounding for a convolution or a softmax; a seeded run repeats bit for bit). ``False``: the
-    second use creates the primitive on the evaluating thread, waits for it and uses it (as
-    before 2026-12-04).
+    convolution, plain loops, oneDNN's GEMM). A shape's first two uses create nothing (a
+    shape seen twice never pays a creation: 0.1-0.5 ms of a core each, several times a small
+    call, and on two cores it slows the calls beside it); its third queues the primitive on
+    the worker thread and runs without it too; from the fourth, a call uses the primitive,
+    creating it itself if the worker has not stored it yet (it never waits on the worker).
+    The worker runs at Linux's idle priority (``SCHED_IDLE``: only on a core nothing else
+    wants) and creates each primitive for the evaluating thread's OpenMP thread count, as the
+    evaluating thread would. So a shape's first three calls run the other way and the later
+    ones its primitive, whatever the timing (the two differ in float32 rounding for a
+    convolution or a softmax; a seeded run repeats bit for bit). ``False``: the third use
+    creates the primitive on the evaluating thread, waits for it and uses it (at the second
+    use before 2026-12-05, on this thread before 2026-12-04).
 
     >>> from fluxlike import native
     >>> native.background_creation() in (None, True, False)

@@ -121,11 +121,25 @@ capacity per op ("matmul", "conv", "softmax", "max_pool").)");
         "Drop the cached oneDNN primitives (matmul, convolution, softmax and pooling) and "
         "zero the cache's counts.");
   m.def("set_background_creation", &fluxlike_native::set_background_creation, "on"_a,
-        "Whether a deferrable shape's primitive is queued on a worker thread at its second use "
-        "(that call and the first run without it; the third uses it) (True, the default) or "
-        "created on the evaluating thread at the second use; returns the old setting.");
+        "Whether a deferrable shape's primitive is queued on a worker thread at its third use "
+        "(uses_without_primitive; that call and the earlier ones run without it, the next "
+        "uses it) (True, the default) or created on the evaluating thread at that use; returns "
+        "the old setting.");
   m.def("background_creation", &fluxlike_native::background_creation,
         "Whether primitives are created on a worker thread (set_background_creation).");
+  m.def(
+      "set_uses_without_primitive",
+      [](int uses) {
+        FLN_CHECK(uses >= 2, "fluxlike_native.set_uses_without_primitive: uses must be at "
+                  "least 2 (a shape's first use never waits for a creation), got ", uses);
+        return fluxlike_native::set_uses_without_primitive(uses);
+      },
+      "uses"_a,
+      "Sets how many uses of a deferrable shape run without its primitive (default 3): its "
+      "creation is queued at the last of them, the next use runs it; returns the old count.");
+  m.def("uses_without_primitive", &fluxlike_native::uses_without_primitive,
+        "How many uses of a deferrable shape run without its primitive "
+        "(set_uses_without_primitive).");
   // The worker stopped (after the creation it runs) when Python exits, before anything is
   // torn down: a C atexit handler comes after MLX's and oneDNN's later statics are gone.
   m.def("_stop_creator", []() {
@@ -196,7 +210,8 @@ compute_dtype fuses casts of float32 operands to it into the product.)");
       "mode"_a,
       R"(How unbatched float32 products run, process-wide; returns the old mode. 'gemm': on
 oneDNN's GEMM without a primitive, any row count; 'reused': a shape's first uses on that GEMM,
-a cached primitive from its third (queued on the creator's thread at its second, cache.h);
+a cached primitive from its fourth (queued on the creator's thread at its third, cache.h:
+uses_without_primitive);
 'primitive': a cached primitive per shape from its first use (bfloat16 products too, which
 otherwise may run on a primitive for any row count: any_rows_kernel); 'auto' (the default):
 'gemm' (see matmul.h).)");

@@ -105,11 +105,11 @@ int PrimitiveCache::misses_before(const CacheKey& key) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (auto it = missed_.find(key); it != missed_.end()) {
     int before = it->second;
-    it->second = std::min(before + 1, 2);
+    it->second = std::min(before + 1, 1 << 20);
     return before;
   }
   // Bounded: a sweep over many shapes forgets them all. Four times the capacity, so that a
-  // cycle of more shapes than a small cache holds still meets each a second time.
+  // cycle of more shapes than a small cache holds still meets each again.
   if (missed_.size() >= std::max<size_t>(4 * capacity_, 64)) {
     missed_.clear();
   }
@@ -283,6 +283,7 @@ void Creator::clear() {
 namespace {
 
 std::atomic<bool> g_background{true};
+std::atomic<int> g_uses_without{3};
 std::atomic<Creator*> g_creator{nullptr};
 
 } // namespace
@@ -312,6 +313,14 @@ bool background_creation() {
 
 bool set_background_creation(bool on) {
   return g_background.exchange(on);
+}
+
+int uses_without_primitive() {
+  return g_uses_without.load(std::memory_order_relaxed);
+}
+
+int set_uses_without_primitive(int uses) {
+  return g_uses_without.exchange(uses);
 }
 
 } // namespace fluxlike_native

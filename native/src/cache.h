@@ -74,7 +74,7 @@ class PrimitiveCache {
   std::shared_ptr<const Prepared> insert(Op op, CacheKey key,
                                          std::shared_ptr<const Prepared> made, uint64_t ns);
 
-  // How many times `key` missed before (since the last clear: 0, 1 or 2, for 2 or more);
+  // How many times `key` missed before (since the last clear; at most 2**20);
   // remembers this miss. At most 4 x `capacity` keys (at least 64) are remembered (all
   // forgotten when more come). A miss is not counted.
   int misses_before(const CacheKey& key);
@@ -158,10 +158,22 @@ Creator& creator();
 // Stops the worker if it was started (see Creator::stop); for exit.
 void stop_creator();
 
-// Whether a key missed a second time is created on the creator's thread (the default) or on
+// Whether a deferrable key's primitive is created on the creator's thread (the default) or on
 // the evaluating thread; set_background_creation returns the old setting.
 bool background_creation();
 bool set_background_creation(bool on);
+
+// How many uses of a deferrable shape run without its primitive (3 unless set; at least 2):
+// its creation is queued at the last of them and the next one uses it. Three, not two: a
+// shape seen twice creates nothing. A creation (0.1-0.5 ms of a core) costs more than the
+// small calls that defer it, so on 2 cores it slowed whichever calls ran beside it, on the
+// worker thread or not: the small CNN's first calls at new image sizes (whose second
+// convolution's shape two sizes share) were 1.6-2.4x the kernels-off calls at the 90th
+// percentile with creation at the second use, 0.85-1.42 at the third (the machine's own
+// noise 1.1-1.45; bench/shapes.py --first-calls, Intel Xeon, 2026-12-05). set_ returns the
+// old count.
+int uses_without_primitive();
+int set_uses_without_primitive(int uses);
 
 // The cached primitive of `op` for `key`, or the one `create()` makes (a shared_ptr to a
 // Prepared or a struct derived from it), timed and stored. oneDNN's refusal becomes
@@ -173,16 +185,17 @@ std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char*
 // The same, for a call that can be computed without the primitive (MLX's kernel, plain
 // loops, oneDNN's GEMM): where `defer`, a miss returns nullptr (the caller computes the call
 // that other way) instead of waiting for a creation (0.2-0.5 ms on AVX2, more than such a
-// call costs). The first time `key` misses, nothing more: a shape seen once creates nothing.
-// At its second miss, `later()` (a std::function<void()> that makes and stores the primitive,
-// holding copies of what it needs) is queued on the creator's thread and the call runs the
-// other way too; from the third, the call uses the primitive: a creation still queued then
-// is made on this thread, one the worker is running is made here too (the first stored wins;
-// the same primitive: the same thread count), so that a shape's first two calls run the other
-// way and the later ones its primitive, whatever the worker's timing (seeded runs repeat bit
-// for bit), and no call waits on the idle-priority worker. Background creation off, or failed
-// for the key: created here from the second miss (as without `defer`, which raises the error).
-// A cache of capacity 0 keeps nothing: never created then.
+// call costs). Until `key` has missed uses_without_primitive() - 1 times, nothing more: a
+// shape seen that often creates nothing. At the next miss (the third, by default),
+// `later()` (a std::function<void()> that makes and stores the primitive, holding copies of
+// what it needs) is queued on the creator's thread and the call runs the other way too;
+// from the one after, the call uses the primitive: a creation still queued then is made on
+// this thread, one the worker is running is made here too (the first stored wins; the same
+// primitive: the same thread count), so that a shape's first uses_without_primitive() calls
+// run the other way and the later ones its primitive, whatever the worker's timing (seeded
+// runs repeat bit for bit), and no call waits on the idle-priority worker. Background
+// creation off, or failed for the key: created here at that miss (as without `defer`, which
+// raises the error). A cache of capacity 0 keeps nothing: never created then.
 template <class T, class Create, class Later>
 std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char* what,
                                 Create&& create, bool defer, Later&& later) {
@@ -195,12 +208,12 @@ std::shared_ptr<const T> cached(Op op, CacheKey key, const char* fn, const char*
     if (cache.capacity() == 0) {
       return nullptr;
     }
-    int before = cache.misses_before(key);
-    if (before == 0) {
+    int before = cache.misses_before(key), last = uses_without_primitive() - 1;
+    if (before < last) {
       return nullptr;
     }
     if (background_creation() && !creator().failed(key)) {
-      if (before == 1) {
+      if (before == last) {
         creator().submit(key, later());
         return nullptr;
       }

@@ -503,7 +503,7 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
 }
 
 // A float32 convolution's first uses at a shape run MLX's own convolution: its primitive is
-// used from the third (queued at the second, cache.h: cached()) (a creation, 0.2-0.5 ms on AVX2, costs more than a small
+// used from the fourth (queued at the third, cache.h: cached()) (a creation, 0.2-0.5 ms on AVX2, costs more than a small
 // convolution itself: an image size seen once would pay it whole). MLX's kernel is reached
 // through the primitive of the graph node mx::conv_general builds on the same inputs (never
 // evaluated as a node: its eval_cpu runs here, on this stream), so that call is what the
@@ -646,7 +646,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
   if (!entry) {
     // A backward pass's first uses in float32 kernels (one group, up to FIRST_USE_MAX_MACS)
     // run oneDNN's GEMM over the input's patches (conv_gemm.h) while its primitive is made
-    // (queued at its second use, used from the third): as cheap as the primitive's call, where
+    // (queued at its third use, used from the fourth): as cheap as the primitive's call, where
     // a creation costs several of them.
     bool gemm_first = kind_ != ConvKind::Forward && dt == mx::float32 && p_.groups == 1 &&
         first_use_deferred() && macs_of(*ws, *ys) <= FIRST_USE_MAX_MACS;

@@ -42,8 +42,8 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
 
 // How unbatched float32 products run (process-wide; tests and benchmarks switch it):
 // - Gemm: on oneDNN's GEMM (dnnl_sgemm) without a primitive, for any row count;
-// - Reused: a shape's first uses on that GEMM, a cached primitive from its third use on
-//   (queued on the creator's thread at the second, cache.h: cached(); a shape seen once
+// - Reused: a shape's first uses on that GEMM, a cached primitive from its fourth use on
+//   (queued on the creator's thread at the third, cache.h: cached(); a shape seen twice
 //   creates nothing; one that comes back gets the primitive's kernel);
 // - Primitive: a cached primitive per shape from its first use (as before 2026-12-04);
 // - Auto (the default): Gemm on every CPU (below AVX-512 the float32 matmul primitive is

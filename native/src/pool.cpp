@@ -601,7 +601,7 @@ mx::array max_pool(const mx::array& x, const PoolParams& p, bool native_bf16,
 // Whether a pooling (or its backward pass) with output (or cotangent) `y` runs the loops above
 // on a shape's first uses: float32, up to 2**17 window entries visited (above, the primitive's
 // creation is the smaller cost), not in matmul_mode "primitive" (first_use_deferred); its
-// primitive is used from the third (queued at the second, cache.h: cached()).
+// primitive is used from the fourth (queued at the third, cache.h: cached()).
 bool loops_first(const mx::array& y, const PoolParams& p) {
   double visits = static_cast<double>(y.size());
   for (int k : p.kernel) visits *= k;

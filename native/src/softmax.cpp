@@ -43,7 +43,7 @@ dnnl::softmax_backward::primitive_desc backward_desc(
 // AVX2, costs more than a small softmax): up to 2**14 entries always (the loops are as fast
 // there as the primitive, measured: 62 against 63 us at 2**14, 25 against 46 at 2**10), so
 // that generation's scores, a column longer per token, create nothing; up to 2**16 a shape's
-// first uses (its primitive from the third, cache.h: cached()); in matmul_mode "primitive",
+// first uses (its primitive from the fourth, cache.h: cached()); in matmul_mode "primitive",
 // none.
 constexpr int64_t LOOPS_MAX_ELEMENTS = int64_t{1} << 14;
 constexpr int64_t FIRST_USE_LOOPS_MAX_ELEMENTS = int64_t{1} << 16;

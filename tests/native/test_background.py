@@ -1,7 +1,8 @@
 """Primitives created on the companion's worker thread (native/src/cache.h: Creator): a call
 that can run without its primitive (a float32 convolution's forward pass on MLX's kernel, max
-pooling and a mid-sized softmax on loops) never waits for one. A shape's first use creates
-nothing; its second queues the creation and runs without it; once stored, later calls use it.
+pooling and a mid-sized softmax on loops) never waits for one. A shape's first uses create
+nothing; the last of ``uses_without_primitive()`` (the third, by default) queues the creation
+and runs without it; once stored, later calls use it.
 
 What is asserted: the calls' results (the other way's before, the primitive's after, the
 same as a primitive made on the evaluating thread), the counts, that clearing the cache
@@ -80,49 +81,84 @@ def operands(shapes: tuple[tuple[int, ...], ...]) -> list[mx.array]:
     return xs
 
 
+@pytest.fixture(params=[3, 2], ids=["three uses (default)", "two uses"])
+def uses(request) -> Iterator[int]:
+    """How many uses of a shape run without its primitive (3 by default; 2 as before
+    2026-12-05), set for the test and put back."""
+    assert _ext.uses_without_primitive() == 3  # the default
+    old = _ext.set_uses_without_primitive(request.param)
+    yield request.param
+    _ext.set_uses_without_primitive(old)
+
+
+def test_the_count_of_uses_without_a_primitive_is_checked():
+    with pytest.raises(ValueError, match="uses must be at least 2"):
+        _ext.set_uses_without_primitive(1)
+    assert _ext.uses_without_primitive() == 3
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_a_second_use_queues_the_primitive_and_later_calls_use_it(case):
+def test_the_last_use_without_queues_the_primitive_and_later_calls_use_it(case, uses):
     op, call, shapes = CASES[case]
     xs = operands(shapes)
     first = np.array(call(*xs))
     n = counts(op)[0]  # the primitives the call needs (2 for the gradients)
     assert counts(op) == (n, 0, 0)  # a first use creates nothing
+    for _ in range(uses - 2):  # nor do the uses before the last
+        np.testing.assert_array_equal(np.array(call(*xs)), first)
+    native.wait_for_creations()
+    assert counts(op) == ((uses - 1) * n, 0, 0)
     second = np.array(call(*xs))  # queued: this call runs without them too
     native.wait_for_creations()
-    assert counts(op)[:2] == (2 * n, n) and _ext.cache_info()["pending"] == 0
+    assert counts(op)[:2] == (uses * n, n) and _ext.cache_info()["pending"] == 0
     third = np.array(call(*xs))
-    assert counts(op) == (2 * n, n, n)  # the worker's primitives
+    assert counts(op) == (uses * n, n, n)  # the worker's primitives
     np.testing.assert_array_equal(first, second)
     # the same primitive as the evaluating thread makes (for the same thread count)
     _ext.clear_cache()
     _ext.set_background_creation(False)
-    mx.eval(call(*xs))
+    for _ in range(uses - 1):
+        mx.eval(call(*xs))
     want = np.array(call(*xs))
     assert counts(op)[1] == n
     np.testing.assert_array_equal(third, want)
 
 
 @pytest.mark.parametrize("case", ["conv", "softmax", "conv gradients"])
-def test_the_first_two_calls_run_the_other_way_and_the_later_ones_the_primitive(case):
-    # whatever the worker's timing (the third call makes the primitive itself if the worker
+def test_the_first_calls_run_the_other_way_and_the_later_ones_the_primitive(case, uses):
+    # whatever the worker's timing (the next call makes the primitive itself if the worker
     # has not stored it): a seeded run repeats bit for bit
     op, call, shapes = CASES[case]
     xs = operands(shapes)
     _ext.set_background_creation(False)
     other_way = np.array(call(*xs))
     n = counts(op)[0]  # the primitives the call needs
-    np.array(call(*xs))
-    primitive = np.array(call(*xs))  # (made by the second call, on this thread)
+    for _ in range(uses - 1):
+        np.array(call(*xs))
+    primitive = np.array(call(*xs))  # (made by the call before, on this thread)
     _ext.set_background_creation(True)
     for _ in range(4):
         _ext.clear_cache()
-        got = [np.array(call(*xs)) for _ in range(6)]
+        got = [np.array(call(*xs)) for _ in range(uses + 4)]
         for i, y in enumerate(got):
-            np.testing.assert_array_equal(y, other_way if i < 2 else primitive)
+            np.testing.assert_array_equal(y, other_way if i < uses else primitive)
         misses, creations, hits = counts(op)
-        # (a creation the worker is running when the third call comes is made by that call
+        # (a creation the worker is running when the next call comes is made by that call
         # too: the first stored wins)
-        assert n <= creations <= 2 * n and misses + hits == 6 * n
+        assert n <= creations <= 2 * n and misses + hits == (uses + 4) * n
+
+
+def test_a_shape_used_twice_creates_nothing():
+    """The default: two uses of a shape (image sizes whose pooled sizes two of them share)
+    run without its primitive and queue nothing; a third queues it."""
+    x, w, b = operands(CASES["conv"][2])
+    for _ in range(2):
+        mx.eval(conv(x, w, b))
+    native.wait_for_creations()
+    assert counts("conv")[1] == 0 and _ext.cache_info()["pending"] == 0
+    mx.eval(conv(x, w, b))
+    native.wait_for_creations()
+    assert counts("conv")[1] == 1
 
 
 def test_a_cache_of_capacity_zero_creates_nothing_for_calls_that_run_without():

@@ -207,7 +207,7 @@ def test_conv_from_several_threads_and_cache():
 
     _ext.clear_cache()
     in_threads(work, 4)
-    _ext.wait_for_creations()  # (from a shape's second use, made on the worker thread)
+    _ext.wait_for_creations()  # (from a shape's third use, made on the worker thread)
     assert _ext.conv_cache_size() == 4 * 2  # one forward and one weights-gradient per shape
     assert sum(count for _, count in _ext.conv_cache_impls()) == 8
 

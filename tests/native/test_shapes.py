@@ -4,15 +4,19 @@ shape's first use.
 - ``gemm``: unbatched float32 products on oneDNN's GEMM without a primitive: no primitive for
   any row count, bit for bit what the primitive computes where that primitive is the same
   GEMM (``gemm:jit:f32``, below AVX-512); elsewhere within float32's rounding.
-- ``reused``: a shape's first uses on that GEMM, its primitive from the third.
+- ``reused``: a shape's first uses on that GEMM, its primitive from the third here (the
+  fourth by default).
 - ``primitive``: a primitive per shape from its first use (the behaviour before).
 - ``auto``: ``gemm`` where the primitive is the jit GEMM anyway, else ``reused``.
 - softmax: up to 2**14 entries always plain loops, up to 2**16 a shape's first uses, its
-  primitive from the third (in mode ``primitive``: from the first); the backward pass always
+  primitive from the third here (in mode ``primitive``: from the first); the backward pass always
   the loops where oneDNN's is its scalar reference implementation; convolution's
   forward pass and max pooling: a shape's first use without a primitive too.
 
-Calls fluxlike_native._ext directly; wall-clock time is measured in bench/shapes.py.
+Each test runs with two uses of a shape without its primitive (a shape's second use creates
+it, as before 2026-12-05; the default, three, and the count itself are tested in
+test_background.py). Calls fluxlike_native._ext directly; wall-clock time is measured in
+bench/shapes.py.
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ def _fresh() -> Iterator[None]:
     mode = _ext.set_matmul_mode("auto")
     capacity = _ext.set_cache_capacity(4096)
     background = _ext.set_background_creation(False)
+    uses = _ext.set_uses_without_primitive(2)
     _ext.clear_cache()
     yield
     _ext.set_matmul_mode(mode)
     _ext.set_cache_capacity(capacity)
     _ext.set_background_creation(background)
+    _ext.set_uses_without_primitive(uses)
     _ext.clear_cache()
 
 
