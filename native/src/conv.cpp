@@ -503,8 +503,9 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
 }
 
 // A float32 convolution's first uses at a shape run MLX's own convolution: its primitive is
-// used from the fourth (queued at the third, cache.h: cached()) (a creation, 0.2-0.5 ms on AVX2, costs more than a small
-// convolution itself: an image size seen once would pay it whole). MLX's kernel is reached
+// used from the fourth (queued at the third, cache.h: cached()) (a creation, 0.2-0.5 ms on
+// AVX2, costs more than a small convolution itself: an image size seen once or twice would
+// pay it whole). MLX's kernel is reached
 // through the primitive of the graph node mx::conv_general builds on the same inputs (never
 // evaluated as a node: its eval_cpu runs here, on this stream), so that call is what the
 // kernels-off path computes, bit for bit, bias and ReLU after it as MLX adds them.

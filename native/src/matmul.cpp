@@ -890,10 +890,10 @@ bool Matmul::is_equivalent(const mx::Primitive& other) const {
 namespace {
 
 // Whether `x` is a bfloat16 operand narrowed from float32 in the graph by fluxlike's cast
-// (autocast's cast of a float32 weight, or of a float32 layer's output), not yet evaluated: an unbatched product in
-// bfloat16 kernels then gives it its gradient as the float32 product itself, which the cast's
-// gradient passes on unchanged, instead of rounding it to bfloat16 for the cast to widen
-// again (as Megatron-LM's fused weight gradient accumulates into float32). More accurate by
+// (autocast's cast of a float32 weight, or of a float32 layer's output), not yet evaluated:
+// an unbatched product in bfloat16 kernels then gives it its gradient as the float32 product
+// itself, which the cast's gradient passes on unchanged, instead of rounding it to bfloat16
+// for the cast to widen again (as Megatron-LM's fused weight gradient accumulates into float32). More accurate by
 // bfloat16's rounding, and cheaper: oneDNN's kernel accumulates in float32 anyway (writing
 // float32 took 3.1 ms of a 2048 x 512 x 2048 weight gradient on AMX, bfloat16 3.4, and the
 // cast back 0.4 more; Intel Xeon, 2026-12-05).
