@@ -943,11 +943,13 @@ std::vector<mx::array> Matmul::vjp(
     auto r = in_dtype_of(reduce_to(x, primal.shape(), s), cdt);
     return in_dtype_of(r, primal.dtype());
   };
-  // A product's output for the gradient of `primal`: float32 unrounded, to be summed, or the
-  // primal's dtype rounded to the compute dtype.
+  // Whether the gradient of `primal` is a float32 product left unrounded: to be summed over
+  // broadcast batch axes, or for fluxlike's cast of a float32 array (narrowed_from_f32).
   auto exact = [&](const mx::array& primal) {
     return unrounded || (native && !batched_ && narrowed_from_f32(primal));
   };
+  // A product's output for the gradient of `primal`: float32 where exact, else the primal's
+  // dtype rounded to the compute dtype.
   auto odt = [&](const mx::array& primal) {
     return exact(primal) ? mx::float32 : primal.dtype();
   };

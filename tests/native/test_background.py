@@ -108,12 +108,12 @@ def test_the_last_use_without_queues_the_primitive_and_later_calls_use_it(case, 
         np.testing.assert_array_equal(np.array(call(*xs)), first)
     native.wait_for_creations()
     assert counts(op) == ((uses - 1) * n, 0, 0)
-    second = np.array(call(*xs))  # queued: this call runs without them too
+    last_without = np.array(call(*xs))  # queued: this call runs without them too
     native.wait_for_creations()
     assert counts(op)[:2] == (uses * n, n) and _ext.cache_info()["pending"] == 0
-    third = np.array(call(*xs))
+    with_primitive = np.array(call(*xs))
     assert counts(op) == (uses * n, n, n)  # the worker's primitives
-    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(first, last_without)
     # the same primitive as the evaluating thread makes (for the same thread count)
     _ext.clear_cache()
     _ext.set_background_creation(False)
@@ -121,7 +121,7 @@ def test_the_last_use_without_queues_the_primitive_and_later_calls_use_it(case, 
         mx.eval(call(*xs))
     want = np.array(call(*xs))
     assert counts(op)[1] == n
-    np.testing.assert_array_equal(third, want)
+    np.testing.assert_array_equal(with_primitive, want)
 
 
 @pytest.mark.parametrize("case", ["conv", "softmax", "conv gradients"])
