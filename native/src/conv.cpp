@@ -679,10 +679,15 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
                     b = has_bias_ ? half_input(inputs[2]) : HalfInput{}, widen]() {
     // oneDNN 3.2's AMX convolution reads input entries beside a window's edge times zero
     // weights: an infinite or NaN input made NaN in outputs whose windows do not reach it
-    // (where MLX gives a finite result; Intel Xeon with AMX). Such an input (a scan of it
-    // first) goes through float32 kernels, as a CPU without bfloat16 kernels runs it.
-    if (entry && entry->amx && kind == ConvKind::Forward && bf16 &&
-        !all_finite(x.data, x.size, x.dtype)) {
+    // (where MLX gives a finite result; Intel Xeon with AMX). Its AVX512-BF16 data gradient
+    // sums an odd number of output channels in pairs, the last with the next pixel's first
+    // times a zero weight: a non-finite cotangent made NaN in its neighbour's gradient
+    // (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 on that Xeon, tests/native/test_hostile.py). Such
+    // an input (a scan of it first) goes through float32 kernels, as a CPU without bfloat16
+    // kernels runs it.
+    bool leaks = (entry && entry->amx && kind == ConvKind::Forward) ||
+        (kind == ConvKind::BackwardData && ws.front() % 2 == 1);
+    if (entry && leaks && bf16 && !all_finite(x.data, x.size, x.dtype)) {
       auto e32 = lookup(kind, p, xs, ws, ys, mx::float32,
                         b.data ? std::optional<mx::Dtype>(mx::float32) : std::nullopt);
       in_float32(e32.get(), kind, x, w, b, po, mx::bfloat16, relu, n, padded, xs, ws, ys, p);
