@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -54,9 +56,25 @@ def assert_close(y: mx.array, exact: np.ndarray, scale: np.ndarray, dtype) -> No
     assert excess.max(initial=-1) <= 0, f"max error over bound {excess.max()}"
 
 
+@contextmanager
+def float16_in_float32_kernels() -> Iterator[None]:
+    """float16 products in oneDNN's float32 kernels (upcast inside the primitive) while the
+    block runs, as on a CPU without AVX512-FP16 or under ``FLUXLIKE_NATIVE_F16=float32``: the
+    companion's setting and the routing's. (Where the CPU has no float16 kernels, a no-op.)"""
+    from fluxlike_native import _ext
+    old, routed = _ext.set_native_f16(False), native.switch.f16
+    native.switch.f16 = False
+    try:
+        yield
+    finally:
+        _ext.set_native_f16(old)
+        native.switch.f16 = routed
+
+
 def _subprocess(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items()
-            if k not in ("FLUXLIKE_NATIVE", "FLUXLIKE_NATIVE_BF16", "ONEDNN_MAX_CPU_ISA",
+            if k not in ("FLUXLIKE_NATIVE", "FLUXLIKE_NATIVE_BF16", "FLUXLIKE_NATIVE_F16",
+                         "ONEDNN_MAX_CPU_ISA",
                          "OMP_WAIT_POLICY")}
     # (an outer PYTHONPATH kept behind the checkout: ./dev asan's build of the companion)
     full.update(env, PYTHONPATH=os.pathsep.join(

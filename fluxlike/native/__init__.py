@@ -19,13 +19,16 @@ stream, with ``vjp``/``jvp``/``vmap`` and ``output_shapes`` (so ``mx.grad``, ``m
 The companion is found, checked against the running MLX and loaded when this package is
 imported (``import fluxlike`` does it): ``FLUXLIKE_NATIVE=0`` (or ``off``) leaves it unused,
 ``FLUXLIKE_NATIVE_BF16=float32`` runs bfloat16 in float32 kernels even where oneDNN has
-bfloat16 ones, and ``ONEDNN_MAX_CPU_ISA`` caps oneDNN's instruction set; all three are read
-then. Numerics: float32 operands give float32 results (float32 accumulation, as
-``mx.matmul``); bfloat16 operands give bfloat16 results accumulated in float32 and rounded
-once, in oneDNN's bfloat16 kernels on a CPU with AVX512-BF16, else in float32 kernels with the
-same roundings. oneDNN's bfloat16 kernels flush bfloat16 denormals (below 1.2e-38) to zero,
-where MLX keeps them; ``FLUXLIKE_NATIVE_BF16=float32`` gives MLX's results there too (see
-``native/README.md``, "Numerics at the edges").
+bfloat16 ones, ``FLUXLIKE_NATIVE_F16=float32`` float16 products likewise, and
+``ONEDNN_MAX_CPU_ISA`` caps oneDNN's instruction set; all four are read then. Numerics:
+float32 operands give float32 results (float32 accumulation, as ``mx.matmul``); bfloat16
+operands give bfloat16 results accumulated in float32 and rounded once, in oneDNN's bfloat16
+kernels on a CPU with AVX512-BF16, else in float32 kernels with the same roundings; float16
+products likewise, in oneDNN's float16 kernels on a CPU with AVX512-FP16 (they convert in
+hardware and accumulate in float32, at float32's speed). oneDNN's bfloat16 kernels flush
+bfloat16 denormals (below 1.2e-38) to zero, where MLX keeps them;
+``FLUXLIKE_NATIVE_BF16=float32`` gives MLX's results there too (see ``native/README.md``,
+"Numerics at the edges").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ _MLX = mx.__version__  # type: ignore[attr-defined]  # not in MLX's stub
 # The entries this fluxlike calls: a companion built from an older native/ lacks some.
 REQUIRED = ("matmul", "plain_linear", "conv", "conv_backward_data", "max_pool", "softmax",
             "adam_step", "rmsprop_step", "all_finite", "gelu", "convert", "bias_grad",
-            "wait_for_creations", "sigmoid", "tanh", "exp", "log_sum_exp")
+            "wait_for_creations", "sigmoid", "tanh", "exp", "log_sum_exp", "set_native_f16")
 
 
 # The wait policy of oneDNN's OpenMP threads where the environment sets none. libgomp's own
@@ -53,7 +53,9 @@ class NativeInfo:
     ``available``: whether its kernels are in use; ``reason``: why, or why not, in words;
     ``isa``: oneDNN's effective CPU ISA (``None`` when not loaded); ``bfloat16``: how
     bfloat16 operands run - ``"native"`` (oneDNN's bfloat16 kernels), ``"float32 kernels"``
-    (upcast, bfloat16 numerics) or ``None``; ``mlx``: the running MLX version;
+    (upcast, bfloat16 numerics) or ``None``; ``float16``: the same for float16 operands -
+    ``"native"`` (oneDNN's float16 kernels, on AVX512-FP16) or ``"float32 kernels"``;
+    ``mlx``: the running MLX version;
     ``built_for``: the MLX version the companion was built against; ``onednn``: oneDNN's
     version; ``path``: where the companion was found.
     """
@@ -66,22 +68,25 @@ class NativeInfo:
     built_for: str | None = None
     onednn: str | None = None
     path: str | None = None
+    float16: str | None = None
 
 
 class Switch:
     """What the routing reads at each call: ``ext``, the companion's module while fluxlike
     routes calls to its kernels (``None`` when it is not in use, and inside
     :func:`fluxlike.native.disabled`); ``bf16``, whether bfloat16 runs in oneDNN's bfloat16
-    kernels. ``loaded`` is the companion in use whatever ``disabled`` says, ``info`` what
+    kernels; ``f16``, whether float16 runs in its float16 kernels. ``loaded`` is the companion
+    in use whatever ``disabled`` says, ``info`` what
     :func:`fluxlike.native.native_info` reports."""
 
-    __slots__ = ("ext", "bf16", "loaded", "info")
+    __slots__ = ("ext", "bf16", "f16", "loaded", "info")
 
     def __init__(self, info: NativeInfo, ext: ModuleType | None, bf16: bool):
         self.info = info
         self.ext: ModuleType | None = ext
         self.loaded: ModuleType | None = ext
         self.bf16 = bf16 and ext is not None
+        self.f16 = ext is not None and bool(ext.native_f16())
 
 
 def find() -> tuple[NativeInfo, ModuleType | None, bool]:
@@ -132,12 +137,24 @@ def find() -> tuple[NativeInfo, ModuleType | None, bool]:
     else:
         how, why = "float32 kernels", (f"bfloat16 in float32 kernels: the CPU ISA {isa} has no "
                                        f"AVX512_CORE_BF16")
+    # float16 in oneDNN's float16 kernels where the CPU converts it in hardware (AVX512-FP16:
+    # they accumulate in float32 at float32's speed); elsewhere in its float32 kernels,
+    # upcast. Both round the sums once to float16.
+    forced16 = os.environ.get("FLUXLIKE_NATIVE_F16", "").strip().lower()
+    ext.set_native_f16(forced16 != "float32")
+    if ext.native_f16():
+        how16, why16 = "native", "float16 in oneDNN's float16 kernels (AVX512-FP16)"
+    elif forced16 == "float32":
+        how16, why16 = "float32 kernels", "float16 in float32 kernels (FLUXLIKE_NATIVE_F16=float32)"
+    else:
+        how16, why16 = "float32 kernels", (f"float16 in float32 kernels: the CPU ISA {isa} "
+                                           f"has no AVX512_FP16")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     limit = f", ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
     reason = (f"oneDNN {ext.onednn_version()} matmul, convolution, pooling and softmax in use, "
-              f"with native Adam and RMSprop updates: float32 on {isa}{limit}; {why}")
+              f"with native Adam and RMSprop updates: float32 on {isa}{limit}; {why}; {why16}")
     return NativeInfo(True, reason, isa, how, _MLX, built_for, ext.onednn_version(),
-                      path), ext, bf16
+                      path, how16), ext, bf16
 
 
 switch = Switch(*find())

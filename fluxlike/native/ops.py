@@ -120,15 +120,16 @@ def linear(
     """``act(x @ w.T + bias)`` in one oneDNN primitive, ``w`` of shape ``(out, in)``.
 
     ``x``: ``(..., in)``, any leading axes; ``w``, ``x`` (and ``bias``, shape ``(out,)``,
-    also allowed float32 for half operands) float32, bfloat16 or float16, one dtype (float16,
-    and bfloat16 without oneDNN's bfloat16 kernels, in its float32 kernels: the primitive
-    upcasts the operands while it runs and rounds the result once). ``act``:
-    ``None``, ``"relu"`` or fluxlike's/``mlx.nn``'s ``relu`` are fused into the kernel
-    (applied in the kernel's task, NaN kept); any other function is applied to the result.
-    The result is ``(..., out)`` in the operands' dtype (or ``out_dtype=mx.float32``); its
-    gradients with respect to ``w`` are row-major, in ``w``'s dtype, except in bfloat16
-    kernels for an operand or bias that is fluxlike's cast of a float32 array (autocast's
-    weights): that one gets the float32 product or sum, which the cast passes on unrounded.
+    also allowed float32 for half operands) float32, bfloat16 or float16, one dtype (a half
+    dtype without oneDNN's kernels for it here - AVX512-BF16, AVX512-FP16 - in its float32
+    kernels: the primitive upcasts the operands while it runs and rounds the result once).
+    ``act``: ``None``, ``"relu"`` or fluxlike's/``mlx.nn``'s ``relu`` are fused into the
+    kernel (applied in the kernel's task, NaN kept); any other function is applied to the
+    result. The result is ``(..., out)`` in the operands' dtype (or ``out_dtype=mx.float32``);
+    its gradients with respect to ``w`` are row-major, in ``w``'s dtype, except in oneDNN's
+    bfloat16 or float16 kernels for an operand or bias that is fluxlike's cast of a float32
+    array (autocast's weights): that one gets the float32 product or sum, which the cast
+    passes on unrounded.
 
     >>> import mlx.core as mx
     >>> from fluxlike import native

@@ -7,9 +7,10 @@ them, and calls it:
 - ``"native"``: fluxlike's oneDNN primitives (:mod:`fluxlike.native`) on the CPU, where the
   companion is in use: float32; bfloat16 (in oneDNN's bfloat16 kernels where the CPU has
   them; elsewhere in its float32 kernels with bfloat16's roundings, the primitive upcasting
-  its operands while it runs); float16 linear layers and convolutions (upcast so, always);
+  its operands while it runs); float16 linear layers (in oneDNN's float16 kernels where the
+  CPU has AVX512-FP16, else upcast so) and convolutions (upcast, always);
 - ``"emulated"``: the rest of half precision on the CPU (attention's products without
-  oneDNN's bfloat16 kernels, transposed convolutions) in MLX's float32 kernels with half
+  oneDNN's kernels for their dtype, transposed convolutions) in MLX's float32 kernels with half
   precision's numerics (:mod:`.emulation`), since MLX's own half-precision CPU kernels are
   scalar loops;
 - ``"mlx"``: MLX's own kernel (on a GPU, for float64, for mixed dtypes, and for float32 where
@@ -44,10 +45,12 @@ NATIVE_CONV_MIN_MACS = 2**17
 
 _F32, _BF16, _F16 = mx.float32, mx.bfloat16, mx.float16
 _HALF = frozenset(HALF)
-# The ops whose native kernels take float16, in float32 kernels (oneDNN has no float16 kernel
-# that pays on these CPUs): products upcast inside the primitive, max pooling through casts
-# (MLX's own float16 pooling is ten times slower).
+# The ops whose native kernels take float16 on every CPU: products in oneDNN's float16 kernels
+# where it has them (AVX512-FP16), else in float32 kernels, upcast inside the primitive; max
+# pooling through casts (MLX's own float16 pooling is ten times slower).
 _UPCAST_F16 = frozenset(("linear", "conv", "max_pool", "gelu", "sigmoid", "tanh", "exp"))
+# And those that take it only in oneDNN's float16 kernels (attention's batched products).
+_NATIVE_F16 = frozenset(("matmul",))
 _EMULABLE = frozenset(("linear", "conv", "conv_transpose", "matmul", "quantized_linear"))
 _switch = _loader.switch  # .ext read per call: the companion's module, or None
 _state = context.get  # bound once: read on every call of every layer
@@ -75,8 +78,9 @@ def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,
     half = dtype in _HALF
     if not half and dtype != _F32:
         return MLX
-    if _switch.ext is not None and (dtype != _F16 or op in _UPCAST_F16) and _TAKES[op](
-            dtype, x, w, geometry):
+    if _switch.ext is not None and (
+            dtype != _F16 or op in _UPCAST_F16 or (_switch.f16 and op in _NATIVE_F16)) and (
+            _TAKES[op](dtype, x, w, geometry)):
         return NATIVE
     return EMULATED if half and op in _EMULABLE else MLX
 
@@ -89,19 +93,21 @@ def switched_off() -> bool:
 
 
 def _takes_linear(dtype: mx.Dtype, x: Any = None, w: Any = None, geometry: Any = None) -> bool:
-    """float32 and half precision: bfloat16 in oneDNN's bfloat16 kernels where the CPU has
-    them; else, and float16 always, in its float32 kernels, the primitive upcasting its half
-    operands while it runs (so a backward pass keeps them in half precision, as the emulation
-    does, with one graph node per product instead of the emulation's casts and custom
-    gradient)."""
+    """float32 and half precision: bfloat16 and float16 in oneDNN's kernels for them where the
+    CPU has them (AVX512-BF16, AVX512-FP16); else in its float32 kernels, the primitive
+    upcasting its half operands while it runs (so a backward pass keeps them in half
+    precision, as the emulation does, with one graph node per product instead of the
+    emulation's casts and custom gradient)."""
     return True
 
 
 def _takes_matmul(dtype: mx.Dtype, a: mx.array, b: mx.array, geometry: Any) -> bool:
-    """bfloat16 products of two or more axes (attention's scores and weighted sums: MLX's CPU
-    float32 matmul costs more on such small batched products than oneDNN's bfloat16 one)."""
-    return (dtype == _BF16 and _switch.bf16 and a.ndim >= 2 and b.ndim >= 2 and a.size > 0
-            and b.size > 0)
+    """Half-precision products of two or more axes in oneDNN's kernels for their dtype
+    (attention's scores and weighted sums: MLX's CPU float32 matmul costs more on such small
+    batched products than oneDNN's bfloat16 one, and its float16 one casts to float32 and
+    back around it)."""
+    native = _switch.bf16 if dtype == _BF16 else _switch.f16 and dtype == _F16
+    return native and a.ndim >= 2 and b.ndim >= 2 and a.size > 0 and b.size > 0
 
 
 def _takes_conv(dtype: mx.Dtype, x: mx.array, w: mx.array, geometry: tuple) -> bool:
@@ -275,14 +281,14 @@ def _on_kept_casts(state: Context, x: mx.array, weight: mx.array, bias: mx.array
 def _with_fused_casts(dtype: mx.Dtype, x: mx.array, weight: mx.array, bias: mx.array | None,
                       act: Activation | None, layer: str) -> mx.array | None:
     """``linear`` while fluxlike differentiates in a half-precision scope on the CPU, where
-    the native product runs in float32 kernels anyway (float16; bfloat16 without oneDNN's
-    bfloat16 kernels): float32 weights and bias are given to it as they are, and it reads
+    the native product runs in float32 kernels anyway (float16 and bfloat16 without oneDNN's
+    kernels for them): float32 weights and bias are given to it as they are, and it reads
     them rounded to ``dtype`` (``compute_dtype``): the casts' values and gradients bit for
     bit, without a cast node for each, forward and backward. (A weight used several
     times in one step, as a recurrent layer's are, gets each use's gradient as the casts give
     it, summed in float32, where the casts' own gradients were summed in half precision.)
     ``None`` where that does not apply (then the casts are made)."""
-    if (dtype == _BF16 and _switch.bf16) or dtype not in _HALF or (
+    if dtype not in _HALF or (_switch.bf16 if dtype == _BF16 else _switch.f16) or (
             mx.default_device().type is not mx.cpu):
         return None
     for p in (weight, bias):

@@ -76,6 +76,14 @@ NB_MODULE(_ext, m) {
         "oneDNN's effective CPU ISA (respects ONEDNN_MAX_CPU_ISA).");
   m.def("isa_has_bf16", &fluxlike_native::isa_has_bf16,
         "Whether oneDNN has bfloat16 dot-product kernels here (avx512_core_bf16 or better).");
+  m.def("isa_has_fp16", &fluxlike_native::isa_has_fp16,
+        "Whether oneDNN has float16 kernels here (AVX512-FP16: avx512_core_fp16 or better).");
+  m.def("native_f16", &fluxlike_native::native_f16,
+        "Whether float16 products run in oneDNN's float16 kernels (isa_has_fp16() unless "
+        "set_native_f16(False)).");
+  m.def("set_native_f16", &fluxlike_native::set_native_f16, "on"_a,
+        "Whether float16 products may run in oneDNN's float16 kernels (else in its float32 "
+        "kernels, upcast); returns the old setting.");
   m.def("isa_has_avx512", &fluxlike_native::isa_has_avx512,
         "Whether oneDNN has AVX-512 kernels here.");
   m.def("onednn_version", &fluxlike_native::onednn_version, "oneDNN's version.");

@@ -81,10 +81,11 @@ inline std::string dtype_str(mx::Dtype d) {
   return os.str();
 }
 
-// oneDNN's type for a float32 or bfloat16 array; `fn` names the caller otherwise.
+// oneDNN's type for a float32, bfloat16 or float16 array; `fn` names the caller otherwise.
 inline dnnl::memory::data_type dnnl_type(mx::Dtype d, const char* fn = "fluxlike_native") {
   if (d == mx::float32) return dnnl::memory::data_type::f32;
   if (d == mx::bfloat16) return dnnl::memory::data_type::bf16;
+  if (d == mx::float16) return dnnl::memory::data_type::f16;
   throw std::invalid_argument(std::string(fn) + ": no oneDNN type for " + dtype_str(d));
 }
 
@@ -243,9 +244,9 @@ inline bool float_or_half(mx::Dtype d) {
 }
 
 // Whether operands of dtype `dt` run in oneDNN's float32 kernels, upcast inside the primitive:
-// float16 always (no oneDNN float16 kernel pays on these CPUs), bfloat16 where its own
-// kernels are not taken (`bf16_kernels`: asked for, and not declined by the op for a case
-// they get wrong).
+// float16 always (the convolutions and the pooling; products take oneDNN's float16 kernels
+// where native_f16(): matmul.cpp), bfloat16 where its own kernels are not taken
+// (`bf16_kernels`: asked for, and not declined by the op for a case they get wrong).
 inline bool in_float32_kernels(mx::Dtype dt, bool bf16_kernels) {
   return dt == mx::float16 || (dt == mx::bfloat16 && !bf16_kernels);
 }

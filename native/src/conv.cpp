@@ -566,7 +566,7 @@ bool Conv::first_use_on_mlx(const std::vector<mx::array>& inputs, mx::array& out
       add_bias_float32(y, bias, n / static_cast<size_t>(channels), static_cast<size_t>(channels));
     }
     if (relu) {
-      relu_keeping_nan(y, n, false);
+      relu_keeping_nan(y, n, mx::float32);
     }
   });
   return true;
@@ -609,7 +609,7 @@ void in_float32(const ConvPrepared* entry, ConvKind kind, const HalfInput& in0,
     padding_as_mlx({a32, b32, bias32, y, false, false}, xs, ws, ys, p);
   }
   if (relu) {
-    relu_keeping_nan(y, n, false);
+    relu_keeping_nan(y, n, mx::float32);
   }
   narrow_all(y, odt, po, n);
 }
@@ -705,7 +705,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
       padding_as_mlx({p0, p1, pbias, po, bf16, bias_bf16}, xs, ws, ys, p);
     }
     if (relu) {  // after the kernel, keeping NaN (see relu_keeping_nan)
-      relu_keeping_nan(po, n, bf16);
+      relu_keeping_nan(po, n, bf16 ? mx::bfloat16 : mx::float32);
     }
   });
 }

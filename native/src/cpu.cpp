@@ -93,6 +93,29 @@ bool isa_has_bf16() {
   }
 }
 
+bool isa_has_fp16() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::avx512_core_fp16:
+    case dnnl::cpu_isa::avx512_core_amx:
+    case dnnl::cpu_isa::avx512_core_amx_fp16:
+      return true;
+    default:
+      return false;
+  }
+}
+
+namespace {
+std::atomic<bool> g_native_f16{true};
+} // namespace
+
+bool native_f16() {
+  return g_native_f16.load(std::memory_order_relaxed) && isa_has_fp16();
+}
+
+bool set_native_f16(bool on) {
+  return g_native_f16.exchange(on);
+}
+
 bool isa_has_avx512() {
   return isa_has_bf16() || dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core ||
       dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_vnni;

@@ -10,6 +10,14 @@ namespace fluxlike_native {
 std::string cpu_isa();
 // Whether oneDNN has bf16 dot-product kernels on this CPU (avx512_core_bf16 or better).
 bool isa_has_bf16();
+// Whether oneDNN has float16 kernels that convert with AVX512-FP16 and accumulate in float32
+// (avx512_core_fp16 or better), as fast as its float32 ones.
+bool isa_has_fp16();
+// Whether float16 products run in those kernels (isa_has_fp16(), unless set_native_f16(false)
+// - FLUXLIKE_NATIVE_F16=float32 - holds them to float32 kernels, which round the same way).
+bool native_f16();
+// Sets it (true takes effect only where isa_has_fp16()); returns the old setting.
+bool set_native_f16(bool on);
 // Whether oneDNN has AVX-512 (core) kernels on this CPU.
 bool isa_has_avx512();
 // Whether oneDNN's bfloat16 kernels run on AMX tiles on this CPU (avx512_core_amx or better).

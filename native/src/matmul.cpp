@@ -549,7 +549,8 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
   // an infinite operand (the K pair is padded; seen in tests/native/test_hostile.py): float32.
   int k_len = a.ndim() == 0 ? 1 : (trans_a && a.ndim() >= 2 ? a.shape(-2) : a.shape(-1));
   // (Fused casts read float32 operands: float32 kernels too.)
-  bool upcast = in_float32_kernels(dt, native_bf16 && !fused && k_len != 1);
+  bool upcast = dt == mx::float16 ? fused || !native_f16()
+                                  : in_float32_kernels(dt, native_bf16 && !fused && k_len != 1);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), " (no avx512_core_bf16); "
             "pass native_bf16=False to run bfloat16 in float32 kernels");
@@ -711,9 +712,21 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   if (has_bias_) {
     bias_dt = inputs[2].dtype();
   }
+  // oneDNN 3.2's float16 kernels take a float32 bias only (a float16 one gets its reference
+  // implementation, ~1,000x slower): a float16 bias is widened (exactly) when the task runs.
+  bool widen_bias = bias_dt == mx::float16;
+  if (widen_bias) {
+    bias_dt = mx::float32;
+  }
   bool gemm_ok = !batched_ && a.dtype() == mx::float32 && out.dtype() == mx::float32 &&
       (!has_bias_ || bias.dtype() == mx::float32);
   auto pl = plan(va, vb, out, batched_, gemm_ok, a.dtype(), out.dtype(), bias_dt);
+  if (pl.entry && pl.entry->impl.rfind("ref", 0) == 0 && a.dtype() != mx::float32) {
+    // No fast half kernel for this case (a layout oneDNN's float16 brgemm declines):
+    // float32 kernels, as a CPU without them runs it.
+    eval_upcast(inputs, out);
+    return;
+  }
   for (auto& in : inputs) {
     encoder.set_input_array(in);
   }
@@ -725,7 +738,7 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                       m = pl.dst_dims[0], n = pl.dst_dims[1], k = va.dims[1], relu = relu_]() {
       direct_gemm(pa, la, pb, lb, pbias, pdst, m, n, k);
       if (relu) {
-        relu_keeping_nan(pdst, static_cast<size_t>(m * n), false);
+        relu_keeping_nan(pdst, static_cast<size_t>(m * n), mx::float32);
       }
     });
     return;
@@ -736,14 +749,20 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     a_bytes = a.nbytes(),
                     pb = const_cast<void*>(b.data<void>()),
                     pbias,
+                    bias_n = widen_bias ? bias.size() : 0,
                     pdst = out.data<void>(),
                     relu = relu_,
-                    bf16 = out.dtype() == mx::bfloat16,
-                    n = out.size()]() {
+                    odt = out.dtype(),
+                    n = out.size()]() mutable {
+    Scratch wide(bias_n * sizeof(float), FN, "the bias in float32");
+    if (bias_n > 0) {
+      widen_all(pbias, mx::float16, static_cast<float*>(wide.get()), bias_n);
+      pbias = wide.get();
+    }
     // (a is dense, row- or column-major: its bytes copied keep its layout.)
     run_product(*entry, pa, a_bytes, pb, pbias, pdst, FN, actual);
     if (relu) {
-      relu_keeping_nan(pdst, n, bf16);
+      relu_keeping_nan(pdst, n, odt);
     }
   });
 }
@@ -796,7 +815,7 @@ void Matmul::eval_upcast(const std::vector<mx::array>& inputs, mx::array& out) {
                        {DNNL_ARG_BIAS, bias32}, {DNNL_ARG_DST, dst}}, FN);
     }
     if (relu) {
-      relu_keeping_nan(dst, n_out, false);
+      relu_keeping_nan(dst, n_out, mx::float32);
     }
     if (half) {
       narrow_all(dst, odt, pdst, n_out);
@@ -889,17 +908,18 @@ bool Matmul::is_equivalent(const mx::Primitive& other) const {
 
 namespace {
 
-// Whether `x` is a bfloat16 operand narrowed from float32 in the graph by fluxlike's cast
-// (autocast's cast of a float32 weight, or of a float32 layer's output), not yet evaluated:
-// an unbatched product in bfloat16 kernels then gives it its gradient as the float32 product
-// itself, which the cast's gradient passes on unchanged, instead of rounding it to bfloat16
-// for the cast to widen again (as Megatron-LM's fused weight gradient accumulates into float32). More accurate by
-// bfloat16's rounding, and cheaper: oneDNN's kernel accumulates in float32 anyway (writing
-// float32 took 3.1 ms of a 2048 x 512 x 2048 weight gradient on AMX, bfloat16 3.4, and the
-// cast back 0.4 more; Intel Xeon, 2026-12-05).
+// Whether `x` is a bfloat16 or float16 operand narrowed from float32 in the graph by
+// fluxlike's cast (autocast's cast of a float32 weight, or of a float32 layer's output), not
+// yet evaluated: an unbatched product in that dtype's kernels then gives it its gradient as
+// the float32 product itself, which the cast's gradient passes on unchanged, instead of
+// rounding it to the half dtype for the cast to widen again (as Megatron-LM's fused weight
+// gradient accumulates into float32). More accurate by the half dtype's rounding, and
+// cheaper: oneDNN's kernel accumulates in float32 anyway (writing float32 took 3.1 ms of a
+// 2048 x 512 x 2048 bfloat16 weight gradient on AMX, bfloat16 3.4, and the cast back 0.4
+// more; Intel Xeon, 2026-12-05).
 bool narrowed_from_f32(const mx::array& x) {
-  if (x.dtype() != mx::bfloat16 || !x.has_primitive() || x.inputs().size() != 1 ||
-      x.inputs()[0].dtype() != mx::float32) {
+  if ((x.dtype() != mx::bfloat16 && x.dtype() != mx::float16) || !x.has_primitive() ||
+      x.inputs().size() != 1 || x.inputs()[0].dtype() != mx::float32) {
     return false;
   }
   // (fluxlike's cast only: MLX's AsType refuses a cotangent of another dtype than its output)
@@ -912,8 +932,9 @@ bool narrowed_from_f32(const mx::array& x) {
 // differentiate to, with this product's kernels: a half cotangent, each operand's gradient
 // rounded to the compute dtype, then given its dtype (a fused float32 operand's gradient is
 // float32 holding the rounded values, as astype's gradient gives it).
-// Except, in bfloat16 kernels, an unbatched product's operand or bias narrowed from float32 in
-// the graph (narrowed_from_f32): its gradient is the float32 product (or sum), not rounded.
+// Except, in bfloat16 or float16 kernels, an unbatched product's operand or bias narrowed from
+// float32 in the graph (narrowed_from_f32): its gradient is the float32 product (or sum), not
+// rounded.
 std::vector<mx::array> Matmul::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,

@@ -20,8 +20,11 @@ namespace fluxlike_native {
 // batched == true: `a` and `b` have the same number (>= 3) of axes, batch axes equal or 1
 //   (broadcast).
 // Operands float32, bfloat16 or float16 (both the same); bias (N,) of their dtype or float32;
-// out_dtype float32 or the operands' dtype (default). float16 operands, and bfloat16 ones
-// with native_bf16 == false, run in float32 kernels: one primitive that upcasts them
+// out_dtype float32 or the operands' dtype (default). float16 operands run in oneDNN's float16
+// kernels where native_f16() (cpu.h: AVX512-FP16; a float16 bias is widened to float32 for
+// them, and a case they would run on oneDNN's reference kernel runs as below). float16
+// operands elsewhere, and bfloat16 ones with native_bf16 == false, run in float32 kernels:
+// one primitive that upcasts them
 // (exactly) into float32 buffers of its own while it runs and rounds the float32 result to
 // the half dtype if asked, so that the graph holds the half-precision operands only (a
 // backward pass keeps those, not float32 copies) and one node per product.
@@ -33,8 +36,8 @@ namespace fluxlike_native {
 // float32; `rounded` rounds a float32 result to `compute` too (what astype to it and back
 // gives: the gradient of a float32 operand). Every gradient and tangent is what the casts and
 // the product would give, bit for bit; an operand's gradient has its dtype. (Not fused: in
-// bfloat16 kernels an unbatched product's operand or bias that is convert()'s cast of a float32
-// array gets the float32 product or sum as its gradient, not rounded: matmul.cpp.)
+// bfloat16 or float16 kernels an unbatched product's operand or bias that is convert()'s cast
+// of a float32 array gets the float32 product or sum as its gradient, not rounded: matmul.cpp.)
 mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx::array>& bias,
                  bool trans_a, bool trans_b, bool relu, std::optional<mx::Dtype> out_dtype,
                  bool batched, bool native_bf16, mx::StreamOrDevice s = {},
@@ -162,7 +165,7 @@ class Matmul : public mx::UnaryPrimitive {
 
   // What to give matmul() for a product of this one's vjp/jvp/vmap: native_bf16, compute.
   bool native() const {
-    return cdt_ == mx::bfloat16 && !upcast_;
+    return cdt_ != mx::float32 && !upcast_;
   }
   std::optional<mx::Dtype> compute() const {
     return fused_ ? std::optional<mx::Dtype>(cdt_) : std::nullopt;

@@ -229,12 +229,12 @@ void PackedLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
                     pa = const_cast<void*>(x->data<void>()), a_bytes = x->nbytes(),
                     pw = packed.data<void>(),
                     pbias = bias ? const_cast<void*>((*bias)->data<void>()) : nullptr,
-                    pdst = out.data<void>(), relu = relu_, bf16 = out.dtype() == mx::bfloat16,
+                    pdst = out.data<void>(), relu = relu_, odt = out.dtype(),
                     n = out.size()]() {
     run_product(*entry, pa, a_bytes, const_cast<void*>(packed_in(pw)), pbias, pdst, LINEAR_FN,
                 actual);
     if (relu) {
-      relu_keeping_nan(pdst, n, bf16);
+      relu_keeping_nan(pdst, n, odt);
     }
   });
 }

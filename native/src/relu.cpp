@@ -62,20 +62,23 @@ FLN_VECTOR_CLONES void relu_float32(float* y, size_t n) {
   }
 }
 
-FLN_VECTOR_CLONES void relu_bfloat16(uint16_t* y, size_t n) {
+// The same for bfloat16 or float16 bits, `inf` the dtype's +inf (0x7F80, 0x7C00): kept where
+// positive (b - 1 below inf as unsigned: neither zero nor negative nor inf or NaN above it) or
+// NaN (magnitude above inf).
+FLN_VECTOR_CLONES void relu_half(uint16_t* y, size_t n, uint16_t inf) {
   for (size_t i = 0; i < n; ++i) {
     uint16_t b = y[i];
-    uint16_t keep = static_cast<uint16_t>(static_cast<uint16_t>(b - 1u) < 0x7F80u) |
-        static_cast<uint16_t>((b & 0x7FFFu) > 0x7F80u);
+    uint16_t keep = static_cast<uint16_t>(static_cast<uint16_t>(b - 1u) < inf) |
+        static_cast<uint16_t>((b & 0x7FFFu) > inf);
     y[i] = static_cast<uint16_t>(b & static_cast<uint16_t>(0u - keep));
   }
 }
 
-void relu_keeping_nan(void* y, size_t n, bool bf16) {
-  if (bf16) {
-    relu_bfloat16(static_cast<uint16_t*>(y), n);
-  } else {
+void relu_keeping_nan(void* y, size_t n, mx::Dtype dt) {
+  if (dt == mx::float32) {
     relu_float32(static_cast<float*>(y), n);
+  } else {
+    relu_half(static_cast<uint16_t*>(y), n, static_cast<uint16_t>(inf_bits(dt)));
   }
 }
 

@@ -232,3 +232,38 @@ def test_per_example_gradients_of_a_small_cnn_with_fluxlike_gradient():
             np.testing.assert_allclose(np64(grads["layers"][layer]["weight"][i]),
                                        np64(own["layers"][layer]["weight"]), rtol=1e-4,
                                        atol=1e-6)
+
+
+@needs_native
+def test_a_float16_transformer_step_runs_on_onednns_float16_kernels():
+    """Under ``autocast(mx.float16)`` with oneDNN's float16 kernels (AVX512-FP16) every
+    product of a transformer block's training step - projections with their biases, attention's
+    batched products, their gradients - runs on a brgemm kernel, never on oneDNN's reference
+    implementation (a float16 bias once sent it there, ~1,000x slower), and the float32
+    weights' gradients come back finite float32, as the emulation's do to float16's rounding."""
+    from fluxlike_native import _ext
+
+    import fluxlike as fl
+    if not _ext.native_f16():
+        pytest.skip("float16 runs in oneDNN's float32 kernels here")
+    mx.random.seed(5)
+    model = fl.Chain(fl.Dense(16, 32), fl.MultiHeadAttention(32, 4), fl.LayerNorm(32),
+                     fl.Dense(32, 8, fl.gelu))
+    x = mx.random.normal((3, 10, 16))
+
+    def loss(m):
+        return m(x).astype(mx.float32).square().mean()
+
+    before = dict(_ext.cache_impls())
+    value, (grads,) = fl.withgradient(loss, model, autocast=mx.float16)
+    mx.eval(value, grads)
+    made = {k: n - before.get(k, 0) for k, n in _ext.cache_impls()}
+    assert not [k for k in made if k.startswith("ref")], made
+    assert made.get("brg:avx512_core_fp16", 0) > 0, made
+    with native.disabled():
+        e_value, (e_grads,) = fl.withgradient(loss, model, autocast=mx.float16)
+    from mlx.utils import tree_flatten
+    np.testing.assert_allclose(np64(value), np64(e_value), rtol=2**-8)
+    for (name, g), (_, e) in zip(tree_flatten(grads), tree_flatten(e_grads), strict=True):
+        assert g.dtype == mx.float32, name
+        np.testing.assert_allclose(np64(g), np64(e), rtol=2**-6, atol=2**-9, err_msg=name)

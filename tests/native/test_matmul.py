@@ -34,6 +34,7 @@ from native_helpers import (
     LAYOUTS,
     _subprocess,
     assert_close,
+    float16_in_float32_kernels,
     laid_out,
     needs_native,
     np64,
@@ -286,40 +287,43 @@ def test_bfloat16_gradients():
 
 
 @needs_native
-def test_an_operand_narrowed_from_float32_gets_the_float32_product_as_its_gradient():
-    """Autocast's float32 weights reach a bfloat16 product through a cast: in oneDNN's
-    bfloat16 kernels the product's gradient for such an operand is the float32-accumulated
-    product itself, passed through the cast's gradient unchanged (not rounded to bfloat16 and
-    widened again), for the weight, its bias and a float32 input alike; a bfloat16 operand that is
-    not a cast (a bfloat16 model's weight) still gets a bfloat16 gradient. In float32 kernels
-    (no avx512_core_bf16, or FLUXLIKE_NATIVE_BF16=float32) the gradient stays the rounded one,
-    and so it does through MLX's ``astype``, whose gradient takes only its output's dtype."""
+@pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=str)
+def test_an_operand_narrowed_from_float32_gets_the_float32_product_as_its_gradient(half):
+    """Autocast's float32 weights reach a half-precision product through a cast: in oneDNN's
+    kernels for the half dtype the product's gradient for such an operand is the
+    float32-accumulated product itself, passed through the cast's gradient unchanged (not
+    rounded to the half dtype and widened again), for the weight, its bias and a float32 input
+    alike; a half operand that is not a cast (a half model's weight) still gets a half
+    gradient. In float32 kernels (no AVX512-BF16 / AVX512-FP16, or FLUXLIKE_NATIVE_BF16 /
+    FLUXLIKE_NATIVE_F16=float32) the gradient stays the rounded one, and so it does through
+    MLX's ``astype``, whose gradient takes only its output's dtype."""
     from fluxlike.precision.castcache import convert
     x, w, b, ct = rand((48, 96)), rand((40, 96)), rand((40,)), rand((48, 40))
-    xb, wb, cb = (t.astype(mx.bfloat16) for t in (x, w, ct))
+    xb, wb, cb = (t.astype(half) for t in (x, w, ct))
 
     def f(x, w, b):
-        return native.linear(*(convert(t, mx.bfloat16) for t in (x, w, b)))
+        return native.linear(*(convert(t, half) for t in (x, w, b)))
 
     _, (dx, dw, db) = mx.vjp(f, [x, w, b], [cb])
     exact_dw = np64(cb).T @ np64(xb)  # the float64 products of the operands the kernel read
     exact_dx = np64(cb) @ np64(wb)
     assert dx.dtype == dw.dtype == db.dtype == mx.float32
-    in_bf16_kernels = native.native_info().bfloat16 == "native"
+    info = native.native_info()
+    in_half_kernels = (info.bfloat16 if half == mx.bfloat16 else info.float16) == "native"
     for got, exact in ((dw, exact_dw), (dx, exact_dx), (db, np64(cb).sum(axis=0))):
-        rounded = np.array(got.astype(mx.bfloat16).astype(mx.float32))
-        if in_bf16_kernels:
+        rounded = np.array(got.astype(half).astype(mx.float32))
+        if in_half_kernels:
             np.testing.assert_allclose(np.array(got), exact, rtol=1e-5, atol=1e-5)
-            assert (np.array(got) != rounded).mean() > 0.9  # not bfloat16 values
+            assert (np.array(got) != rounded).mean() > 0.9  # not half-precision values
         else:
             np.testing.assert_array_equal(np.array(got), rounded)
             np.testing.assert_allclose(np.array(got), exact, rtol=2 ** -8, atol=1e-2)
-    _, (through_astype,) = mx.vjp(lambda w: native.linear(xb, w.astype(mx.bfloat16)), [w], [cb])
-    np.testing.assert_array_equal(  # astype's gradient: bfloat16, widened
-        np.array(through_astype), np.array(through_astype.astype(mx.bfloat16).astype(mx.float32)))
-    # a bfloat16 parameter's own gradient: bfloat16, rounded once
+    _, (through_astype,) = mx.vjp(lambda w: native.linear(xb, w.astype(half)), [w], [cb])
+    np.testing.assert_array_equal(  # astype's gradient: the half dtype, widened
+        np.array(through_astype), np.array(through_astype.astype(half).astype(mx.float32)))
+    # a half parameter's own gradient: the half dtype, rounded once
     _, (own,) = mx.vjp(lambda w: native.linear(xb, w), [wb], [cb])
-    assert own.dtype == mx.bfloat16
+    assert own.dtype == half
     np.testing.assert_allclose(np.array(own.astype(mx.float32)), exact_dw, rtol=2 ** -8,
                                atol=1e-2)
 
@@ -619,39 +623,41 @@ def _upcast_reference(a, b, bias, ta, tb, act, out_dtype, batched):
        out_f32=st.booleans(), seed=st.integers(0, 2**16))
 def test_half_upcast_is_the_float32_product_rounded_once_bit_for_bit(
         rows, inner, out, lead, xl, wl, bias, relu_, half, out_f32, seed):
-    """float16, and bfloat16 with native_bf16=False: the result (and each gradient) is
-    exactly that of astype, the float32 primitive and astype, for any layout of the operands,
+    """float16 in float32 kernels (as without AVX512-FP16), and bfloat16 with
+    native_bf16=False: the result (and each gradient) is exactly that of astype, the float32
+    primitive and astype, for any layout of the operands,
     a bias of either dtype, a fused ReLU and either output dtype (a float32 output's
     cotangent is rounded to the half dtype before the backward products, as in oneDNN's
     bfloat16 kernels: native/README.md)."""
     from fluxlike_native import _ext
-    mx.random.seed(seed)
-    out_dtype = mx.float32 if out_f32 else half
-    x = laid_out(rand((rows, inner), half), xl)
-    if lead:
-        x = mx.stack([x] * lead[0])
-    w = laid_out(rand((out, inner), half), wl)
-    b = None if bias is None else rand((out,), half if bias == mx.bfloat16 else bias)
-    y = _ext.matmul(x, w, b, False, True, relu_, out_dtype, False, False)
-    ref = _upcast_reference(x, w, b, False, True, relu_, out_dtype, False)
-    assert y.dtype == ref.dtype == out_dtype
-    np.testing.assert_array_equal(np64(y), np64(ref))
+    with float16_in_float32_kernels():
+        mx.random.seed(seed)
+        out_dtype = mx.float32 if out_f32 else half
+        x = laid_out(rand((rows, inner), half), xl)
+        if lead:
+            x = mx.stack([x] * lead[0])
+        w = laid_out(rand((out, inner), half), wl)
+        b = None if bias is None else rand((out,), half if bias == mx.bfloat16 else bias)
+        y = _ext.matmul(x, w, b, False, True, relu_, out_dtype, False, False)
+        ref = _upcast_reference(x, w, b, False, True, relu_, out_dtype, False)
+        assert y.dtype == ref.dtype == out_dtype
+        np.testing.assert_array_equal(np64(y), np64(ref))
 
-    def grads(fn):
-        args = [x, w] + ([] if b is None else [b])
-        return mx.grad(lambda *t: (fn(*t) * c).astype(mx.float32).sum(),
-                       argnums=list(range(len(args))))(*args)
+        def grads(fn):
+            args = [x, w] + ([] if b is None else [b])
+            return mx.grad(lambda *t: (fn(*t) * c).astype(mx.float32).sum(),
+                           argnums=list(range(len(args))))(*args)
 
-    # (a float32 cotangent is rounded to the half dtype before the products, as in oneDNN's
-    # bfloat16 kernels: one that the half dtype holds exactly makes that rounding exact)
-    c = rand(y.shape, half).astype(out_dtype)
-    mine = grads(lambda x, w, b=None: _ext.matmul(x, w, b, False, True, relu_, out_dtype, False,
-                                                 False))
-    theirs = grads(lambda x, w, b=None: _upcast_reference(x, w, b, False, True, relu_,
-                                                          out_dtype, False))
-    for g, r in zip(mine, theirs, strict=True):
-        assert g.dtype == r.dtype
-        np.testing.assert_array_equal(np64(g), np64(r))
+        # (a float32 cotangent is rounded to the half dtype before the products, as in oneDNN's
+        # bfloat16 kernels: one that the half dtype holds exactly makes that rounding exact)
+        c = rand(y.shape, half).astype(out_dtype)
+        mine = grads(lambda x, w, b=None: _ext.matmul(x, w, b, False, True, relu_, out_dtype, False,
+                                                     False))
+        theirs = grads(lambda x, w, b=None: _upcast_reference(x, w, b, False, True, relu_,
+                                                              out_dtype, False))
+        for g, r in zip(mine, theirs, strict=True):
+            assert g.dtype == r.dtype
+            np.testing.assert_array_equal(np64(g), np64(r))
 
 
 @needs_native
@@ -664,24 +670,131 @@ def test_half_upcast_is_the_float32_product_rounded_once_bit_for_bit(
 @pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=str)
 def test_half_upcast_batched_and_transposed_bit_for_bit(ashape, bshape, ta, tb, half):
     from fluxlike_native import _ext
-    a, b = rand(ashape, half), rand(bshape, half)
-    batched = len(ashape) > 2
-    for out_dtype in (half, mx.float32):
-        y = _ext.matmul(a, b, None, ta, tb, False, out_dtype, batched, False)
-        ref = _upcast_reference(a, b, None, ta, tb, False, out_dtype, batched)
-        np.testing.assert_array_equal(np64(y), np64(ref))
-    # the gradients too: an operand broadcast over batch axes gets its products summed in
-    # float32 and rounded once
-    c = rand(y.shape, half)
+    with float16_in_float32_kernels():
+        a, b = rand(ashape, half), rand(bshape, half)
+        batched = len(ashape) > 2
+        for out_dtype in (half, mx.float32):
+            y = _ext.matmul(a, b, None, ta, tb, False, out_dtype, batched, False)
+            ref = _upcast_reference(a, b, None, ta, tb, False, out_dtype, batched)
+            np.testing.assert_array_equal(np64(y), np64(ref))
+        # the gradients too: an operand broadcast over batch axes gets its products summed in
+        # float32 and rounded once
+        c = rand(y.shape, half)
 
-    def grads(fn):
-        return mx.grad(lambda a, b: (fn(a, b) * c).astype(mx.float32).sum(), argnums=(0, 1))(a, b)
+        def grads(fn):
+            return mx.grad(lambda a, b: (fn(a, b) * c).astype(mx.float32).sum(),
+                           argnums=(0, 1))(a, b)
 
-    mine = grads(lambda a, b: _ext.matmul(a, b, None, ta, tb, False, None, batched, False))
-    theirs = grads(lambda a, b: _upcast_reference(a, b, None, ta, tb, False, half, batched))
-    for g, r in zip(mine, theirs, strict=True):
-        assert g.dtype == r.dtype == half
-        np.testing.assert_array_equal(np64(g), np64(r))
+        mine = grads(lambda a, b: _ext.matmul(a, b, None, ta, tb, False, None, batched, False))
+        theirs = grads(lambda a, b: _upcast_reference(a, b, None, ta, tb, False, half, batched))
+        for g, r in zip(mine, theirs, strict=True):
+            assert g.dtype == r.dtype == half
+            np.testing.assert_array_equal(np64(g), np64(r))
+
+
+def _needs_f16_kernels():
+    from fluxlike_native import _ext
+    if not _ext.native_f16():
+        pytest.skip(f"float16 runs in oneDNN's float32 kernels here ({_ext.cpu_isa()}: no "
+                    f"AVX512-FP16, or FLUXLIKE_NATIVE_F16=float32)")
+
+
+@needs_native
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.integers(1, 30), inner=st.integers(1, 50), out=st.integers(1, 30),
+       lead=st.sampled_from([(), (3,)]), xl=st.sampled_from(LAYOUTS),
+       wl=st.sampled_from(LAYOUTS), bias=st.sampled_from([None, mx.float16, mx.float32]),
+       relu_=st.booleans(), out_f32=st.booleans(), seed=st.integers(0, 2**16))
+def test_float16_kernels_round_the_float32_sum_once(rows, inner, out, lead, xl, wl, bias,
+                                                    relu_, out_f32, seed):
+    """oneDNN's float16 kernels (AVX512-FP16) give what the float32 kernels give to the order
+    of the float32 sums, for any layout, a bias of either dtype, a fused ReLU and either
+    output dtype; and so do the gradients (float16 in float16 kernels)."""
+    from fluxlike_native import _ext
+    _needs_f16_kernels()
+    mx.random.seed(seed)
+    out_dtype = mx.float32 if out_f32 else mx.float16
+    x = laid_out(rand((rows, inner), mx.float16), xl)
+    if lead:
+        x = mx.stack([x] * lead[0])
+    w = laid_out(rand((out, inner), mx.float16), wl)
+    b = None if bias is None else rand((out,), bias)
+    c = rand((*x.shape[:-1], out), mx.float16).astype(out_dtype)
+
+    def run():
+        def fn(x, w, b=None):
+            return _ext.matmul(x, w, b, False, True, relu_, out_dtype, False, False)
+        args = [x, w] + ([] if b is None else [b])
+        grads = mx.grad(lambda *t: (fn(*t) * c).astype(mx.float32).sum(),
+                        argnums=list(range(len(args))))(*args)
+        return [fn(*args), *grads]
+
+    mine = run()
+    with float16_in_float32_kernels():
+        theirs = run()
+    # each result within one float16 rounding (an ulp: either side may round a sum that the
+    # other's order put across a rounding boundary) plus float32 accumulation's error
+    x64, w64 = np.abs(np64(x)).reshape(-1, inner), np.abs(np64(w))
+    c64 = np.abs(np64(c)).reshape(-1, out)
+    scales = [x64 @ w64.T + (0 if b is None else np.abs(np64(b))), c64 @ w64, c64.T @ x64,
+              c64.sum(0)]
+    for got, want, scale in zip(mine, theirs, scales, strict=False):
+        assert got.dtype == want.dtype
+        g, r = np64(got).reshape(scale.shape), np64(want).reshape(scale.shape)
+        ulp = 2.0**-10 * np.maximum(np.abs(r), 2.0**-14)
+        bound = (ulp if got.dtype == mx.float16 else 0) + 2e-6 * inner * scale + 1e-30
+        assert (np.abs(g - r) <= bound).all(), np.abs(g - r).max()
+
+
+@needs_native
+def test_float16_kernels_keep_nan_and_zeros():
+    """A NaN passes the fused ReLU in float16 kernels and a negative result becomes +0; an
+    infinite operand over one entry gives inf times 0 = NaN where the float32 product does;
+    float16 denormal operands and results are kept (not flushed); a float16 bias gives the
+    float32 one's bits."""
+    from fluxlike_native import _ext
+    _needs_f16_kernels()
+    h = mx.float16
+    x = mx.array([[float("nan"), 1.0], [1.0, 1.0], [-3.0, 1.0]]).astype(h)
+    w = mx.array([[1.0, 0.0], [1.0, 1.0]]).astype(h)
+    y = np.array(_ext.matmul(x, w, None, False, True, True, None, False, False).view(mx.uint16))
+    assert ((y[0] & 0x7FFF) > 0x7C00).all()  # NaN
+    assert y[1].tolist() == [0x3C00, 0x4000] and y[2].tolist() == [0, 0]  # 1, 2; +0, +0
+    x = mx.array([[float("inf")], [1.0]]).astype(h)
+    w = mx.array([[2.0], [0.0]]).astype(h)
+    y = np64(_ext.matmul(x, w, None, False, True, False, None, False, False))
+    assert y[0, 0] == np.inf and np.isnan(y[0, 1]) and y[1].tolist() == [2.0, 0.0]
+    tiny = mx.array([[6e-8, 1e-6, 3e-5]]).astype(h)  # denormals in
+    y = _ext.matmul(tiny, mx.ones((1, 3), h), None, False, True, False, None, False, False)
+    want = (tiny.astype(mx.float32) @ mx.ones((3, 1))).astype(h)
+    assert np.array_equal(np.array(y.view(mx.uint16)), np.array(want.view(mx.uint16)))
+    y = _ext.matmul(mx.array([[1e-4]], h), mx.array([[1e-3]], h), None, False, True, False,
+                    None, False, False)
+    assert np.array(y.view(mx.uint16)).tolist() == [[2]]  # 1e-7: a denormal out
+    x, w, b = rand((5, 7), h), rand((3, 7), h), rand((3,), h)
+    wide = _ext.matmul(x, w, b.astype(mx.float32), False, True, False, None, False, False)
+    narrow = _ext.matmul(x, w, b, False, True, False, None, False, False)
+    assert np.array_equal(np.array(narrow.view(mx.uint16)), np.array(wide.view(mx.uint16)))
+
+
+@needs_native
+def test_float16_kernels_can_be_switched_off():
+    """FLUXLIKE_NATIVE_F16=float32 holds float16 to the float32 kernels (native_info says
+    which); by default a CPU with AVX512-FP16 runs its float16 kernels."""
+    code = """
+        from fluxlike import native
+        from fluxlike_native import _ext
+        info = native.native_info()
+        print(info.float16, _ext.native_f16(), _ext.isa_has_fp16(), sep="|")
+    """
+    off = _subprocess(code, FLUXLIKE_NATIVE_F16="float32")
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.strip().split("|")[:2] == ["float32 kernels", "False"]
+    on = _subprocess(code)
+    assert on.returncode == 0, on.stderr
+    how, native_f16, has = on.stdout.strip().split("|")
+    assert [how, native_f16] == (["native", "True"] if has == "True"
+                                 else ["float32 kernels", "False"])
 
 
 @needs_native
@@ -816,26 +929,28 @@ def _fused_casts_case(_ext: Any, x: mx.array, w: mx.array, b: mx.array | None, r
 @pytest.mark.parametrize("kind", ["half", "f32", "f32 rounded"])
 def test_fused_casts_batched_transposed_and_empty(ashape, bshape, ta, tb, half, kind):
     from fluxlike_native import _ext
-    out_dtype, rounded = _out_dtype(kind, half)
-    a, b = rand(ashape, mx.float32), rand(bshape, half)
-    batched = len(ashape) > 2
+    with float16_in_float32_kernels():
+        out_dtype, rounded = _out_dtype(kind, half)
+        a, b = rand(ashape, mx.float32), rand(bshape, half)
+        batched = len(ashape) > 2
 
-    def mine(a, b):
-        return _ext.matmul(a, b, None, ta, tb, False, out_dtype, batched, True,
-                           compute_dtype=half, rounded=rounded)
+        def mine(a, b):
+            return _ext.matmul(a, b, None, ta, tb, False, out_dtype, batched, True,
+                               compute_dtype=half, rounded=rounded)
 
-    def theirs(a, b):
-        return _fused_reference((a, b, None), half, ta, tb, False, out_dtype, rounded, batched)
+        def theirs(a, b):
+            return _fused_reference((a, b, None), half, ta, tb, False, out_dtype, rounded, batched)
 
-    _assert_same([mine(a, b)], [theirs(a, b)])
-    c = rand(mine(a, b).shape, half)
+        _assert_same([mine(a, b)], [theirs(a, b)])
+        c = rand(mine(a, b).shape, half)
 
-    def grads(fn):
-        return mx.grad(lambda a, b: (fn(a, b) * c).astype(mx.float32).sum(), argnums=(0, 1))(a, b)
+        def grads(fn):
+            return mx.grad(lambda a, b: (fn(a, b) * c).astype(mx.float32).sum(),
+                           argnums=(0, 1))(a, b)
 
-    got = grads(mine)
-    assert [g.dtype for g in got] == [mx.float32, half]
-    _assert_same(got, grads(theirs))
+        got = grads(mine)
+        assert [g.dtype for g in got] == [mx.float32, half]
+        _assert_same(got, grads(theirs))
 
 
 @needs_native
@@ -873,22 +988,24 @@ def test_fused_casts_are_one_node_and_name_their_errors():
 @needs_native
 @pytest.mark.parametrize("half", [mx.bfloat16, mx.float16], ids=str)
 def test_nan_bits_are_astypes_in_results_and_fused_operands(half):
-    """A NaN result rounded to the half dtype, and a float32 NaN operand read rounded to it,
-    have the bits MLX's astype gives (float16: the sign and the payload 0x7D00 whatever the
-    NaN; bfloat16: 0x7FC0), eight lanes at a time and in the tail."""
+    """In float32 kernels, a NaN result rounded to the half dtype, and a float32 NaN operand
+    read rounded to it, have the bits MLX's astype gives (float16: the sign and the payload
+    0x7D00 whatever the NaN; bfloat16: 0x7FC0), eight lanes at a time and in the tail.
+    (oneDNN's float16 kernels keep a NaN's payload: test_float16_kernels_keep_nan_and_zeros.)"""
     from fluxlike_native import _ext
-    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA00000, 0xFFFFFFFF] * 3,
-                    dtype=np.uint32).view(np.float32)
-    bias = mx.array(nans)  # each NaN as a product's result: zero times one, plus it
-    x = mx.zeros((1, 1), half)
-    y = _ext.matmul(x, mx.ones((nans.size, 1), half), bias, False, True, False, None, False,
-                    False)
-    want = bias.astype(half)
-    assert np.array_equal(np.array(y[0].view(mx.uint16)), np.array(want.view(mx.uint16)))
-    # a float32 NaN weight read rounded: the float32 result (rounded, stored as float32)
-    w = mx.array(nans.reshape(-1, 1))
-    got = _ext.matmul(mx.ones((1, 1)), w, None, False, True, False, mx.float32, False, False,
-                      compute_dtype=half, rounded=True)
-    ref = _fused_reference((mx.ones((1, 1)), w, None), half, False, True, False, mx.float32,
-                           True, False)
-    assert np.array_equal(np.array(got.view(mx.uint32)), np.array(ref.view(mx.uint32)))
+    with float16_in_float32_kernels():
+        nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA00000, 0xFFFFFFFF] * 3,
+                        dtype=np.uint32).view(np.float32)
+        bias = mx.array(nans)  # each NaN as a product's result: zero times one, plus it
+        x = mx.zeros((1, 1), half)
+        y = _ext.matmul(x, mx.ones((nans.size, 1), half), bias, False, True, False, None, False,
+                        False)
+        want = bias.astype(half)
+        assert np.array_equal(np.array(y[0].view(mx.uint16)), np.array(want.view(mx.uint16)))
+        # a float32 NaN weight read rounded: the float32 result (rounded, stored as float32)
+        w = mx.array(nans.reshape(-1, 1))
+        got = _ext.matmul(mx.ones((1, 1)), w, None, False, True, False, mx.float32, False, False,
+                          compute_dtype=half, rounded=True)
+        ref = _fused_reference((mx.ones((1, 1)), w, None), half, False, True, False, mx.float32,
+                               True, False)
+        assert np.array_equal(np.array(got.view(mx.uint32)), np.array(ref.view(mx.uint32)))

@@ -20,10 +20,19 @@ class Companion:
 
 @pytest.fixture(params=["bf16 kernels", "float32 kernels"])
 def in_use(request, monkeypatch):
-    """The companion in use, with oneDNN's bfloat16 kernels or without them."""
+    """The companion in use, with oneDNN's bfloat16 kernels or without them (float16 in its
+    float32 kernels either way; ``f16_kernels`` has its float16 ones)."""
     monkeypatch.setattr(native.switch, "ext", native.switch.ext or Companion())
     monkeypatch.setattr(native.switch, "bf16", request.param == "bf16 kernels")
+    monkeypatch.setattr(native.switch, "f16", False)
     return request.param == "bf16 kernels"
+
+
+@pytest.fixture
+def f16_kernels(monkeypatch):
+    """The companion in use with oneDNN's float16 kernels (a CPU with AVX512-FP16)."""
+    monkeypatch.setattr(native.switch, "ext", native.switch.ext or Companion())
+    monkeypatch.setattr(native.switch, "f16", True)
 
 
 @pytest.fixture
@@ -61,6 +70,15 @@ class TestAnyOp:
     @pytest.mark.parametrize("op", ["matmul", "conv_transpose"])
     def test_float16_other_products_are_emulated(self, op, in_use):
         assert choose(op, F16, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == EMULATED
+
+    def test_float16_kernels_take_the_batched_products(self, f16_kernels):
+        """Attention's products in oneDNN's float16 kernels; the transposed convolution (no
+        native kernel) stays emulated, float32 products stay MLX's."""
+        assert choose("matmul", F16, a(2, 4, 4, 2, dtype=F16), a(2, 4, 2, 3, dtype=F16)) == NATIVE
+        assert choose("matmul", F16, a(3, dtype=F16), a(3, 4, dtype=F16)) == EMULATED
+        assert choose("conv_transpose", F16, a(2, 4, 4, 2), a(2, 3, 3, 2), GEOMETRY) == EMULATED
+        assert choose("matmul", F32, a(2, 3), a(3, 4)) == MLX
+        assert choose("linear", F16) == NATIVE
 
     def test_the_gpu_takes_mlx(self, in_use, monkeypatch):
         class Gpu:

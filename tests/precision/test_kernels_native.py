@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from helpers import np64
 from mlx.utils import tree_flatten
+from native_helpers import float16_in_float32_kernels
 
 from fluxlike import Dense, MultiHeadAttention, autocast, gradient, native, relu, trainmode
 from fluxlike import compile as fl_compile
@@ -148,12 +149,19 @@ def _cast_nodes(*arrays):
         return len(re.findall(r'label ="?(?:AsType|FluxlikeNativeConvert)\b', f.read()))
 
 
+@pytest.fixture
+def f16_upcast():
+    """float16 in oneDNN's float32 kernels, as without AVX512-FP16 (where fused casts apply)."""
+    with float16_in_float32_kernels():
+        yield
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
 @pytest.mark.parametrize("x_dtype", [mx.float32, "compute"])
 def test_training_fuses_the_weights_casts_into_the_upcasting_product(
-        calls, monkeypatch, dtype, x_dtype):
-    """Where the native product runs half precision in float32 kernels (float16; bfloat16
-    without AVX512-BF16), training gives it the float32 weights and bias with
+        calls, monkeypatch, dtype, x_dtype, f16_upcast):
+    """Where the native product runs half precision in float32 kernels (float16 without
+    AVX512-FP16; bfloat16 without AVX512-BF16), training gives it the float32 weights and bias with
     ``compute_dtype``: the same loss and gradients bit for bit as the casts it replaces, in
     float32, without a cast node per parameter forward or backward."""
     from fluxlike import Chain
@@ -186,7 +194,8 @@ def test_training_fuses_the_weights_casts_into_the_upcasting_product(
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
-def test_a_weight_used_twice_sums_its_fused_gradients_in_float32(monkeypatch, dtype):
+def test_a_weight_used_twice_sums_its_fused_gradients_in_float32(monkeypatch, dtype,
+                                                                 f16_upcast):
     """A layer applied twice in a step (as a recurrent layer's weights are at every time
     step): with fused casts each use's gradient is the casts' (rounded to the half dtype),
     and they are summed in float32, as MLX sums a float32 array's gradients (the casts,
@@ -357,12 +366,35 @@ def test_dropout_and_weights_paths_run_native(matmuls, needs_bf16_kernels, monke
     np.testing.assert_allclose(np64(out), np64(e_out), rtol=2**-6, atol=1e-2)
 
 
-def test_float16_and_float32_stay_off_the_native_matmul(matmuls):
-    q, k, v = _qkv(dtype=mx.float16)
-    assert attend(q, k, v, SCALE, "causal")[0].dtype == mx.float16
+def test_float16_in_float32_kernels_and_float32_stay_off_the_native_matmul(matmuls):
+    with float16_in_float32_kernels():
+        q, k, v = _qkv(dtype=mx.float16)
+        assert attend(q, k, v, SCALE, "causal")[0].dtype == mx.float16
     q, k, v = _qkv(dtype=mx.float32)
     attend(q, k, v, SCALE, "causal", return_weights=True)
     assert matmuls == []
+
+
+def test_float16_attention_in_float16_kernels(matmuls, monkeypatch):
+    """With oneDNN's float16 kernels (AVX512-FP16) attention's two products are native
+    float16 ones, the values the emulation gives to the order of the float32 sums, and the
+    gradients too."""
+    if native.native_info().float16 != "native":
+        pytest.skip("float16 runs in oneDNN's float32 kernels here")
+    q, k, v = _qkv(dtype=mx.float16)
+
+    def run(q, k, v):
+        def f(q, k, v):
+            out, weights = attend(q, k, v, SCALE, "causal", return_weights=True)
+            return (out.astype(mx.float32) * 1.5).sum() + weights.astype(mx.float32).sum()
+        return mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    (value, grads) = run(q, k, v)
+    assert matmuls[:2] == [mx.float16, mx.float16] and all(g.dtype == mx.float16 for g in grads)
+    e_value, e_grads = _emulated(monkeypatch, run, q, k, v)
+    np.testing.assert_allclose(np64(value), np64(e_value), rtol=2**-9)
+    for g, e in zip(grads, e_grads, strict=True):
+        np.testing.assert_allclose(np64(g), np64(e), rtol=2**-8, atol=2**-9)
 
 
 # fluxlike's MultiHeadAttention cannot be traced shapeless (its head split names the shapes),
