@@ -68,7 +68,8 @@ def choose(op: str, dtype: mx.Dtype | None, x: mx.array | None = None,
     ``(stride, padding, dilation)``.
 
     >>> import mlx.core as mx
-    >>> choose("matmul", mx.float16, mx.ones((2, 3, 4), mx.float16)) in ("emulated", "mlx")
+    >>> a, b = mx.ones((2, 3, 4), mx.float16), mx.ones((2, 4, 5), mx.float16)
+    >>> choose("matmul", mx.float16, a, b) in ("native", "emulated", "mlx")  # per CPU, device
     True
     >>> choose("linear", None), choose("linear", mx.float64)
     ('mlx', 'mlx')

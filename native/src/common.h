@@ -244,8 +244,8 @@ inline bool float_or_half(mx::Dtype d) {
 }
 
 // Whether operands of dtype `dt` run in oneDNN's float32 kernels, upcast inside the primitive:
-// float16 always (the convolutions and the pooling; products take oneDNN's float16 kernels
-// where native_f16(): matmul.cpp), bfloat16 where its own kernels are not taken
+// float16 always (the pooling; products and convolutions take oneDNN's float16 kernels where
+// native_f16(): matmul.cpp, conv.cpp), bfloat16 where its own kernels are not taken
 // (`bf16_kernels`: asked for, and not declined by the op for a case they get wrong).
 inline bool in_float32_kernels(mx::Dtype dt, bool bf16_kernels) {
   return dt == mx::float16 || (dt == mx::bfloat16 && !bf16_kernels);

@@ -270,16 +270,24 @@ bool mlx_multiplies_padding(const ConvParams& p) {
   return padded && !dilated && (p.groups == 1 || p.stride.size() == 1);
 }
 
-// Element i of float32 or bfloat16 data as a float, and a float stored there (common.h).
-float to_float(const void* p, size_t i, bool bf16) {
-  return bf16 ? widen(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+// Element i of float32, bfloat16 or float16 data as a float, and a float stored there
+// (common.h; float16 through the conversion passes, one value at a time: this runs only
+// where a weight is not finite).
+float to_float(const void* p, size_t i, mx::Dtype dt) {
+  if (dt == mx::float32) return static_cast<const float*>(p)[i];
+  if (dt == mx::bfloat16) return widen(static_cast<const uint16_t*>(p)[i]);
+  float f;
+  widen_all(static_cast<const uint16_t*>(p) + i, dt, &f, 1);
+  return f;
 }
 
-void store_float(void* p, size_t i, float f, bool bf16) {
-  if (bf16) {
+void store_float(void* p, size_t i, float f, mx::Dtype dt) {
+  if (dt == mx::float32) {
+    static_cast<float*>(p)[i] = f;
+  } else if (dt == mx::bfloat16) {
     static_cast<uint16_t*>(p)[i] = narrow_keeping_nan(f);
   } else {
-    static_cast<float*>(p)[i] = f;
+    narrow_all(&f, dt, static_cast<uint16_t*>(p) + i, 1);
   }
 }
 
@@ -292,7 +300,7 @@ struct ConvBuffers {
   const void* w;
   const void* bias;  // or nullptr
   void* y;
-  bool bf16, bias_bf16;
+  mx::Dtype dt, bias_dt;  // of x, w and y; of the bias
 };
 
 void padding_as_mlx(const ConvBuffers& b, const mx::Shape& xs, const mx::Shape& ws,
@@ -304,7 +312,7 @@ void padding_as_mlx(const ConvBuffers& b, const mx::Shape& xs, const mx::Shape& 
   bool any = false;
   for (int64_t i = 0; i < outs * kn; ++i) {
     for (int64_t c = 0; c < per; ++c) {
-      bad[i] |= static_cast<char>(!std::isfinite(to_float(b.w, i * per + c, b.bf16)));
+      bad[i] |= static_cast<char>(!std::isfinite(to_float(b.w, i * per + c, b.dt)));
     }
     any = any || bad[i];
   }
@@ -335,20 +343,20 @@ void padding_as_mlx(const ConvBuffers& b, const mx::Shape& xs, const mx::Shape& 
       for (int64_t n = 0; n < ys[0]; ++n) {
         size_t out = static_cast<size_t>((n * sn + s) * outs + o);
         if (multiplies) {
-          store_float(b.y, out, nan, b.bf16);
+          store_float(b.y, out, nan, b.dt);
           continue;
         }
-        float sum = b.bias ? to_float(b.bias, o, b.bias_bf16) : 0.0f;
+        float sum = b.bias ? to_float(b.bias, o, b.bias_dt) : 0.0f;
         for (int64_t q = 0; q < kn; ++q) {
           if (!window(q)) continue;
           int64_t off = n;
           for (int a = 0; a < k; ++a) off = off * xs[a + 1] + coord[a];
           for (int64_t c = 0; c < per; ++c) {
-            sum += to_float(b.x, off * c_in + group * per + c, b.bf16) *
-                to_float(b.w, (o * kn + q) * per + c, b.bf16);
+            sum += to_float(b.x, off * c_in + group * per + c, b.dt) *
+                to_float(b.w, (o * kn + q) * per + c, b.dt);
           }
         }
-        store_float(b.y, out, sum, b.bf16);
+        store_float(b.y, out, sum, b.dt);
       }
     }
   }
@@ -440,7 +448,10 @@ bool padding_only_tap(const mx::Shape& xs, const mx::Shape& ws, const ConvParams
 
 mx::array backward_weights(const mx::array& x, const mx::array& dy, const mx::Shape& wshape,
                            const ConvParams& p, mx::Stream s, bool upcast = false) {
-  upcast = upcast || (x.dtype() == mx::bfloat16 && padding_only_tap(x.shape(), wshape, p));
+  // (oneDNN 3.2 has no float16 weight gradient but its reference kernel, 100x slower than
+  // float32 kernels on the small CNN's layers: float16 always runs in float32 kernels here.)
+  upcast = upcast || x.dtype() == mx::float16 ||
+      (x.dtype() == mx::bfloat16 && padding_only_tap(x.shape(), wshape, p));
   return make(ConvKind::BackwardWeights, p, x, dy, std::nullopt, wshape, wshape, s, false,
               upcast);
 }
@@ -474,7 +485,8 @@ mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::a
   // group is given a zero channel more inside the primitive; several groups (the neighbour is
   // the next group's first channel) run in float32 kernels.
   bool paired = w.shape().back() % 2 == 1 && p.groups != 1;
-  bool upcast = in_float32_kernels(dt, native_bf16 && !paired);
+  // float16 in oneDNN's float16 kernels where native_f16() (cpu.h), as the products.
+  bool upcast = dt == mx::float16 ? !native_f16() : in_float32_kernels(dt, native_bf16 && !paired);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), "; pass native_bf16=False");
   FLN_CHECK(x.size() != 0 && w.size() != 0, FN, ": empty operands (x ", shape_str(x.shape()),
@@ -496,7 +508,7 @@ mx::array conv_backward_data(const mx::array& dy, const mx::array& w, const mx::
   FLN_CHECK(expect == dy.shape(), FN, ": a convolution of an input ", shape_str(xs), " with w ",
             shape_str(w.shape()), " gives ", shape_str(expect), ", not dy's ",
             shape_str(dy.shape()));
-  bool upcast = in_float32_kernels(dt, native_bf16);
+  bool upcast = dt == mx::float16 ? !native_f16() : in_float32_kernels(dt, native_bf16);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa());
   return backward_data(dy, w, x_tail, p, stream, upcast);
@@ -606,7 +618,7 @@ void in_float32(const ConvPrepared* entry, ConvKind kind, const HalfInput& in0,
     conv_backward_gemm(kind, a32, b32, y, xs, ws, ys, p);
   }
   if (padded) {
-    padding_as_mlx({a32, b32, bias32, y, false, false}, xs, ws, ys, p);
+    padding_as_mlx({a32, b32, bias32, y, mx::float32, mx::float32}, xs, ws, ys, p);
   }
   if (relu) {
     relu_keeping_nan(y, n, mx::float32);
@@ -660,7 +672,15 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
     }
   }
   void* pbias = has_bias_ ? const_cast<void*>(inputs[2].data<void>()) : nullptr;
-  if (upcast_) {
+  bool upcast = upcast_;
+  if (!upcast && dt != mx::float32 && entry && entry->impl.rfind("ref", 0) == 0) {
+    // No fast half kernel for this geometry (oneDNN gave its reference implementation, 100x
+    // slower): float32 kernels, as a CPU without half kernels runs it.
+    upcast = true;
+    entry = lookup(kind_, p_, *xs, *ws, *ys, mx::float32,
+                   has_bias_ ? std::optional<mx::Dtype>(mx::float32) : std::nullopt);
+  }
+  if (upcast) {
     encoder.dispatch([entry, kind = kind_, in0 = half_input(in0), in1 = half_input(in1),
                       bias = has_bias_ ? half_input(inputs[2]) : HalfInput{},
                       po = out.data<void>(), odt = out.dtype(), relu = relu_, n = out.size(),
@@ -672,9 +692,9 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
   }
   encoder.dispatch([entry, kind = kind_, p0 = const_cast<void*>(in0.data<void>()),
                     p1 = const_cast<void*>(in1.data<void>()), pbias, po = out.data<void>(),
-                    relu = relu_, bf16 = out.dtype() == mx::bfloat16, n = out.size(),
+                    relu = relu_, odt = out.dtype(), n = out.size(),
                     padded = kind_ == ConvKind::Forward && padded_(p_), xs = *xs, ws = *ws,
-                    ys = *ys, p = p_, bias_bf16 = has_bias_ && bias_dt == mx::bfloat16,
+                    ys = *ys, p = p_, bias_dt = bias_dt.value_or(mx::float32),
                     x = half_input(in0), w = half_input(in1),
                     b = has_bias_ ? half_input(inputs[2]) : HalfInput{}, widen]() {
     // oneDNN 3.2's AMX convolution reads input entries beside a window's edge times zero
@@ -687,6 +707,7 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
     // kernels runs it.
     bool leaks = (entry && entry->amx && kind == ConvKind::Forward) ||
         (kind == ConvKind::BackwardData && ws.front() % 2 == 1);
+    bool bf16 = odt == mx::bfloat16;
     if (entry && leaks && bf16 && !all_finite(x.data, x.size, x.dtype)) {
       auto e32 = lookup(kind, p, xs, ws, ys, mx::float32,
                         b.data ? std::optional<mx::Dtype>(mx::float32) : std::nullopt);
@@ -702,10 +723,10 @@ void Conv::eval_cpu(const std::vector<mx::array>& operands, mx::array& out) {
                          static_cast<float*>(po), xs, ws, ys, p);
     }
     if (padded) {
-      padding_as_mlx({p0, p1, pbias, po, bf16, bias_bf16}, xs, ws, ys, p);
+      padding_as_mlx({p0, p1, pbias, po, odt, bias_dt}, xs, ws, ys, p);
     }
     if (relu) {  // after the kernel, keeping NaN (see relu_keeping_nan)
-      relu_keeping_nan(po, n, bf16 ? mx::bfloat16 : mx::float32);
+      relu_keeping_nan(po, n, odt);
     }
   });
 }

@@ -20,12 +20,13 @@ struct ConvParams {
 
 // The convolution mx.conv_general computes (no input dilation, no flip): x (N, *spatial,
 // C_in), w (C_out, *kernel, C_in / groups), bias (C_out,) -> (N, *out_spatial, C_out).
-// float32, bfloat16 or float16 (float16, and bfloat16 with native_bf16 == false, in float32
-// kernels: the primitive upcasts its operands into float32 buffers of its own while it runs
-// and rounds the result, so that the graph holds the half-precision operands only).
+// float32, bfloat16 or float16 (float16 in oneDNN's float16 kernels where native_f16(), cpu.h,
+// its weight gradient and cases oneDNN runs on its reference kernel in float32 kernels;
+// float16 elsewhere, and bfloat16 with native_bf16 == false, in float32 kernels: the
+// primitive upcasts its operands into float32 buffers of its own while it runs and rounds the
+// result, so that the graph holds the half-precision operands only).
 // relu == true: max(y, 0), fused into the primitive (a pass after oneDNN's kernel that keeps
-// NaN, relu_keeping_nan; the backward pass masks
-// the cotangent by the kept output, ReluGrad).
+// NaN, relu_keeping_nan; the backward pass masks the cotangent by the kept output, ReluGrad).
 mx::array conv(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                const ConvParams& p, bool native_bf16, bool relu = false,
                mx::StreamOrDevice s = {});

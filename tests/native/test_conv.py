@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from native_helpers import (
     DTYPES,
     LAYOUTS,
+    _subprocess,
     assert_close,
+    float16_in_float32_kernels,
     needs_native,
     np64,
     rand,
@@ -384,24 +386,25 @@ def test_half_upcast_is_the_float32_convolution_rounded_once_bit_for_bit(case, b
     """float16, and bfloat16 with native_bf16=False: the result and each gradient (the
     input's, through the transposed convolution; the weight's; the bias's) are exactly those
     of astype, the float32 primitive and astype."""
-    xs, ws, stride, pad, dil, groups = case
-    x, w = rand(xs, half), rand(ws, half)
-    b = None if bias is None else rand((ws[0],), half if bias == "half" else bias)
-    y = _upcast_conv(x, w, b, stride, pad, dil, groups, relu_)
-    ref = _upcast_conv(x, w, b, stride, pad, dil, groups, relu_, upcast=False)
-    assert y.dtype == ref.dtype == half
-    np.testing.assert_array_equal(np64(y), np64(ref))
-    c = rand(y.shape, half)
-    args = [x, w] + ([] if b is None else [b])
+    with float16_in_float32_kernels():
+        xs, ws, stride, pad, dil, groups = case
+        x, w = rand(xs, half), rand(ws, half)
+        b = None if bias is None else rand((ws[0],), half if bias == "half" else bias)
+        y = _upcast_conv(x, w, b, stride, pad, dil, groups, relu_)
+        ref = _upcast_conv(x, w, b, stride, pad, dil, groups, relu_, upcast=False)
+        assert y.dtype == ref.dtype == half
+        np.testing.assert_array_equal(np64(y), np64(ref))
+        c = rand(y.shape, half)
+        args = [x, w] + ([] if b is None else [b])
 
-    def grads(upcast):
-        return mx.grad(lambda *t: (_upcast_conv(*t, *([None] if b is None else []), stride, pad,
-                                                dil, groups, relu_, upcast) * c)
-                       .astype(mx.float32).sum(), argnums=list(range(len(args))))(*args)
+        def grads(upcast):
+            return mx.grad(lambda *t: (_upcast_conv(*t, *([None] if b is None else []), stride, pad,
+                                                    dil, groups, relu_, upcast) * c)
+                           .astype(mx.float32).sum(), argnums=list(range(len(args))))(*args)
 
-    for g, r in zip(grads(True), grads(False), strict=True):
-        assert g.dtype == r.dtype
-        np.testing.assert_array_equal(np64(g), np64(r))
+        for g, r in zip(grads(True), grads(False), strict=True):
+            assert g.dtype == r.dtype
+            np.testing.assert_array_equal(np64(g), np64(r))
 
 
 @needs_native
@@ -412,15 +415,16 @@ def test_half_upcast_convolution_jvp_sums_its_tangents_once(case, half, relu_):
     """The tangent of an upcast convolution with respect to several inputs: each part a
     float32 convolution of the exact upcasts, summed in float32 and rounded once, as the casts
     give it (not each part rounded first)."""
-    xs, ws, stride, pad, dil, groups = case
-    x, w, b = rand(xs, half), rand(ws, half), rand((ws[0],), half)
-    tangents = [rand(xs, half), rand(ws, half), rand((ws[0],), half)]
-    _, (mine,) = mx.jvp(lambda *t: _upcast_conv(*t, stride, pad, dil, groups, relu_),
-                        [x, w, b], tangents)
-    _, (theirs,) = mx.jvp(lambda *t: _upcast_conv(*t, stride, pad, dil, groups, relu_,
-                                                  upcast=False), [x, w, b], tangents)
-    assert mine.dtype == theirs.dtype == half
-    np.testing.assert_array_equal(np64(mine), np64(theirs))
+    with float16_in_float32_kernels():
+        xs, ws, stride, pad, dil, groups = case
+        x, w, b = rand(xs, half), rand(ws, half), rand((ws[0],), half)
+        tangents = [rand(xs, half), rand(ws, half), rand((ws[0],), half)]
+        _, (mine,) = mx.jvp(lambda *t: _upcast_conv(*t, stride, pad, dil, groups, relu_),
+                            [x, w, b], tangents)
+        _, (theirs,) = mx.jvp(lambda *t: _upcast_conv(*t, stride, pad, dil, groups, relu_,
+                                                      upcast=False), [x, w, b], tangents)
+        assert mine.dtype == theirs.dtype == half
+        np.testing.assert_array_equal(np64(mine), np64(theirs))
 
 
 @needs_native
@@ -487,3 +491,61 @@ def test_a_bfloat16_convolution_of_odd_channels_is_the_one_with_a_zero_channel_m
     for a, b in zip(odd[1:], even[1:], strict=True):
         assert a.shape[-1] == channels and a.dtype == mx.bfloat16
         np.testing.assert_array_equal(np64(a), np64(b[..., :channels]))
+
+
+@needs_native
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
+def test_float16_convolutions_in_float16_kernels(case):
+    """With oneDNN's float16 kernels (AVX512-FP16) a float16 convolution and its data gradient
+    run on them (the weight gradient in float32 kernels): the values the float32 kernels give
+    to the order of the float32 sums, gradients too."""
+    from fluxlike_native import _ext
+    if not _ext.native_f16():
+        pytest.skip("float16 runs in oneDNN's float32 kernels here")
+    xs, ws, stride, pad, dil, groups = case
+    x, w, b = rand(xs, mx.float16), rand(ws, mx.float16), rand((ws[0],), mx.float16)
+
+    def f(x, w, b):
+        return _upcast_conv(x, w, b, stride, pad, dil, groups, True)
+
+    c = rand(f(x, w, b).shape, mx.float16)
+
+    def run():
+        grads = mx.grad(lambda *t: (f(*t) * c).astype(mx.float32).sum(), argnums=(0, 1, 2))(
+            x, w, b)
+        return [f(x, w, b), *grads]
+
+    mine = run()
+    with float16_in_float32_kernels():
+        theirs = run()
+    for got, want in zip(mine, theirs, strict=True):
+        assert got.dtype == want.dtype == mx.float16
+        np.testing.assert_allclose(np64(got), np64(want), rtol=2**-9, atol=2**-9)
+
+
+@needs_native
+def test_float16_convolutions_never_run_onednns_reference_kernel():
+    """oneDNN 3.2 gives a float16 weight gradient, and a grouped or 3-D float16 data gradient,
+    only its reference implementation (~100x slower): those run in float32 kernels, the rest
+    on its float16 ones (every convolution executed, as ONEDNN_VERBOSE lists it)."""
+    from fluxlike_native import _ext
+    if not _ext.native_f16():
+        pytest.skip("float16 runs in oneDNN's float32 kernels here")
+    code = f"""
+        import mlx.core as mx
+        from fluxlike_native import _ext
+        for xs, ws, stride, pad, dil, groups in {CONV_CASES!r}:
+            x, w = mx.random.normal(xs).astype(mx.float16), mx.random.normal(ws).astype(mx.float16)
+            b = mx.random.normal((ws[0],)).astype(mx.float16)
+            def f(x, w, b):
+                return _ext.conv(x, w, b, list(stride), list(pad[0]), list(pad[1]), list(dil),
+                                 groups, False)
+            mx.eval(f(x, w, b), mx.grad(lambda *t: f(*t).astype(mx.float32).sum(),
+                                        argnums=(0, 1, 2))(x, w, b))
+    """
+    run = _subprocess(code, ONEDNN_VERBOSE="1")
+    assert run.returncode == 0, run.stderr
+    executed = [line.split(",")[4] for line in run.stdout.splitlines()
+                if line.startswith("onednn_verbose,exec,cpu,convolution")]
+    assert "brgconv:avx512_core_fp16" in executed
+    assert not [impl for impl in executed if impl.startswith("ref")], executed

@@ -778,6 +778,34 @@ def test_float16_kernels_keep_nan_and_zeros():
 
 
 @needs_native
+def test_float16_products_never_run_onednns_reference_kernel():
+    """oneDNN 3.2 gives a float16 product with a float16 bias only its reference
+    implementation (~1,000x slower): the bias is widened to float32 for its float16 kernels.
+    Every product of a linear layer (bias, ReLU, either output dtype), its gradients and a
+    batched product runs on them (as ONEDNN_VERBOSE lists what it executed)."""
+    _needs_f16_kernels()
+    code = """
+        import mlx.core as mx
+        from fluxlike_native import _ext
+        h = mx.float16
+        x, w, b = (mx.random.normal(s).astype(h) for s in ((9, 16), (12, 16), (12,)))
+        for bias in (b, b.astype(mx.float32), None):
+            for out in (None, mx.float32):
+                f = lambda x, w: _ext.matmul(x, w, bias, False, True, True, out, False, False)
+                mx.eval(f(x, w), mx.grad(lambda x, w: f(x, w).astype(mx.float32).sum(),
+                                         argnums=(0, 1))(x, w))
+        q, k = mx.random.normal((2, 3, 5, 8)).astype(h), mx.random.normal((2, 3, 7, 8)).astype(h)
+        mx.eval(_ext.matmul(q, k, None, False, True, False, None, True, False))
+    """
+    run = _subprocess(code, ONEDNN_VERBOSE="1")
+    assert run.returncode == 0, run.stderr
+    executed = [line.split(",")[4] for line in run.stdout.splitlines()
+                if line.startswith("onednn_verbose,exec,cpu,matmul")]
+    assert "brg:avx512_core_fp16" in executed
+    assert not [impl for impl in executed if impl.startswith("ref")], executed
+
+
+@needs_native
 def test_float16_kernels_can_be_switched_off():
     """FLUXLIKE_NATIVE_F16=float32 holds float16 to the float32 kernels (native_info says
     which); by default a CPU with AVX512-FP16 runs its float16 kernels."""
