@@ -60,7 +60,7 @@ def main() -> None:
     best, peaks = measure(models, args.rounds)
     info = fl.native.native_info()
     print(f"# {processor()}; MLX {mx.__version__}; native kernels "
-          f"{'on: bfloat16 ' + info.bfloat16 if info.available else 'off'}")
+          f"{f'on: bfloat16 {info.bfloat16}, float16 {info.float16}' if info.available else 'off'}")
     print(f"# best of {args.rounds} interleaved rounds, wall time per training step\n")
     print("| model | f32 ms | bf16 / f32 | f16 / f32 | peak MB f32 / bf16 / f16 |")
     print("|---|---|---|---|---|")

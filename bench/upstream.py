@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = mx.random.randint(0, args.vocab, (args.batch, args.length + 1))
     print("# Upstream models: float32 against autocast, one run (bench/upstream.py)\n")
     info = fluxlike.native.native_info()
-    native = f"native kernels: {info.isa}, bfloat16 {info.bfloat16}" if info.available else (
-        "no native kernels")
+    native = (f"native kernels: {info.isa}, bfloat16 {info.bfloat16}, float16 {info.float16}"
+              if info.available else "no native kernels")
     print(f"processor: {processor()}; MLX {mx.__version__}; {native}")
     print(f"size: dims {args.dims}, {args.layers} layers, vocab {args.vocab}, batch "
           f"{args.batch} x {args.length} tokens; median of {args.rounds} interleaved rounds\n")
