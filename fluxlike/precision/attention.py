@@ -45,7 +45,7 @@ def attend(
         if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
             mask = _finite(mask.astype(q.dtype))  # sdpa wants the scores' dtype
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), None
-    scores = kernels.matmul(q * scale, k, transpose_b=True)
+    scores = kernels.matmul(kernels.scale(q, scale), k, transpose_b=True)
     # The softmax runs in float32 at least, as sdpa's does.
     scores = operands.convert(scores, mx.float32) if scores.dtype in HALF else scores
     if isinstance(mask, str):

@@ -3,6 +3,8 @@ the native companion in use (simulated where this machine lacks a piece of it) a
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fluxlike import native
 from fluxlike.modes import differentiating
@@ -12,6 +14,10 @@ from fluxlike.precision.operands import half_on_cpu, one_dtype
 
 F32, BF16, F16, F64 = mx.float32, mx.bfloat16, mx.float16, mx.float64
 GEOMETRY = ((1, 1), (1, 1), (1, 1))  # stride, padding, dilation
+
+
+needs_companion = pytest.mark.skipif(not native.available(), reason="the native companion is "
+                                     "not in use: scale multiplies in MLX")
 
 
 class Companion:
@@ -169,6 +175,36 @@ class TestSoftmaxAndPooling:
     def test_quantized_products_are_emulated_in_half_precision(self, in_use):
         assert choose("quantized_linear", BF16) == EMULATED
         assert choose("quantized_linear", F32) == MLX
+
+
+class TestScale:
+    def test_float16_on_the_cpu_is_native_the_rest_mlx(self, in_use):
+        assert choose("scale", F16, a(2, 3, dtype=F16)) == NATIVE
+        assert choose("scale", BF16, a(2, 3, dtype=BF16)) == MLX
+        assert choose("scale", F32, a(2, 3)) == MLX
+
+    def test_without_the_companion_mlx_multiplies(self, not_in_use):
+        assert choose("scale", F16, a(2, 3, dtype=F16)) == MLX
+
+
+@needs_companion
+@settings(max_examples=80, deadline=None)
+@given(values=st.lists(st.floats(width=16, allow_nan=True, allow_infinity=True), min_size=1,
+                       max_size=40),
+       factor=st.floats(-1e3, 1e3, allow_nan=False), dtype=st.sampled_from([F16, BF16, F32]))
+def test_scale_is_mlxs_multiply_bit_for_bit(values, factor, dtype):
+    """``kernels.scale(x, f)`` gives ``x * f``'s values (NaN where it has NaN) and gradient,
+    whichever path computes it: float16 values of every kind (denormals, infinities, NaN),
+    factors that round in float16, overflow to infinity."""
+    x = mx.array(values, dtype=F16).astype(dtype)
+    got, want = kernels.scale(x, factor), x * factor
+    assert got.dtype == want.dtype == dtype
+    assert mx.array_equal(got, want, equal_nan=True).item()
+    c = mx.array(values[::-1], dtype=F16).astype(dtype)
+    g = mx.grad(lambda x: (kernels.scale(x, factor) * c).astype(mx.float32).sum())(x)
+    h = mx.grad(lambda x: ((x * factor) * c).astype(mx.float32).sum())(x)
+    assert g.dtype == h.dtype == dtype
+    assert mx.array_equal(g, h, equal_nan=True).item()
 
 
 class TestOperandPredicates:
