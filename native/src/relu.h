@@ -8,9 +8,10 @@
 
 namespace fluxlike_native {
 
-// max(y, 0) in place on n values of dtype `dt` (float32, bfloat16 or float16), as MLX's maximum computes it: NaN
-// stays NaN. The primitives apply their fused ReLU with it after oneDNN's kernel, not as
-// oneDNN's ReLU post-op, a vmaxps that returns 0 for NaN (a diverged layer would look finite).
+// max(y, 0) in place on n values of dtype `dt` (float32, bfloat16 or float16), as MLX's
+// maximum computes it: NaN stays NaN. The primitives apply their fused ReLU with it after
+// oneDNN's kernel, not as oneDNN's ReLU post-op, a vmaxps that returns 0 for NaN (a diverged
+// layer would look finite).
 void relu_keeping_nan(void* y, size_t n, mx::Dtype dt);
 
 // relu'(y) * g: `g` where `y > 0`, else 0, in one pass (g and y of one shape, float32,
