@@ -54,7 +54,8 @@ class NativeInfo:
     ``isa``: oneDNN's effective CPU ISA (``None`` when not loaded); ``bfloat16``: how
     bfloat16 operands run - ``"native"`` (oneDNN's bfloat16 kernels), ``"float32 kernels"``
     (upcast, bfloat16 numerics) or ``None``; ``float16``: the same for float16 operands -
-    ``"native"`` (oneDNN's float16 kernels, on AVX512-FP16) or ``"float32 kernels"``;
+    ``"native"`` (oneDNN's float16 kernels, on AVX512-FP16), ``"float32 kernels"`` or
+    ``None``;
     ``mlx``: the running MLX version;
     ``built_for``: the MLX version the companion was built against; ``onednn``: oneDNN's
     version; ``path``: where the companion was found.

@@ -26,7 +26,8 @@ def attend(
     float32 scores (MLX's fused kernel is its own softmax over them there, whose ``exp`` is
     scalar: 12-15 ms against 3 for attention's ``(4, 8, 128, 128)`` scores on AMD EPYC Zen 3):
     then the scores and the weighted sum go through :func:`~fluxlike.precision.kernels.matmul`
-    (oneDNN's bfloat16 kernels where the native companion has them, else float32 kernels;
+    (oneDNN's bfloat16 or float16 kernels where the native companion has them for the dtype,
+    else the emulation's float32 kernels;
     the same roundings either way: half operands, float32 accumulation, half results) and the
     softmax runs in float32, as in the fused kernel
     (:func:`~fluxlike.precision.kernels.softmax`: oneDNN's where the companion is in use).

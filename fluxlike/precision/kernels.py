@@ -7,8 +7,9 @@ them, and calls it:
 - ``"native"``: fluxlike's oneDNN primitives (:mod:`fluxlike.native`) on the CPU, where the
   companion is in use: float32; bfloat16 (in oneDNN's bfloat16 kernels where the CPU has
   them; elsewhere in its float32 kernels with bfloat16's roundings, the primitive upcasting
-  its operands while it runs); float16 linear layers (in oneDNN's float16 kernels where the
-  CPU has AVX512-FP16, else upcast so) and convolutions (upcast, always);
+  its operands while it runs); float16 linear layers, convolutions and attention's products
+  (in oneDNN's float16 kernels where the CPU has AVX512-FP16; else linear layers and
+  convolutions upcast so, attention's products emulated);
 - ``"emulated"``: the rest of half precision on the CPU (attention's products without
   oneDNN's kernels for their dtype, transposed convolutions) in MLX's float32 kernels with half
   precision's numerics (:mod:`.emulation`), since MLX's own half-precision CPU kernels are

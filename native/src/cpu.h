@@ -13,8 +13,9 @@ bool isa_has_bf16();
 // Whether oneDNN has float16 kernels that convert with AVX512-FP16 and accumulate in float32
 // (avx512_core_fp16 or better), as fast as its float32 ones.
 bool isa_has_fp16();
-// Whether float16 products run in those kernels (isa_has_fp16(), unless set_native_f16(false)
-// - FLUXLIKE_NATIVE_F16=float32 - holds them to float32 kernels, which round the same way).
+// Whether float16 products and convolutions run in those kernels (isa_has_fp16(), unless
+// set_native_f16(false) - FLUXLIKE_NATIVE_F16=float32 - holds them to float32 kernels, which
+// round results the same way).
 bool native_f16();
 // Sets it (true takes effect only where isa_has_fp16()); returns the old setting.
 bool set_native_f16(bool on);

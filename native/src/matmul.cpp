@@ -549,7 +549,8 @@ mx::array matmul(const mx::array& a, const mx::array& b, const std::optional<mx:
   // an infinite operand (the K pair is padded; seen in tests/native/test_hostile.py): float32.
   int k_len = a.ndim() == 0 ? 1 : (trans_a && a.ndim() >= 2 ? a.shape(-2) : a.shape(-1));
   // (Fused casts read float32 operands: float32 kernels too.)
-  bool upcast = dt == mx::float16 ? fused || !native_f16()
+  // (float16's K = 1 likewise: its AMX kernels, on AMX-FP16 CPUs, were not measured.)
+  bool upcast = dt == mx::float16 ? fused || !native_f16() || k_len == 1
                                   : in_float32_kernels(dt, native_bf16 && !fused && k_len != 1);
   FLN_CHECK(dt != mx::bfloat16 || upcast || isa_has_bf16(), FN, ": native bfloat16 kernels "
             "were asked for, but oneDNN's CPU ISA is ", cpu_isa(), " (no avx512_core_bf16); "

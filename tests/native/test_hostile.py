@@ -493,3 +493,39 @@ def test_native_conv_path_through_kernels_routes_specials_like_mlx():
     w[0, 0, 0, 0] = mx.inf
     got = kernels.conv(x, w, (1, 1), (1, 1), (1, 1), 1)
     close(got, mx.conv_general(x, w, padding=1), rtol=2e-2, atol=2e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("c_out,groups", [(3, 1), (6, 2), (10, 2), (12, 4)])
+def test_a_bfloat16_data_gradient_of_odd_channels_per_group_beside_nan_without_amx(c_out,
+                                                                                   groups):
+    """oneDNN's AVX512-BF16 data gradient (no AMX: an AMD EPYC's path, here through
+    ONEDNN_MAX_CPU_ISA) sums a group's output channels in pairs: with an odd count per group
+    the last one is paired with the next group's (or pixel's) first, and a NaN cotangent there
+    spread into the neighbour's gradient. NaN only where MLX's gradient has it, at every
+    position of the cotangent."""
+    code = f"""
+        import mlx.core as mx, numpy as np
+        from fluxlike import native
+        if native.native_info().bfloat16 != "native":
+            print("skip")
+            raise SystemExit
+        x = mx.random.normal((1, 4, 4, {groups * 2}), key=mx.random.key(1)).astype(mx.bfloat16)
+        w = mx.random.normal(({c_out}, 3, 3, 2), key=mx.random.key(2)).astype(mx.bfloat16)
+        shape = mx.conv_general(x, w, padding=1, groups={groups}).shape
+        bad = 0
+        for i in range(int(np.prod(shape))):
+            ct = np.random.default_rng(i).standard_normal(shape).astype(np.float32)
+            ct.reshape(-1)[i] = np.nan
+            ct = mx.array(ct).astype(mx.bfloat16)
+            def grad(conv):
+                return mx.vjp(lambda x: conv(x), [x], [ct])[1][0]
+            mine = grad(lambda x: native.conv(x, w, padding=1, groups={groups}))
+            theirs = grad(lambda x: mx.conv_general(x, w, padding=1, groups={groups}))
+            bad += not np.array_equal(np.isnan(np.array(mine.astype(mx.float32))),
+                                      np.isnan(np.array(theirs.astype(mx.float32))))
+        print("bad", bad)
+    """
+    run = _subprocess(code, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] in ("skip", "0"), run.stdout
