@@ -20,6 +20,9 @@ from fluxlike import native
 INFO = native.native_info()
 needs_native = pytest.mark.skipif(not INFO.available,
                                   reason=f"fluxlike-native not in use: {INFO.reason}")
+needs_f16_kernels = pytest.mark.skipif(
+    INFO.float16 != "native", reason=f"float16 runs in oneDNN's float32 kernels here (CPU ISA "
+    f"{INFO.isa}: no AVX512-FP16, or FLUXLIKE_NATIVE_F16=float32, or no companion)")
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = [mx.float32, mx.bfloat16]
 BF16_HALF_ULP = 2.0**-8  # half a bfloat16 ulp, relative to the value (8-bit significand)
@@ -69,6 +72,16 @@ def float16_in_float32_kernels() -> Iterator[None]:
     finally:
         _ext.set_native_f16(old)
         native.switch.f16 = routed
+
+
+def executed_kernels(code: str, primitive: str) -> list[str]:
+    """The oneDNN implementations (``brg:avx512_core_fp16``, ``ref:any``, ...) of every
+    ``primitive`` (``"matmul"``, ``"convolution"``) that ``code`` executes in a fresh
+    interpreter, as ``ONEDNN_VERBOSE`` lists them."""
+    run = _subprocess(code, ONEDNN_VERBOSE="1")
+    assert run.returncode == 0, run.stderr
+    return [line.split(",")[4] for line in run.stdout.splitlines()
+            if line.startswith(f"onednn_verbose,exec,cpu,{primitive},")]
 
 
 def _subprocess(code: str, **env: str) -> subprocess.CompletedProcess:

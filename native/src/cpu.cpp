@@ -81,18 +81,6 @@ std::string cpu_isa() {
   }
 }
 
-bool isa_has_bf16() {
-  switch (dnnl::get_effective_cpu_isa()) {
-    case dnnl::cpu_isa::avx512_core_bf16:
-    case dnnl::cpu_isa::avx512_core_fp16:
-    case dnnl::cpu_isa::avx512_core_amx:
-    case dnnl::cpu_isa::avx512_core_amx_fp16:
-      return true;
-    default:
-      return false;
-  }
-}
-
 bool isa_has_fp16() {
   switch (dnnl::get_effective_cpu_isa()) {
     case dnnl::cpu_isa::avx512_core_fp16:
@@ -102,6 +90,10 @@ bool isa_has_fp16() {
     default:
       return false;
   }
+}
+
+bool isa_has_bf16() {  // (every ISA with float16 kernels has bfloat16 ones)
+  return isa_has_fp16() || dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_bf16;
 }
 
 namespace {

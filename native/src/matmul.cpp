@@ -755,9 +755,9 @@ void Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     relu = relu_,
                     odt = out.dtype(),
                     n = out.size()]() mutable {
-    Scratch wide(bias_n * sizeof(float), FN, "the bias in float32");
+    Float32Scratch wide(bias_n, FN);
     if (bias_n > 0) {
-      widen_all(pbias, mx::float16, static_cast<float*>(wide.get()), bias_n);
+      widen_all(pbias, mx::float16, wide.get(), bias_n);
       pbias = wide.get();
     }
     // (a is dense, row- or column-major: its bytes copied keep its layout.)

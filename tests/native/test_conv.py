@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from native_helpers import (
     DTYPES,
     LAYOUTS,
-    _subprocess,
     assert_close,
+    executed_kernels,
     float16_in_float32_kernels,
+    needs_f16_kernels,
     needs_native,
     np64,
     rand,
@@ -494,14 +495,12 @@ def test_a_bfloat16_convolution_of_odd_channels_is_the_one_with_a_zero_channel_m
 
 
 @needs_native
+@needs_f16_kernels
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}*{c[1]}/g{c[5]}")
 def test_float16_convolutions_in_float16_kernels(case):
     """With oneDNN's float16 kernels (AVX512-FP16) a float16 convolution and its data gradient
     run on them (the weight gradient in float32 kernels): the values the float32 kernels give
     to the order of the float32 sums, gradients too."""
-    from fluxlike_native import _ext
-    if not _ext.native_f16():
-        pytest.skip("float16 runs in oneDNN's float32 kernels here")
     xs, ws, stride, pad, dil, groups = case
     x, w, b = rand(xs, mx.float16), rand(ws, mx.float16), rand((ws[0],), mx.float16)
 
@@ -524,13 +523,11 @@ def test_float16_convolutions_in_float16_kernels(case):
 
 
 @needs_native
+@needs_f16_kernels
 def test_float16_convolutions_never_run_onednns_reference_kernel():
     """oneDNN 3.2 gives a float16 weight gradient, and a grouped or 3-D float16 data gradient,
     only its reference implementation (~100x slower): those run in float32 kernels, the rest
     on its float16 ones (every convolution executed, as ONEDNN_VERBOSE lists it)."""
-    from fluxlike_native import _ext
-    if not _ext.native_f16():
-        pytest.skip("float16 runs in oneDNN's float32 kernels here")
     code = f"""
         import mlx.core as mx
         from fluxlike_native import _ext
@@ -543,9 +540,6 @@ def test_float16_convolutions_never_run_onednns_reference_kernel():
             mx.eval(f(x, w, b), mx.grad(lambda *t: f(*t).astype(mx.float32).sum(),
                                         argnums=(0, 1, 2))(x, w, b))
     """
-    run = _subprocess(code, ONEDNN_VERBOSE="1")
-    assert run.returncode == 0, run.stderr
-    executed = [line.split(",")[4] for line in run.stdout.splitlines()
-                if line.startswith("onednn_verbose,exec,cpu,convolution")]
+    executed = executed_kernels(code, "convolution")
     assert "brgconv:avx512_core_fp16" in executed
     assert not [impl for impl in executed if impl.startswith("ref")], executed

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from native_helpers import (
     INFO,
+    needs_f16_kernels,
     needs_native,
     np64,
 )
@@ -235,6 +236,7 @@ def test_per_example_gradients_of_a_small_cnn_with_fluxlike_gradient():
 
 
 @needs_native
+@needs_f16_kernels
 def test_a_float16_transformer_step_runs_on_onednns_float16_kernels():
     """Under ``autocast(mx.float16)`` with oneDNN's float16 kernels (AVX512-FP16) every
     product of a transformer block's training step - projections with their biases, attention's
@@ -244,8 +246,6 @@ def test_a_float16_transformer_step_runs_on_onednns_float16_kernels():
     from fluxlike_native import _ext
 
     import fluxlike as fl
-    if not _ext.native_f16():
-        pytest.skip("float16 runs in oneDNN's float32 kernels here")
     mx.random.seed(5)
     model = fl.Chain(fl.Dense(16, 32), fl.MultiHeadAttention(32, 4), fl.LayerNorm(32),
                      fl.Dense(32, 8, fl.gelu))

@@ -34,8 +34,10 @@ from native_helpers import (
     LAYOUTS,
     _subprocess,
     assert_close,
+    executed_kernels,
     float16_in_float32_kernels,
     laid_out,
+    needs_f16_kernels,
     needs_native,
     np64,
     rand,
@@ -692,14 +694,8 @@ def test_half_upcast_batched_and_transposed_bit_for_bit(ashape, bshape, ta, tb, 
             np.testing.assert_array_equal(np64(g), np64(r))
 
 
-def _needs_f16_kernels():
-    from fluxlike_native import _ext
-    if not _ext.native_f16():
-        pytest.skip(f"float16 runs in oneDNN's float32 kernels here ({_ext.cpu_isa()}: no "
-                    f"AVX512-FP16, or FLUXLIKE_NATIVE_F16=float32)")
-
-
 @needs_native
+@needs_f16_kernels
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(rows=st.integers(1, 30), inner=st.integers(1, 50), out=st.integers(1, 30),
        lead=st.sampled_from([(), (3,)]), xl=st.sampled_from(LAYOUTS),
@@ -711,7 +707,6 @@ def test_float16_kernels_round_the_float32_sum_once(rows, inner, out, lead, xl, 
     of the float32 sums, for any layout, a bias of either dtype, a fused ReLU and either
     output dtype; and so do the gradients (float16 in float16 kernels)."""
     from fluxlike_native import _ext
-    _needs_f16_kernels()
     mx.random.seed(seed)
     out_dtype = mx.float32 if out_f32 else mx.float16
     x = laid_out(rand((rows, inner), mx.float16), xl)
@@ -747,13 +742,13 @@ def test_float16_kernels_round_the_float32_sum_once(rows, inner, out, lead, xl, 
 
 
 @needs_native
+@needs_f16_kernels
 def test_float16_kernels_keep_nan_and_zeros():
     """A NaN passes the fused ReLU in float16 kernels and a negative result becomes +0; an
     infinite operand over one entry gives inf times 0 = NaN where the float32 product does;
     float16 denormal operands and results are kept (not flushed); a float16 bias gives the
     float32 one's bits."""
     from fluxlike_native import _ext
-    _needs_f16_kernels()
     h = mx.float16
     x = mx.array([[float("nan"), 1.0], [1.0, 1.0], [-3.0, 1.0]]).astype(h)
     w = mx.array([[1.0, 0.0], [1.0, 1.0]]).astype(h)
@@ -778,12 +773,12 @@ def test_float16_kernels_keep_nan_and_zeros():
 
 
 @needs_native
+@needs_f16_kernels
 def test_float16_products_never_run_onednns_reference_kernel():
     """oneDNN 3.2 gives a float16 product with a float16 bias only its reference
     implementation (~1,000x slower): the bias is widened to float32 for its float16 kernels.
     Every product of a linear layer (bias, ReLU, either output dtype), its gradients and a
     batched product runs on them (as ONEDNN_VERBOSE lists what it executed)."""
-    _needs_f16_kernels()
     code = """
         import mlx.core as mx
         from fluxlike_native import _ext
@@ -797,10 +792,7 @@ def test_float16_products_never_run_onednns_reference_kernel():
         q, k = mx.random.normal((2, 3, 5, 8)).astype(h), mx.random.normal((2, 3, 7, 8)).astype(h)
         mx.eval(_ext.matmul(q, k, None, False, True, False, None, True, False))
     """
-    run = _subprocess(code, ONEDNN_VERBOSE="1")
-    assert run.returncode == 0, run.stderr
-    executed = [line.split(",")[4] for line in run.stdout.splitlines()
-                if line.startswith("onednn_verbose,exec,cpu,matmul")]
+    executed = executed_kernels(code, "matmul")
     assert "brg:avx512_core_fp16" in executed
     assert not [impl for impl in executed if impl.startswith("ref")], executed
 

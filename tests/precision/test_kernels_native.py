@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import np64
 from mlx.utils import tree_flatten
-from native_helpers import float16_in_float32_kernels
+from native_helpers import float16_in_float32_kernels, needs_f16_kernels
 
 from fluxlike import Dense, MultiHeadAttention, autocast, gradient, native, relu, trainmode
 from fluxlike import compile as fl_compile
@@ -375,12 +375,11 @@ def test_float16_in_float32_kernels_and_float32_stay_off_the_native_matmul(matmu
     assert matmuls == []
 
 
+@needs_f16_kernels
 def test_float16_attention_in_float16_kernels(matmuls, monkeypatch):
     """With oneDNN's float16 kernels (AVX512-FP16) attention's two products are native
     float16 ones, the values the emulation gives to the order of the float32 sums, and the
     gradients too."""
-    if native.native_info().float16 != "native":
-        pytest.skip("float16 runs in oneDNN's float32 kernels here")
     q, k, v = _qkv(dtype=mx.float16)
 
     def run(q, k, v):
